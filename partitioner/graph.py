@@ -1,0 +1,114 @@
+"""The op graph: what the partitioner cuts.
+
+Nodes are ops in a topological order (index order *is* a topological order: every edge goes from a lower
+to a higher index), so acyclicity checks and contiguous cuts are array operations, not graph searches.
+Edges carry *values*: one value (a tensor produced by an op) may feed several consumers, and crossing a
+stage boundary costs its bytes once per consumer stage, not once per consumer op.
+
+Everything is stored in flat numpy arrays so that graphs of 10^6 ops stay cheap; per-node strings (names,
+kinds, module paths) are plain lists. Parameters are keyed by a canonical name; a parameter reached under
+two names (GPT-2's tied input/output embedding) has one key, so it is counted once per stage that uses it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+__all__ = ["OpGraph", "GraphError"]
+
+
+class GraphError(ValueError):
+    """An op graph that breaks its own invariants (edges that go backwards, mismatched array lengths)."""
+
+
+@dataclass
+class OpGraph:
+    """Ops (nodes) and the tensors between them (edges), in topological index order.
+
+    Per node ``i``: ``names[i]``, ``kinds[i]`` (e.g. ``"aten.addmm"``), ``modules[i]`` (the innermost
+    ``nn.Module`` path that ran it, ``""`` for the root), ``flops[i]`` (forward), ``out_bytes[i]`` (all
+    outputs), ``act_bytes[i]`` (bytes it keeps alive for backward), ``move_bytes[i]`` (memory traffic of
+    its forward).
+    Per edge ``e``: ``src[e] < dst[e]``, ``value[e]`` (index of the value carried; values are numbered
+    ``0 .. num_values-1``) and ``value_bytes[value[e]]``.
+    Parameters: ``param_names[p]``, ``param_bytes[p]``, ``param_trainable[p]``; usage pairs
+    ``use_node[u]`` uses ``use_param[u]``.
+    ``members[i]`` lists the fx node names folded into op ``i`` (its getitems, asserts, buffer updates);
+    ``fx`` holds what :mod:`partitioner.split` needs to rebuild executable stages (absent for synthetic
+    graphs).
+    """
+
+    names: list[str]
+    kinds: list[str]
+    modules: list[str]
+    flops: np.ndarray
+    out_bytes: np.ndarray
+    act_bytes: np.ndarray
+    move_bytes: np.ndarray
+    src: np.ndarray
+    dst: np.ndarray
+    value: np.ndarray
+    value_bytes: np.ndarray
+    param_names: list[str] = field(default_factory=list)
+    param_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    param_trainable: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))
+    use_node: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    use_param: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    members: list[tuple[str, ...]] | None = None
+    fx: Any = None
+
+    def __post_init__(self) -> None:
+        n = len(self.names)
+        for key in ("kinds", "modules", "flops", "out_bytes", "act_bytes", "move_bytes"):
+            if len(getattr(self, key)) != n:
+                raise GraphError(f"OpGraph.{key} has {len(getattr(self, key))} entries for {n} nodes")
+        if not (len(self.src) == len(self.dst) == len(self.value)):
+            raise GraphError(f"edge arrays differ in length: src {len(self.src)}, dst {len(self.dst)}, "
+                             f"value {len(self.value)}")
+        if len(self.src) and not np.all(self.src < self.dst):
+            bad = int(np.argmax(self.src >= self.dst))
+            raise GraphError(f"edge {bad} goes from node {int(self.src[bad])} to node {int(self.dst[bad])}: "
+                             "nodes must be numbered in topological order (every edge src < dst)")
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.names)
+
+    @property
+    def num_edges(self) -> int:
+        return len(self.src)
+
+    @property
+    def edge_bytes(self) -> np.ndarray:
+        return self.value_bytes[self.value]
+
+    def node_param_bytes(self) -> np.ndarray:
+        """Parameter bytes per node, each parameter attributed to its first user (for prefix sums)."""
+        out = np.zeros(self.num_nodes, np.int64)
+        if len(self.use_node):
+            first = np.full(len(self.param_names), self.num_nodes, np.int64)
+            np.minimum.at(first, self.use_param, self.use_node)
+            used = first < self.num_nodes
+            np.add.at(out, first[used], self.param_bytes[used])
+        return out
+
+    def index(self) -> dict[str, int]:
+        return {name: i for i, name in enumerate(self.names)}
+
+    def predecessors_max(self, stage: np.ndarray) -> np.ndarray:
+        """Per node, the largest stage among its producers (-1 where it has none)."""
+        out = np.full(self.num_nodes, -1, np.int64)
+        np.maximum.at(out, self.dst, stage[self.src])
+        return out
+
+    def successors_min(self, stage: np.ndarray, num_stages: int) -> np.ndarray:
+        """Per node, the smallest stage among its consumers (num_stages where it has none)."""
+        out = np.full(self.num_nodes, num_stages, np.int64)
+        np.minimum.at(out, self.src, stage[self.dst])
+        return out
+
+    def describe(self) -> str:
+        return (f"OpGraph({self.num_nodes} ops, {self.num_edges} edges, {len(self.param_names)} parameters, "
+                f"{float(self.flops.sum()) / 1e9:.3g} GFLOP forward)")

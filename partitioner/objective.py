@@ -1,0 +1,204 @@
+"""Scoring an assignment of ops to stages: the one place every plan's numbers come from.
+
+Every method (METIS, the DP, the baselines) is scored here, so their bottlenecks and cut bytes compare
+like with like. A stage's cost per microbatch is its compute (forward + backward) plus its communication:
+each value it receives or sends, once per (value, consumer stage) pair — tensors that skip stages go
+straight from producer to consumer — both ways (activations forward, gradients back).
+The objective blends time and memory balance with SMP's ``memory_weight`` ``w``:
+``score(s) = (1 - w) * cost(s) / mean_cost + w * memory(s) / mean_memory``; the plan minimises the largest
+score, then the cut bytes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .cost import OPTIMIZER_STATE_FACTOR, DeviceRates, NodeCosts, in_flight
+from .graph import OpGraph
+from .plan import PartitionPlan, StageSummary
+
+__all__ = ["Problem", "Evaluation", "evaluate", "make_plan", "MemoryBudgetError"]
+
+
+class MemoryBudgetError(ValueError):
+    """No plan fits the per-device memory budget; the message carries the numbers."""
+
+
+@dataclass
+class Problem:
+    graph: OpGraph
+    costs: NodeCosts
+    num_stages: int
+    rates: DeviceRates
+    memory_weight: float = 0.2
+    device_memory: float | None = None
+    microbatches: int = 1
+    pipeline: str = "1f1b"
+    optimizer: str = "adam"
+    seed: int = 0
+    # Derived per-node quantities (filled in __post_init__).
+    time: np.ndarray = field(init=False, repr=False)
+    param_mem: np.ndarray = field(init=False, repr=False)
+    inflight: np.ndarray = field(init=False, repr=False)
+    norm_time: float = field(init=False)
+    norm_mem: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in OPTIMIZER_STATE_FACTOR:
+            raise ValueError(f"optimizer={self.optimizer!r} is not known; use one of {sorted(OPTIMIZER_STATE_FACTOR)}")
+        g = self.graph
+        self.time = self.costs.total_s
+        factor = np.where(g.param_trainable, 2.0 + OPTIMIZER_STATE_FACTOR[self.optimizer], 1.0)
+        self.param_mem = g.param_bytes * factor  # weights (+ gradient + optimizer state when trainable)
+        self.inflight = np.array([in_flight(s, self.num_stages, self.microbatches, self.pipeline)
+                                  for s in range(self.num_stages)], np.float64)
+        k = self.num_stages
+        self.norm_time = max(float(self.time.sum()) / k, 1e-30)
+        self.norm_mem = max((float(self.param_mem.sum()) + float(g.act_bytes.sum())) / k, 1.0)
+
+    def node_param_mem(self) -> np.ndarray:
+        """Parameter memory per node, each parameter attributed to its first user (for prefix sums)."""
+        g = self.graph
+        out = np.zeros(g.num_nodes)
+        if len(g.use_node):
+            first = np.full(len(g.param_names), g.num_nodes, np.int64)
+            np.minimum.at(first, g.use_param, g.use_node)
+            used = first < g.num_nodes
+            np.add.at(out, first[used], self.param_mem[used])
+        return out
+
+    @property
+    def lower_bound(self) -> float:
+        return max(float(self.time.sum()) / self.num_stages, float(self.time.max(initial=0.0)))
+
+
+@dataclass
+class Evaluation:
+    stage: np.ndarray
+    compute_s: np.ndarray
+    comm_s: np.ndarray
+    bytes_in: np.ndarray
+    bytes_out: np.ndarray
+    param_bytes: np.ndarray
+    memory: np.ndarray
+    score: np.ndarray
+    cut_bytes: int
+    empty: bool
+
+    @property
+    def cost_s(self) -> np.ndarray:
+        return self.compute_s + self.comm_s
+
+    @property
+    def bottleneck(self) -> float:
+        return float(self.cost_s.max())
+
+    def key(self, budget: float | None) -> tuple[int, float, int]:
+        """Sort key: plans that fit and have no empty stage first, then lowest worst score, then cut bytes."""
+        fits = budget is None or bool(np.all(self.memory <= budget))
+        return (0 if fits and not self.empty else 1, round(float(self.score.max()), 12), self.cut_bytes)
+
+
+def _crossings(g: OpGraph, stage: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Unique (value, consumer stage) pairs that cross stages: producer stage, consumer stage, bytes."""
+    if not g.num_edges:
+        z = np.zeros(0, np.int64)
+        return z, z, z
+    s_src, s_dst = stage[g.src], stage[g.dst]
+    cross = s_src != s_dst
+    key = np.unique(g.value[cross] * k + s_dst[cross])
+    val, consumer = key // k, key % k
+    producer_of_value = np.zeros(len(g.value_bytes), np.int64)
+    producer_of_value[g.value] = stage[g.src]
+    return producer_of_value[val], consumer, g.value_bytes[val]
+
+
+def evaluate(p: Problem, stage: np.ndarray) -> Evaluation:
+    g, k, r = p.graph, p.num_stages, p.rates
+    stage = np.asarray(stage, np.int64)
+    counts = np.bincount(stage, minlength=k)
+    compute = np.bincount(stage, weights=p.time, minlength=k)
+    prod, cons, nbytes = _crossings(g, stage, k)
+    b_in = np.bincount(cons, weights=nbytes, minlength=k)
+    b_out = np.bincount(prod, weights=nbytes, minlength=k)
+    msgs = np.bincount(cons, minlength=k) + np.bincount(prod, minlength=k)
+    # Activations forward and gradients back: the same bytes twice.
+    comm = 2.0 * ((b_in + b_out) / r.link_bytes_per_s + msgs * r.link_latency_s)
+    pairs = np.unique(stage[g.use_node] * max(len(g.param_names), 1) + g.use_param) if len(g.use_node) else np.zeros(0, np.int64)
+    p_stage, p_idx = pairs // max(len(g.param_names), 1), pairs % max(len(g.param_names), 1)
+    param_bytes = np.bincount(p_stage, weights=g.param_bytes[p_idx], minlength=k)
+    param_mem = np.bincount(p_stage, weights=p.param_mem[p_idx], minlength=k)
+    act = np.bincount(stage, weights=g.act_bytes, minlength=k)
+    memory = param_mem + act * p.inflight
+    w = p.memory_weight
+    score = (1 - w) * (compute + comm) / p.norm_time + w * memory / p.norm_mem
+    return Evaluation(stage=stage, compute_s=compute, comm_s=comm, bytes_in=b_in, bytes_out=b_out,
+                      param_bytes=param_bytes, memory=memory, score=score, cut_bytes=int(nbytes.sum()),
+                      empty=bool(np.any(counts == 0)))
+
+
+def check_acyclic(g: OpGraph, stage: np.ndarray) -> None:
+    """Invariant 1: no tensor flows from a later stage to an earlier one."""
+    if g.num_edges:
+        back = stage[g.src] > stage[g.dst]
+        if back.any():
+            e = int(np.argmax(back))
+            raise AssertionError(f"plan is cyclic: {g.names[g.src[e]]} (stage {stage[g.src[e]]}) feeds "
+                                 f"{g.names[g.dst[e]]} (stage {stage[g.dst[e]]})")
+
+
+def budget_error(p: Problem, ev: Evaluation) -> MemoryBudgetError:
+    worst = int(np.argmax(ev.memory))
+    total = float(p.param_mem.sum() + p.graph.act_bytes.sum())
+    need = int(np.ceil(total / p.device_memory))
+    return MemoryBudgetError(
+        f"no {p.num_stages}-stage plan fits device_memory={_gib(p.device_memory)}: the best plan's stage "
+        f"{worst} needs {_gib(ev.memory[worst])} (parameters, gradients and {p.optimizer} state, plus "
+        f"activations for {int(p.inflight[worst])} microbatch(es) in flight); the whole model needs "
+        f"{_gib(total)} with one microbatch in flight. Fix: use at least {max(need, p.num_stages + 1)} stages, "
+        f"a larger device, optimizer='sgd', or fewer microbatches in flight.")
+
+
+def _gib(x: float) -> str:
+    return f"{x / 2**30:.3f} GiB"
+
+
+def make_plan(p: Problem, ev: Evaluation, method: str) -> PartitionPlan:
+    g, k = p.graph, p.num_stages
+    check_acyclic(g, ev.stage)
+    prod, cons, _ = _crossings(g, ev.stage, k)
+    stage_list = ev.stage.tolist()
+    modules: list[list[str]] = [[] for _ in range(k)]
+    seen: list[set[str]] = [set() for _ in range(k)]
+    for s, m in zip(stage_list, g.modules):
+        if m not in seen[s]:
+            seen[s].add(m)
+            modules[s].append(m)
+    fwd = np.bincount(ev.stage, weights=p.costs.forward_s, minlength=k)
+    bwd = np.bincount(ev.stage, weights=p.costs.backward_s, minlength=k)
+    flops = np.bincount(ev.stage, weights=g.flops, minlength=k)
+    counts = np.bincount(ev.stage, minlength=k)
+    stages = [StageSummary(
+        index=s, nodes=int(counts[s]), flops=float(flops[s]), param_bytes=int(ev.param_bytes[s]),
+        memory_bytes=int(ev.memory[s]), forward_s=float(fwd[s]), backward_s=float(bwd[s]),
+        comm_s=float(ev.comm_s[s]), cost_s=float(ev.cost_s[s]), bytes_in=int(ev.bytes_in[s]),
+        bytes_out=int(ev.bytes_out[s]), modules=[m for m in modules[s] if m] or [""],
+        inputs_from=sorted(set(prod[cons == s].tolist())), outputs_to=sorted(set(cons[prod == s].tolist())),
+    ) for s in range(k)]
+    shared: dict[str, list[int]] = {}
+    if len(g.use_node):
+        holders: dict[int, set[int]] = {}
+        for n, q in zip(g.use_node.tolist(), g.use_param.tolist()):
+            holders.setdefault(q, set()).add(stage_list[n])
+        shared = {g.param_names[q]: sorted(v) for q, v in sorted(holders.items()) if len(v) > 1}
+    lb = p.lower_bound
+    return PartitionPlan(
+        num_stages=k, method=method, assignment=dict(zip(g.names, stage_list)), stages=stages,
+        cut_bytes=ev.cut_bytes, lower_bound=lb, bottleneck=ev.bottleneck,
+        balance=ev.bottleneck / lb if lb > 0 else 1.0, shared_params=shared,
+        options={"memory_weight": p.memory_weight, "device_memory": p.device_memory,
+                 "microbatches": p.microbatches, "pipeline": p.pipeline, "optimizer": p.optimizer,
+                 "seed": p.seed, "measured": p.costs.measured},
+        rates=p.rates.to_dict(), graph=g,
+    )

@@ -1,0 +1,164 @@
+"""Executable stages: one ``torch.fx.GraphModule`` per stage, cut out of the traced graph.
+
+Each stage graph copies its ops from the traced graph in their original order; a value it reads from an
+earlier stage, or a model input, becomes a placeholder named after the value. Each stage returns the
+values that later stages read (a tensor that skips stages is returned once and delivered to every reader),
+and the last stage returns the model's flat outputs. Parameters are fetched with ``get_attr`` from the
+model's own tensors (``GraphModule`` copies attribute *references*), so a stage trains the user's
+``nn.Parameter`` objects in place, and a weight used on two stages (tied embeddings) is one tensor
+whose gradient sums over both when the stages run in one process.
+
+We build the stage graphs ourselves rather than with ``torch.fx.passes.split_module`` because the runtime
+needs, per stage, exactly which values it receives from and sends to which stage; that is the
+bookkeeping this file does.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx
+import torch.utils._pytree as pytree
+
+from .graph import OpGraph
+from .trace import TracedProgram, flatten_inputs
+
+__all__ = ["Stage", "SplitModel", "split", "MODEL_INPUT"]
+
+MODEL_INPUT = -1  # the "stage" a model input comes from: every rank has the inputs of its microbatch
+
+
+@dataclass
+class Stage:
+    """One executable stage and its wiring."""
+
+    index: int
+    module: torch.fx.GraphModule
+    inputs: list[str]                    # placeholder order: value names
+    outputs: list[str]                   # return order: value names (for the last stage, model outputs)
+    sources: dict[str, int]              # input value -> producing stage, MODEL_INPUT for model inputs
+    consumers: dict[str, list[int]]      # output value -> stages that read it (empty on the last stage)
+    param_names: dict[str, str] = field(default_factory=dict)  # local attribute path -> canonical name
+
+
+@dataclass
+class SplitModel:
+    stages: list[Stage]
+    program: TracedProgram
+    value_meta: dict[str, Any]           # value name -> example value (shape/dtype of what crosses stages)
+
+    def as_module(self) -> "StagedModule":
+        return StagedModule(self)
+
+    def check_inputs(self, flat: list[Any]) -> None:
+        """Stages are specialised to the traced shapes: say so plainly instead of failing inside an op."""
+        for name, got, want in zip(self.program.input_names, flat, self.program.input_meta):
+            if isinstance(want, torch.Tensor):
+                if not isinstance(got, torch.Tensor):
+                    raise TypeError(f"input {name!r} was traced as a tensor, got {type(got).__name__}")
+                if tuple(got.shape) != tuple(want.shape):
+                    raise ValueError(f"input {name!r} has shape {tuple(got.shape)} but the model was traced "
+                                     f"with {tuple(want.shape)}; stages are specialised to the traced shapes: "
+                                     "keep the (micro)batch shape fixed or partition again for the new shape")
+
+
+class StagedModule(torch.nn.Module):
+    """All stages in order, in one process, with the original model's call signature and output type."""
+
+    def __init__(self, split_model: SplitModel):
+        super().__init__()
+        self.split_model = split_model
+        self.stages = torch.nn.ModuleList([s.module for s in split_model.stages])
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        sm = self.split_model
+        flat = flatten_inputs(sm.program, args, kwargs)
+        sm.check_inputs(flat)
+        values: dict[str, Any] = dict(zip(sm.program.input_names, flat))
+        outs: tuple = ()
+        for stage in sm.stages:
+            outs = stage.module(*[values[n] for n in stage.inputs])
+            values.update(zip(stage.outputs, outs))
+        return pytree.tree_unflatten(list(outs), sm.program.out_spec)
+
+
+def split(graph: OpGraph, assignment: dict[str, int], num_stages: int) -> SplitModel:
+    """Cut the traced graph behind ``graph`` into ``num_stages`` executable stages."""
+    prog: TracedProgram = graph.fx
+    gm = prog.module
+    stage_of_op = [assignment[name] for name in graph.names]
+    stage_of: dict[str, int] = {name: stage_of_op[i] for name, i in prog.op_of.items()}
+    last = num_stages - 1
+    nodes = [n for n in gm.graph.nodes if n.op in ("call_function", "output")]
+    out_node = next(n for n in nodes if n.op == "output")
+    stage_of[out_node.name] = last
+
+    # Pass 1: what each stage must receive, and who reads what each stage produces.
+    needed: list[dict[str, torch.fx.Node]] = [{} for _ in range(num_stages)]
+    readers: dict[str, set[int]] = {}
+    for node in nodes:
+        s = stage_of[node.name]
+        for inp in node.all_input_nodes:
+            if inp.op == "placeholder" or (inp.name in stage_of and stage_of[inp.name] != s):
+                needed[s].setdefault(inp.name, inp)
+                if inp.op != "placeholder":
+                    if stage_of[inp.name] > s:
+                        raise ValueError(f"assignment is cyclic: {inp.name} on stage {stage_of[inp.name]} "
+                                         f"feeds {node.name} on stage {s}")
+                    readers.setdefault(inp.name, set()).add(s)
+
+    # Pass 2: build each stage graph.
+    graphs = [torch.fx.Graph() for _ in range(num_stages)]
+    envs: list[dict[str, torch.fx.Node]] = [{} for _ in range(num_stages)]
+    for s in range(num_stages):
+        for name, src in needed[s].items():
+            ph = graphs[s].placeholder(name)
+            ph.meta = dict(src.meta)
+            envs[s][name] = ph
+    for node in nodes:
+        s = stage_of[node.name]
+        g, env = graphs[s], envs[s]
+
+        def lookup(m: torch.fx.Node, g=g, env=env) -> torch.fx.Node:
+            if m.name not in env:  # only get_attr is left: parameters and buffers
+                env[m.name] = g.get_attr(m.target)
+                env[m.name].meta = dict(m.meta)
+            return env[m.name]
+
+        if node.op == "output":
+            g.output(torch.fx.node.map_arg(node.args[0], lookup))
+        else:
+            env[node.name] = g.node_copy(node, lookup)
+
+    alias = _param_aliases(gm)
+    stages: list[Stage] = []
+    value_meta: dict[str, Any] = {}
+    for s in range(num_stages):
+        outputs = [n.name for n in nodes if stage_of[n.name] == s and n.name in readers and n.op != "output"]
+        if s != last:
+            graphs[s].output(tuple(envs[s][n] for n in outputs))
+        else:
+            outputs = [a.name if isinstance(a, torch.fx.Node) else repr(a)
+                       for a in pytree.tree_leaves(out_node.args[0], is_leaf=lambda x: isinstance(x, torch.fx.Node))]
+        module = torch.fx.GraphModule(gm, graphs[s], class_name=f"Stage{s}")
+        attrs = [n.target for n in graphs[s].nodes if n.op == "get_attr"]
+        for name, node in needed[s].items():
+            value_meta[name] = node.meta.get("val")
+        stages.append(Stage(
+            index=s, module=module, inputs=list(needed[s]), outputs=outputs,
+            sources={name: (MODEL_INPUT if node.op == "placeholder" else stage_of[name])
+                     for name, node in needed[s].items()},
+            consumers={name: sorted(readers[name]) for name in outputs if name in readers} if s != last else {},
+            param_names={a: alias.get(a, a) for a in attrs},
+        ))
+    return SplitModel(stages=stages, program=prog, value_meta=value_meta)
+
+
+def _param_aliases(gm: torch.nn.Module) -> dict[str, str]:
+    """Every attribute path of a parameter or buffer -> the first path of the same tensor."""
+    first: dict[int, str] = {}
+    out: dict[str, str] = {}
+    for name, t in list(gm.named_parameters(remove_duplicate=False)) + list(gm.named_buffers(remove_duplicate=False)):
+        out[name] = first.setdefault(id(t), name)
+    return out
