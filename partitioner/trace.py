@@ -8,8 +8,8 @@ stages built from it train the user's parameters in place.
 
 Folding keeps the op graph about ops: ``getitem`` of a tuple output, ``_assert_tensor_metadata`` and other
 result-less checks join the op that produced their input; an in-place update of a buffer that reads no
-other op (BatchNorm's ``num_batches_tracked += 1``) joins the next op that uses the same buffer, so a
-mutated buffer never lands on two stages.
+other op (BatchNorm's ``num_batches_tracked += 1``) joins the next op of the same module, so a module's
+state stays on one stage.
 """
 from __future__ import annotations
 
@@ -134,7 +134,7 @@ def _build(gm: torch.fx.GraphModule, in_spec: pytree.TreeSpec, out_spec: pytree.
     members: list[list[str]] = []
     uses: list[set[int]] = []
     op_of: dict[str, int] = {}
-    pending_buffer_ops: dict[int, list[torch.fx.Node]] = {}  # param key -> result-less updates waiting
+    pending_buffer_ops: dict[str, list[torch.fx.Node]] = {}  # module path -> result-less updates waiting
     inputs: list[torch.fx.Node] = []
 
     def new_op(node: torch.fx.Node, kind: str, f: float, moved: int, is_view: bool) -> int:
@@ -169,16 +169,15 @@ def _build(gm: torch.fx.GraphModule, in_spec: pytree.TreeSpec, out_spec: pytree.
         elif not node.users and op_ins:
             idx = max(op_of[n.name] for n in op_ins)
         elif not node.users and not op_ins and params_used:
-            for p in params_used:
-                pending_buffer_ops.setdefault(p, []).append(node)
+            pending_buffer_ops.setdefault(_module_path(node), []).append(node)
             continue
         else:
             f, moved, is_view = op_flops_and_bytes(node)
             idx = new_op(node, _kind(node), f, moved, is_view)
-            for p in params_used:
-                for waiting in pending_buffer_ops.pop(p, []):
-                    members[idx].insert(0, waiting.name)
-                    op_of[waiting.name] = idx
+            for waiting in pending_buffer_ops.pop(modules[idx], []):
+                members[idx].insert(0, waiting.name)
+                op_of[waiting.name] = idx
+                params_used |= {attr_param[n.target] for n in _input_nodes(waiting) if n.op == "get_attr"}
         if node.name not in op_of:
             op_of[node.name] = idx
             members[idx].append(node.name)

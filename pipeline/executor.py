@@ -1,0 +1,186 @@
+"""Executing one rank's share of a pipeline schedule.
+
+The executor walks the rank's ordered action list (:mod:`pipeline.schedule`) and nothing else decides
+the order: ``F`` of (stage, microbatch) receives the stage's inputs — from the microbatch itself for model
+inputs, from the producing stage otherwise, even when it is several stages back (skip connections, T5's
+encoder output) — runs the stage and sends each output to every stage that reads it; ``B`` receives the
+gradients of the stage's outputs (summed over the stages that read them), runs autograd through the
+stage and sends the input gradients back. Activations are kept from ``F`` to ``B`` only, so the number
+held at once is exactly what the schedule implies (GPipe: m, 1F1B: p - s); ``peak_held`` counts it.
+
+Values that cross stages are detached at the boundary, also between two stages on one rank, so each
+``B`` runs autograd through its own stage only. Gradients accumulate in the parameters' ``.grad`` across
+microbatches, as ``loss.backward()`` per microbatch would.
+"""
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from partitioner.split import MODEL_INPUT, SplitModel
+
+from .p2p import Transport
+from .schedule import Action, Schedule
+from .timeline import Recorder
+
+__all__ = ["Executor", "LossHook"]
+
+# loss_hook(microbatch, flat model outputs) -> the scalar to backpropagate on the last stage (or None)
+LossHook = Callable[[int, tuple], "torch.Tensor | None"]
+
+
+@dataclass
+class _Held:
+    outputs: dict[str, torch.Tensor]
+    inputs: dict[str, torch.Tensor]
+    loss: torch.Tensor | None = None
+
+
+@dataclass
+class Executor:
+    split_model: SplitModel
+    schedule: Schedule
+    rank: int                           # pipeline rank (index into ``ranks``)
+    ranks: list[int]                    # global rank of each pipeline rank
+    transport: Transport
+    requires_grad: dict[str, bool]      # per boundary value: does a gradient flow back through it?
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    recorder: Recorder | None = None
+    peak_held: dict[int, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        names = sorted({n for s in self.split_model.stages for n in s.inputs if s.sources[n] != MODEL_INPUT})
+        self._value_index = {n: i for i, n in enumerate(names)}
+        self._stages = {s: self.split_model.stages[s] for s in self.schedule.stages_of(self.rank)}
+
+    # -- tags and peers ---------------------------------------------------------------------------
+    def _tag(self, value: str, mb: int, grad: bool) -> int:
+        return ((mb * len(self._value_index) + self._value_index[value]) << 1) | int(grad)
+
+    def _peer(self, stage: int) -> int:
+        return self.ranks[self.schedule.stage_to_rank[stage]]
+
+    def _local(self, stage: int) -> bool:
+        return self.schedule.stage_to_rank[stage] == self.rank
+
+    def _buffer(self, value: str) -> torch.Tensor:
+        meta = self.split_model.value_meta[value]
+        return torch.empty(tuple(meta.shape), dtype=meta.dtype, device=self.device)
+
+    # -- the walk ---------------------------------------------------------------------------------
+    def run(self, mb_inputs: list[dict[str, Any]], loss_hook: LossHook | None, train: bool,
+            before_forward: Callable[[int], Any] | None = None) -> dict[int, tuple]:
+        """Run this rank's actions; returns the last stage's flat outputs per microbatch (if held here).
+
+        ``before_forward(mb)`` may return a context manager entered around each forward (autocast, no_grad
+        as the user's step function had them).
+        """
+        self._held: dict[tuple[int, int], _Held] = {}
+        self._mailbox: dict[tuple[str, int, int], torch.Tensor] = {}  # (value, mb, to stage) -> tensor
+        self._grads: dict[tuple[str, int], torch.Tensor] = {}        # (value, mb) -> summed local grads
+        self.peak_held = {s: 0 for s in self._stages}
+        results: dict[int, tuple] = {}
+        for action in self.schedule.actions[self.rank]:
+            if action.kind == "W":
+                raise NotImplementedError("split input/weight backward (zero-bubble) schedules are simulated "
+                                          "only; run them with schedule='1f1b' or 'gpipe'")
+            if action.kind == "B" and not train:
+                continue
+            span = self.recorder.span(str(action)) if self.recorder else nullcontext()
+            with span:
+                if action.kind == "F":
+                    ctx = before_forward(action.microbatch) if before_forward else nullcontext()
+                    with ctx if ctx is not None else nullcontext():
+                        out = self._forward(action, mb_inputs[action.microbatch], loss_hook, train)
+                    if out is not None:
+                        results[action.microbatch] = out
+                else:
+                    self._backward(action)
+        self.transport.flush()
+        return results
+
+    def _forward(self, a: Action, inputs: dict[str, Any], loss_hook: LossHook | None, train: bool) -> tuple | None:
+        stage = self._stages[a.stage]
+        k = a.microbatch
+        remote = [n for n in stage.inputs if stage.sources[n] != MODEL_INPUT and not self._local(stage.sources[n])]
+        received = {n: self._buffer(n) for n in remote}
+        self.transport.recv(sorted(((received[n], self._peer(stage.sources[n]), self._tag(n, k, False),
+                                     f"receiving {n} for stage {a.stage} microbatch {k}") for n in remote),
+                                   key=lambda r: r[2]))
+        args = []
+        boundary: dict[str, torch.Tensor] = {}
+        for n in stage.inputs:
+            if stage.sources[n] == MODEL_INPUT:
+                args.append(inputs[n])
+                continue
+            t = received[n] if n in received else self._mailbox.pop((n, k, a.stage))
+            if train and self.requires_grad.get(n, False) and torch.is_grad_enabled():
+                t = t.detach().requires_grad_(True)
+                boundary[n] = t
+            args.append(t)
+        outs = stage.module(*args)
+        last = not stage.consumers and a.stage == len(self.split_model.stages) - 1
+        held = _Held(outputs={}, inputs=boundary)
+        for name, t in zip(stage.outputs, outs):
+            if last:
+                continue
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                held.outputs[name] = t
+            send = t.detach().contiguous() if isinstance(t, torch.Tensor) else t
+            for c in stage.consumers.get(name, []):
+                if self._local(c):
+                    self._mailbox[(name, k, c)] = send
+                else:
+                    self.transport.isend(send, self._peer(c), self._tag(name, k, False),
+                                         f"sending {name} of microbatch {k} to stage {c}")
+        if last and loss_hook is not None:
+            held.loss = loss_hook(k, tuple(outs))
+        if train and torch.is_grad_enabled():
+            self._held[(a.stage, k)] = held
+            count = sum(1 for s, _ in self._held if s == a.stage)
+            self.peak_held[a.stage] = max(self.peak_held[a.stage], count)
+        return tuple(outs) if last else None
+
+    def _backward(self, a: Action) -> None:
+        stage = self._stages[a.stage]
+        k = a.microbatch
+        held = self._held.pop((a.stage, k), None)
+        if held is None:
+            raise RuntimeError(f"backward of stage {a.stage} microbatch {k} before its forward ran in training "
+                               "mode (was the forward run under torch.no_grad()?)")
+        tensors: list[torch.Tensor] = []
+        grads: list[torch.Tensor | None] = []
+        if held.loss is not None:
+            tensors, grads = [held.loss], [None]
+        else:
+            wanted = [(n, c) for n in stage.outputs if self.requires_grad.get(n, False)
+                      for c in stage.consumers.get(n, [])]
+            remote = [(n, c, self._buffer(n)) for n, c in wanted if not self._local(c)]
+            self.transport.recv([(buf, self._peer(c), self._tag(n, k, True),
+                                  f"receiving the gradient of {n} (microbatch {k}) from stage {c}")
+                                 for n, c, buf in remote])
+            got: dict[str, torch.Tensor] = {}
+            for n, _, buf in remote:
+                got[n] = got[n] + buf if n in got else buf
+            for n in {n for n, c in wanted if self._local(c)}:
+                local = self._grads.pop((n, k), None)
+                if local is not None:
+                    got[n] = got[n] + local if n in got else local
+            for n, g in got.items():
+                if n in held.outputs:
+                    tensors.append(held.outputs[n])
+                    grads.append(g)
+        if tensors:
+            torch.autograd.backward(tensors, grads)
+        for n, t in held.inputs.items():
+            g = t.grad if t.grad is not None else torch.zeros_like(t)
+            src = stage.sources[n]
+            if self._local(src):
+                key = (n, k)
+                self._grads[key] = self._grads[key] + g if key in self._grads else g
+            else:
+                self.transport.isend(g.contiguous(), self._peer(src), self._tag(n, k, True),
+                                     f"sending the gradient of {n} (microbatch {k}) to stage {src}")

@@ -1,0 +1,216 @@
+"""The low-level pipeline API for users who bring their own training loop.
+
+    runner = PipelineRunner.from_model(model, (x,), num_stages=2, schedule="1f1b", microbatches=8)
+    result = runner.step((x,), target=y, loss_fn=F.cross_entropy)   # on every rank, same batch
+    optimizer.step()   # over model.parameters(); each rank's stages have their .grad filled
+
+Every rank of the pipeline calls the same code with the same batch (as with SageMaker model parallelism:
+all ranks of a model-parallel group read the same data); model inputs are taken from it locally by the
+stages that read them, so only activations and gradients travel. ``step`` splits the batch into
+microbatches, walks this rank's schedule and leaves in each local parameter's ``.grad`` the gradient of
+the mean microbatch loss — the same as ``loss_fn(model(x), y).backward()`` on one device for a mean
+loss. Parameters used on several stages (tied embeddings) have their gradients summed across the ranks
+that hold them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from partitioner import PartitionPlan, partition, trace
+from partitioner.split import MODEL_INPUT, SplitModel, split
+from partitioner.trace import flatten_inputs
+
+from . import microbatch
+from .executor import Executor
+from .p2p import Transport
+from .schedule import make_schedule, validate
+from .timeline import Recorder
+
+__all__ = ["PipelineRunner", "StepResult", "boundary_requires_grad", "stage_deps"]
+
+
+@dataclass
+class StepResult:
+    losses: list[float]            # per microbatch, on every rank of the pipeline
+    outputs: Any                   # the model's outputs merged over microbatches (last stage's rank only)
+
+    @property
+    def loss(self) -> float:
+        return sum(self.losses) / len(self.losses) if self.losses else float("nan")
+
+
+def stage_deps(sm: SplitModel) -> list[tuple[int, int]]:
+    """Edges (producer stage, consumer stage) of the stage graph, skips included."""
+    return sorted({(src, s.index) for s in sm.stages for src in s.sources.values() if src != MODEL_INPUT})
+
+
+def boundary_requires_grad(sm: SplitModel) -> dict[str, bool]:
+    """Which values crossing stages carry a gradient back: one run of the stages on fake tensors
+    (no memory, no compute) so every rank agrees without exchanging metadata."""
+    flags: dict[str, bool] = {}
+    with FakeTensorMode() as mode:
+        values = {n: (mode.from_tensor(torch.empty(tuple(m.shape), dtype=m.dtype)) if isinstance(m, torch.Tensor) else m)
+                  for n, m in zip(sm.program.input_names, sm.program.input_meta)}
+        for stage in sm.stages:
+            # Fake copies of the weights: in-place updates (BatchNorm statistics) must not touch real ones.
+            state = {n: mode.from_tensor(t) for n, t in list(stage.module.named_parameters(remove_duplicate=False))
+                     + list(stage.module.named_buffers(remove_duplicate=False))}
+            outs = torch.func.functional_call(stage.module, state, tuple(values[n] for n in stage.inputs),
+                                              tie_weights=False, strict=False)
+            values.update(zip(stage.outputs, outs))
+            for n, t in zip(stage.outputs, outs):
+                flags[n] = isinstance(t, torch.Tensor) and t.requires_grad
+    return flags
+
+
+class PipelineRunner:
+    """Runs this rank's stages of ``plan`` as a pipeline of microbatches across ``ranks``."""
+
+    def __init__(self, plan: PartitionPlan, *, schedule: str = "1f1b", microbatches: int = 1,
+                 virtual_stages: int = 1, max_in_flight: int | None = None, ranks: list[int] | None = None,
+                 group: Any = None, timeout_s: float = 60.0, device: str | torch.device | None = None,
+                 record: bool = False, average_grads_across_microbatches: bool = True):
+        if not dist.is_initialized():
+            raise RuntimeError("PipelineRunner needs torch.distributed: call dist.init_process_group (torchrun or "
+                               "`smp launch` sets up the environment) before creating it")
+        self.ranks = list(ranks) if ranks is not None else list(range(dist.get_world_size()))
+        me = dist.get_rank()
+        if me not in self.ranks:
+            raise ValueError(f"rank {me} is not among the pipeline's ranks {self.ranks}")
+        p = len(self.ranks)
+        if plan.num_stages != p * virtual_stages:
+            raise ValueError(f"the plan has {plan.num_stages} stages but {p} ranks x {virtual_stages} virtual "
+                             f"stage(s) = {p * virtual_stages} are needed: partition into {p * virtual_stages} stages")
+        self.plan = plan
+        self.microbatches = microbatches
+        self.average = average_grads_across_microbatches
+        self.split_model = split(plan._bound(None), plan.assignment, plan.num_stages)
+        deps = stage_deps(self.split_model)
+        self.schedule = make_schedule(schedule, p, microbatches, virtual_stages=virtual_stages,
+                                      max_in_flight=max_in_flight)
+        validate(self.schedule, deps)
+        self.rank = self.ranks.index(me)
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        group = group if group is not None else dist.new_group(self.ranks)  # ours, so a failure can close it
+        self.transport = Transport(group=group, rank=me, timeout_s=timeout_s)
+        self.recorder = Recorder(me) if record else None
+        self.local_stages = [self.split_model.stages[s] for s in self.schedule.stages_of(self.rank)]
+        for st in self.local_stages:
+            st.module.to(self.device)
+        self.executor = Executor(self.split_model, self.schedule, self.rank, self.ranks, self.transport,
+                                 boundary_requires_grad(self.split_model), self.device, self.recorder)
+        self._shared = self._shared_groups()
+
+    @classmethod
+    def from_model(cls, model: torch.nn.Module, args: tuple = (), kwargs: dict | None = None, *,
+                   num_stages: int | None = None, microbatches: int = 1, virtual_stages: int = 1,
+                   ranks: list[int] | None = None, partition_options: dict | None = None, **runner_kwargs: Any
+                   ) -> "PipelineRunner":
+        """Trace ``model`` on one microbatch of the batch ``(args, kwargs)``, partition on the first rank,
+        share the plan with the others (so all ranks agree even if their cost calibrations differ)."""
+        ranks = list(ranks) if ranks is not None else list(range(dist.get_world_size()))
+        num_stages = num_stages or len(ranks) * virtual_stages
+        mb_args, mb_kwargs = microbatch.split(tuple(args), dict(kwargs or {}), microbatches)[0]
+        graph = trace(model, mb_args, mb_kwargs)
+        text = [None]
+        if dist.get_rank() == ranks[0]:
+            opts = {"microbatches": microbatches, **(partition_options or {})}
+            text = [partition(graph, num_stages, **opts).to_json()]
+        dist.broadcast_object_list(text, src=ranks[0])
+        plan = PartitionPlan.from_json(text[0])
+        plan.graph = graph
+        return cls(plan, microbatches=microbatches, virtual_stages=virtual_stages, ranks=ranks, **runner_kwargs)
+
+    def _shared_groups(self) -> list[tuple[Any, list[torch.Tensor]]]:
+        """One process group per set of ranks that share parameters; replicas start from the first's values."""
+        stage_rank = self.schedule.stage_to_rank
+        by_ranks: dict[tuple[int, ...], list[str]] = {}
+        for name, stages in sorted(self.plan.shared_params.items()):
+            holders = tuple(sorted({self.ranks[stage_rank[s]] for s in stages}))
+            if len(holders) > 1:
+                by_ranks.setdefault(holders, []).append(name)
+        local = {}
+        for st in self.local_stages:
+            for path, canonical in st.param_names.items():
+                local.setdefault(canonical, st.module.get_parameter(path) if _is_param(st.module, path) else None)
+        out = []
+        for holders, names in sorted(by_ranks.items()):
+            group = dist.new_group(list(holders))  # every rank calls new_group in the same order
+            if dist.get_rank() in holders:
+                tensors = [local[n] for n in names if local.get(n) is not None]
+                with torch.no_grad():
+                    for t in tensors:
+                        dist.broadcast(t, src=holders[0], group=group)
+                out.append((group, tensors))
+        return out
+
+    def step(self, args: tuple = (), kwargs: dict | None = None, *, target: Any = None,
+             loss_fn: Callable[[Any, Any], torch.Tensor] | None = None) -> StepResult:
+        """One pipelined pass over the batch: forward (and backward when ``loss_fn`` is given and grad
+        mode is on). Raises :class:`pipeline.p2p.PeerError` naming the rank if another rank fails."""
+        try:
+            return self._step(tuple(args), dict(kwargs or {}), target, loss_fn)
+        except BaseException as exc:
+            self.transport.report_failure(exc)
+            raise
+
+    def _step(self, args: tuple, kwargs: dict, target: Any, loss_fn: Any) -> StepResult:
+        m = self.microbatches
+        mbs = microbatch.split(args, kwargs, m)
+        targets = [t[0][0] for t in microbatch.split((target,), {}, m)] if target is not None else [None] * m
+        sm = self.split_model
+        mb_inputs = []
+        for a, kw in mbs:
+            flat = flatten_inputs(sm.program, a, kw)
+            sm.check_inputs(flat)
+            mb_inputs.append({n: (v.to(self.device) if isinstance(v, torch.Tensor) else v)
+                              for n, v in zip(sm.program.input_names, flat)})
+        train = loss_fn is not None and torch.is_grad_enabled()
+        losses = torch.zeros(m, dtype=torch.float64)
+
+        def loss_hook(k: int, flat_out: tuple) -> torch.Tensor | None:
+            if loss_fn is None:
+                return None
+            loss = loss_fn(pytree.tree_unflatten(list(flat_out), sm.program.out_spec), targets[k])
+            losses[k] = float(loss.detach())
+            return loss / m if self.average else loss
+
+        results = self.executor.run(mb_inputs, loss_hook, train)
+        if train:
+            for group, tensors in self._shared:
+                for t in tensors:
+                    if t.grad is None:
+                        t.grad = torch.zeros_like(t)
+                    dist.all_reduce(t.grad, group=group)
+        if loss_fn is not None:
+            last_rank = self.ranks[self.schedule.stage_to_rank[-1]]
+            dist.broadcast(losses, src=last_rank, group=self.transport.group)
+        outputs = None
+        if results:
+            outputs = microbatch.merge([pytree.tree_unflatten(list(results[k]), sm.program.out_spec) for k in range(m)])
+        return StepResult(losses=losses.tolist() if loss_fn is not None else [], outputs=outputs)
+
+    @property
+    def events(self) -> list:
+        return self.recorder.events if self.recorder else []
+
+    def local_parameters(self) -> list[torch.nn.Parameter]:
+        seen: dict[int, torch.nn.Parameter] = {}
+        for st in self.local_stages:
+            for p in st.module.parameters():
+                seen.setdefault(id(p), p)
+        return list(seen.values())
+
+
+def _is_param(module: torch.nn.Module, path: str) -> bool:
+    try:
+        module.get_parameter(path)
+        return True
+    except AttributeError:
+        return False

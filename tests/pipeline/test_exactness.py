@@ -1,0 +1,97 @@
+"""Exactness: a pipelined step equals a single-process run of the unpartitioned model on the same
+microbatches — loss, every parameter's gradient and every buffer (BatchNorm statistics) — for every
+schedule, several rank counts and microbatch counts."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.spawn import run_ranks
+
+SCHEDULES = ("gpipe", "1f1b")
+
+
+def _reference(zm, m: int):
+    """Single process, unpartitioned: microbatches in order, gradients of the mean microbatch loss."""
+    from pipeline import microbatch
+
+    model = zm.model
+    model.zero_grad(set_to_none=True)
+    mbs = microbatch.split(zm.args, zm.kwargs, m)
+    targets = [t[0][0] for t in microbatch.split((zm.target,), {}, m)]
+    losses = []
+    for (a, kw), t in zip(mbs, targets):
+        loss = zm.loss_fn(model(*a, **kw), t)
+        (loss / m).backward()
+        losses.append(float(loss))
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    buffers = {n: b.clone() for n, b in model.named_buffers()}
+    model.zero_grad(set_to_none=True)
+    return losses, grads, buffers
+
+
+def _compare(rank, runner, zm, res, ref, label):
+    losses, grads, buffers = ref
+    errors = []
+    if not torch.allclose(torch.tensor(res.losses), torch.tensor(losses), rtol=1e-5, atol=1e-7):
+        errors.append(f"{label}: losses {res.losses} != {losses}")
+    names = {id(p): n for n, p in zm.model.named_parameters()}
+    local = runner.local_parameters()
+    if not local:
+        errors.append(f"{label}: rank {rank} holds no parameters")
+    for p in local:
+        n = names[id(p)]
+        if p.grad is None or not torch.allclose(p.grad, grads[n], rtol=1e-4, atol=1e-6):
+            diff = None if p.grad is None else float((p.grad - grads[n]).abs().max())
+            errors.append(f"{label}: grad of {n} differs on rank {rank} (max abs diff {diff})")
+    local_buffers = {id(b) for st in runner.local_stages for b in st.module.buffers()}
+    for n, b in zm.model.named_buffers():
+        if id(b) in local_buffers and not torch.allclose(b, buffers[n], rtol=1e-5, atol=1e-6):
+            errors.append(f"{label}: buffer {n} differs on rank {rank}")
+    return errors
+
+
+def _exactness(rank: int, world: int, name: str, ms: tuple[int, ...], schedules: tuple[str, ...], virtual: int):
+    from partitioner import zoo
+    from partitioner import partition, trace
+    from pipeline import PipelineRunner, microbatch
+
+    zm = zoo.build(name, batch=8)
+    start = {k: v.clone() for k, v in zm.model.state_dict().items()}
+    errors: list[str] = []
+    for m in ms:
+        ref = _reference(zm, m)
+        zm.model.load_state_dict(start)
+        mb_args, mb_kwargs = microbatch.split(zm.args, zm.kwargs, m)[0]
+        graph = trace(zm.model, mb_args, mb_kwargs)
+        runs = [(s, 1) for s in schedules] + ([("interleaved-virtual", virtual)] if virtual > 1 and m % world == 0 else [])
+        for sched, v in runs:
+            # All ranks make the same plan: the cost rates are fixed here, not measured per process.
+            from partitioner.cost import DeviceRates
+            plan = partition(graph, world * v, rates=DeviceRates(), microbatches=m)
+            runner = PipelineRunner(plan, schedule=sched, microbatches=m, virtual_stages=v, timeout_s=30)
+            res = runner.step(zm.args, zm.kwargs, target=zm.target, loss_fn=zm.loss_fn)
+            errors += _compare(rank, runner, zm, res, ref, f"{name} p={world} m={m} {sched} v={v}")
+            zm.model.zero_grad(set_to_none=True)
+            zm.model.load_state_dict(start)
+    return errors
+
+
+@pytest.mark.parametrize("name", ["mlp", "unet", "gpt2"])
+def test_two_ranks_every_schedule(name):
+    errors = run_ranks(_exactness, 2, name, (1, 4), SCHEDULES, 2, timeout=180)
+    assert errors == [[], []], "\n".join(sum(errors, []))
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_more_ranks_mlp(world):
+    errors = run_ranks(_exactness, world, "mlp", (2, 8), SCHEDULES, 1, timeout=180)
+    assert all(e == [] for e in errors), "\n".join(sum(errors, []))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("name", ["mlp", "unet", "gpt2"])
+def test_full_matrix(name, world):
+    errors = run_ranks(_exactness, world, name, (1, 2, 4, 8), SCHEDULES, 2, timeout=600)
+    assert all(e == [] for e in errors), "\n".join(sum(errors, []))
