@@ -32,7 +32,7 @@ from .p2p import Transport
 from .schedule import make_schedule, validate
 from .timeline import Recorder
 
-__all__ = ["PipelineRunner", "StepResult", "boundary_requires_grad", "stage_deps"]
+__all__ = ["PipelineRunner", "StepResult", "boundary_requires_grad", "stage_deps", "shared_plan"]
 
 
 @dataclass
@@ -69,20 +69,38 @@ def boundary_requires_grad(sm: SplitModel) -> dict[str, bool]:
     return flags
 
 
+def shared_plan(model: torch.nn.Module, args: tuple, kwargs: dict, num_stages: int, options: dict) -> PartitionPlan:
+    """Every rank traces (stages are built from its own model); global rank 0 partitions and sends the plan."""
+    graph = trace(model, args, kwargs)
+    text = [partition(graph, num_stages, **options).to_json() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(text, src=0)
+    plan = PartitionPlan.from_json(text[0])
+    plan.graph = graph
+    return plan
+
+
 class PipelineRunner:
     """Runs this rank's stages of ``plan`` as a pipeline of microbatches across ``ranks``."""
 
     def __init__(self, plan: PartitionPlan, *, schedule: str = "1f1b", microbatches: int = 1,
                  virtual_stages: int = 1, max_in_flight: int | None = None, ranks: list[int] | None = None,
-                 group: Any = None, timeout_s: float = 60.0, device: str | torch.device | None = None,
-                 record: bool = False, average_grads_across_microbatches: bool = True):
+                 pipelines: list[list[int]] | None = None, timeout_s: float = 60.0,
+                 device: str | torch.device | None = None, record: bool = False,
+                 average_grads_across_microbatches: bool = True):
+        """``ranks``: the global ranks of this pipeline, stage order (default: all ranks). With several
+        pipelines side by side (data parallelism), pass them all as ``pipelines`` instead: process groups
+        are created collectively, so every rank must name every pipeline in the same order."""
         if not dist.is_initialized():
             raise RuntimeError("PipelineRunner needs torch.distributed: call dist.init_process_group (torchrun or "
                                "`smp launch` sets up the environment) before creating it")
-        self.ranks = list(ranks) if ranks is not None else list(range(dist.get_world_size()))
         me = dist.get_rank()
-        if me not in self.ranks:
-            raise ValueError(f"rank {me} is not among the pipeline's ranks {self.ranks}")
+        pipelines = [list(p) for p in pipelines] if pipelines else [list(ranks) if ranks is not None
+                                                                     else list(range(dist.get_world_size()))]
+        mine = [p for p in pipelines if me in p]
+        if len(mine) != 1:
+            raise ValueError(f"rank {me} must be in exactly one pipeline, got pipelines {pipelines}")
+        self.ranks = mine[0]
+        self.pipelines = pipelines
         p = len(self.ranks)
         if plan.num_stages != p * virtual_stages:
             raise ValueError(f"the plan has {plan.num_stages} stages but {p} ranks x {virtual_stages} virtual "
@@ -97,7 +115,7 @@ class PipelineRunner:
         validate(self.schedule, deps)
         self.rank = self.ranks.index(me)
         self.device = torch.device(device) if device is not None else torch.device("cpu")
-        group = group if group is not None else dist.new_group(self.ranks)  # ours, so a failure can close it
+        group, _ = dist.new_subgroups_by_enumeration(pipelines)  # ours, so a failure can close it
         self.transport = Transport(group=group, rank=me, timeout_s=timeout_s)
         self.recorder = Recorder(me) if record else None
         self.local_stages = [self.split_model.stages[s] for s in self.schedule.stages_of(self.rank)]
@@ -110,38 +128,31 @@ class PipelineRunner:
     @classmethod
     def from_model(cls, model: torch.nn.Module, args: tuple = (), kwargs: dict | None = None, *,
                    num_stages: int | None = None, microbatches: int = 1, virtual_stages: int = 1,
-                   ranks: list[int] | None = None, partition_options: dict | None = None, **runner_kwargs: Any
-                   ) -> "PipelineRunner":
-        """Trace ``model`` on one microbatch of the batch ``(args, kwargs)``, partition on the first rank,
-        share the plan with the others (so all ranks agree even if their cost calibrations differ)."""
-        ranks = list(ranks) if ranks is not None else list(range(dist.get_world_size()))
-        num_stages = num_stages or len(ranks) * virtual_stages
+                   partition_options: dict | None = None, **runner_kwargs: Any) -> "PipelineRunner":
+        """Trace ``model`` on one microbatch of the batch ``(args, kwargs)``, partition on global rank 0 and
+        share the plan with every rank (so all agree even if their cost calibrations differ)."""
+        pipelines = runner_kwargs.get("pipelines") or [runner_kwargs.get("ranks") or range(dist.get_world_size())]
         mb_args, mb_kwargs = microbatch.split(tuple(args), dict(kwargs or {}), microbatches)[0]
-        graph = trace(model, mb_args, mb_kwargs)
-        text = [None]
-        if dist.get_rank() == ranks[0]:
-            opts = {"microbatches": microbatches, **(partition_options or {})}
-            text = [partition(graph, num_stages, **opts).to_json()]
-        dist.broadcast_object_list(text, src=ranks[0])
-        plan = PartitionPlan.from_json(text[0])
-        plan.graph = graph
-        return cls(plan, microbatches=microbatches, virtual_stages=virtual_stages, ranks=ranks, **runner_kwargs)
+        plan = shared_plan(model, mb_args, mb_kwargs, num_stages or len(pipelines[0]) * virtual_stages,
+                           {"microbatches": microbatches, **(partition_options or {})})
+        return cls(plan, microbatches=microbatches, virtual_stages=virtual_stages, **runner_kwargs)
 
     def _shared_groups(self) -> list[tuple[Any, list[torch.Tensor]]]:
         """One process group per set of ranks that share parameters; replicas start from the first's values."""
         stage_rank = self.schedule.stage_to_rank
-        by_ranks: dict[tuple[int, ...], list[str]] = {}
+        by_positions: dict[tuple[int, ...], list[str]] = {}  # pipeline positions holding a replica -> names
         for name, stages in sorted(self.plan.shared_params.items()):
-            holders = tuple(sorted({self.ranks[stage_rank[s]] for s in stages}))
-            if len(holders) > 1:
-                by_ranks.setdefault(holders, []).append(name)
+            positions = tuple(sorted({stage_rank[s] for s in stages}))
+            if len(positions) > 1:
+                by_positions.setdefault(positions, []).append(name)
         local = {}
         for st in self.local_stages:
             for path, canonical in st.param_names.items():
                 local.setdefault(canonical, st.module.get_parameter(path) if _is_param(st.module, path) else None)
         out = []
-        for holders, names in sorted(by_ranks.items()):
-            group = dist.new_group(list(holders))  # every rank calls new_group in the same order
+        for positions, names in sorted(by_positions.items()):
+            group, _ = dist.new_subgroups_by_enumeration([[p[i] for i in positions] for p in self.pipelines])
+            holders = [self.ranks[i] for i in positions]
             if dist.get_rank() in holders:
                 tensors = [local[n] for n in names if local.get(n) is not None]
                 with torch.no_grad():
