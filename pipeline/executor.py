@@ -16,9 +16,10 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
+import torch.utils.checkpoint
 
 from partitioner.split import MODEL_INPUT, SplitModel
 
@@ -49,6 +50,7 @@ class Executor:
     requires_grad: dict[str, bool]      # per boundary value: does a gradient flow back through it?
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     recorder: Recorder | None = None
+    checkpointed: set[int] = field(default_factory=set)  # stages that recompute activations in backward
     peak_held: dict[int, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -71,13 +73,15 @@ class Executor:
         return torch.empty(tuple(meta.shape), dtype=meta.dtype, device=self.device)
 
     # -- the walk ---------------------------------------------------------------------------------
-    def run(self, mb_inputs: list[dict[str, Any]], loss_hook: LossHook | None, train: bool,
-            before_forward: Callable[[int], Any] | None = None) -> dict[int, tuple]:
+    def run(self, mb_inputs: Sequence[dict[str, Any]] | Callable[[int], dict[str, Any]], loss_hook: LossHook | None,
+            train: bool, before_forward: Callable[[int], Any] | None = None) -> dict[int, tuple]:
         """Run this rank's actions; returns the last stage's flat outputs per microbatch (if held here).
 
-        ``before_forward(mb)`` may return a context manager entered around each forward (autocast, no_grad
-        as the user's step function had them).
+        ``mb_inputs`` gives each microbatch's model inputs by placeholder name (a list, or a function called
+        when the first local stage needs them). ``before_forward(mb)`` may return a context manager entered
+        around each forward (autocast as the user's step function had it).
         """
+        inputs_of = mb_inputs if callable(mb_inputs) else mb_inputs.__getitem__
         self._held: dict[tuple[int, int], _Held] = {}
         self._mailbox: dict[tuple[str, int, int], torch.Tensor] = {}  # (value, mb, to stage) -> tensor
         self._grads: dict[tuple[str, int], torch.Tensor] = {}        # (value, mb) -> summed local grads
@@ -94,7 +98,7 @@ class Executor:
                 if action.kind == "F":
                     ctx = before_forward(action.microbatch) if before_forward else nullcontext()
                     with ctx if ctx is not None else nullcontext():
-                        out = self._forward(action, mb_inputs[action.microbatch], loss_hook, train)
+                        out = self._forward(action, inputs_of(action.microbatch), loss_hook, train)
                     if out is not None:
                         results[action.microbatch] = out
                 else:
@@ -121,7 +125,11 @@ class Executor:
                 t = t.detach().requires_grad_(True)
                 boundary[n] = t
             args.append(t)
-        outs = stage.module(*args)
+        if a.stage in self.checkpointed and train and torch.is_grad_enabled():
+            # Keep only the stage inputs; backward re-runs the forward (same RNG state) to rebuild the rest.
+            outs = torch.utils.checkpoint.checkpoint(stage.module, *args, use_reentrant=False)
+        else:
+            outs = stage.module(*args)
         last = not stage.consumers and a.stage == len(self.split_model.stages) - 1
         held = _Held(outputs={}, inputs=boundary)
         for name, t in zip(stage.outputs, outs):

@@ -88,6 +88,8 @@ class Transport:
                     self.store.set(FAILURE_KEY, f"rank {self.rank} failed: {type(exc).__name__}: {exc}")
             except Exception:
                 pass
+        if self.group is None:  # already closed: never fall through to destroying the default group
+            return
         try:
             dist.destroy_process_group(self.group)
         except Exception:

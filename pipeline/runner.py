@@ -86,7 +86,7 @@ class PipelineRunner:
                  virtual_stages: int = 1, max_in_flight: int | None = None, ranks: list[int] | None = None,
                  pipelines: list[list[int]] | None = None, timeout_s: float = 60.0,
                  device: str | torch.device | None = None, record: bool = False,
-                 average_grads_across_microbatches: bool = True):
+                 average_grads_across_microbatches: bool = True, checkpoint_modules: list[str] = ()):
         """``ranks``: the global ranks of this pipeline, stage order (default: all ranks). With several
         pipelines side by side (data parallelism), pass them all as ``pipelines`` instead: process groups
         are created collectively, so every rank must name every pipeline in the same order."""
@@ -122,7 +122,8 @@ class PipelineRunner:
         for st in self.local_stages:
             st.module.to(self.device)
         self.executor = Executor(self.split_model, self.schedule, self.rank, self.ranks, self.transport,
-                                 boundary_requires_grad(self.split_model), self.device, self.recorder)
+                                 boundary_requires_grad(self.split_model), self.device, self.recorder,
+                                 checkpointed=_stages_running(plan, checkpoint_modules))
         self._shared = self._shared_groups()
 
     @classmethod
@@ -192,13 +193,7 @@ class PipelineRunner:
             losses[k] = float(loss.detach())
             return loss / m if self.average else loss
 
-        results = self.executor.run(mb_inputs, loss_hook, train)
-        if train:
-            for group, tensors in self._shared:
-                for t in tensors:
-                    if t.grad is None:
-                        t.grad = torch.zeros_like(t)
-                    dist.all_reduce(t.grad, group=group)
+        results = self.run_microbatches(mb_inputs, loss_hook, train)
         if loss_fn is not None:
             last_rank = self.ranks[self.schedule.stage_to_rank[-1]]
             dist.broadcast(losses, src=last_rank, group=self.transport.group)
@@ -206,6 +201,22 @@ class PipelineRunner:
         if results:
             outputs = microbatch.merge([pytree.tree_unflatten(list(results[k]), sm.program.out_spec) for k in range(m)])
         return StepResult(losses=losses.tolist() if loss_fn is not None else [], outputs=outputs)
+
+    def run_microbatches(self, mb_inputs: Any, loss_hook: Any, train: bool, before_forward: Any = None) -> dict[int, tuple]:
+        """Walk this rank's schedule once (see :meth:`pipeline.executor.Executor.run`), then sum the gradients
+        of parameters replicated on several stages. The building block of ``step`` and of ``@smp.step``."""
+        try:
+            results = self.executor.run(mb_inputs, loss_hook, train, before_forward)
+            if train:
+                for group, tensors in self._shared:
+                    for t in tensors:
+                        if t.grad is None:
+                            t.grad = torch.zeros_like(t)
+                        dist.all_reduce(t.grad, group=group)
+            return results
+        except BaseException as exc:
+            self.transport.report_failure(exc)
+            raise
 
     @property
     def events(self) -> list:
@@ -217,6 +228,16 @@ class PipelineRunner:
             for p in st.module.parameters():
                 seen.setdefault(id(p), p)
         return list(seen.values())
+
+
+def _stages_running(plan: PartitionPlan, module_paths: Any) -> set[int]:
+    """Stages that run some op of one of ``module_paths`` (or of their submodules)."""
+    paths = tuple(module_paths)
+    if not paths:
+        return set()
+    g = plan._bound(None)
+    return {plan.assignment[n] for n, m in zip(g.names, g.modules)
+            if any(m == p or m.startswith(p + ".") for p in paths)}
 
 
 def _is_param(module: torch.nn.Module, path: str) -> bool:

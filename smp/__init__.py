@@ -1,0 +1,34 @@
+"""The SageMaker-model-parallel-compatible API: ``import smp`` where a script had
+``import smdistributed.modelparallel.torch as smp``.
+
+    smp.init({"pipeline_parallel_degree": 2, "microbatches": 4})
+    model = smp.DistributedModel(model)
+    optimizer = smp.DistributedOptimizer(torch.optim.Adam(model.parameters()))
+
+    @smp.step
+    def train_step(model, x, y):
+        loss = F.cross_entropy(model(x), y)
+        model.backward(loss)
+        return loss
+
+    loss = train_step(model, x, y).reduce_mean()
+    optimizer.step()
+"""
+from . import amp
+from .checkpoint import load, save
+from .comm import (CommGroup, RankType, allgather, barrier, broadcast, dp_rank, dp_size, get_dp_group,
+                   get_dp_process_group, get_mp_group, get_pp_process_group, local_rank, local_size, mp_rank,
+                   mp_size, pp_rank, pp_size, rank, rdp_rank, rdp_size, recv_from, send, size)
+from .config import Config, ConfigError
+from .model import DistributedModel, partition, set_activation_checkpointing, set_partition
+from .optimizer import DistributedOptimizer
+from .state import init, is_initialized
+from .step import StepOutput, step
+
+__all__ = [
+    "init", "is_initialized", "Config", "ConfigError", "DistributedModel", "DistributedOptimizer", "step",
+    "StepOutput", "partition", "set_partition", "set_activation_checkpointing", "save", "load", "amp",
+    "rank", "size", "local_rank", "local_size", "pp_rank", "pp_size", "mp_rank", "mp_size", "dp_rank", "dp_size",
+    "rdp_rank", "rdp_size", "get_mp_group", "get_dp_group", "get_pp_process_group", "get_dp_process_group",
+    "barrier", "broadcast", "allgather", "send", "recv_from", "CommGroup", "RankType",
+]

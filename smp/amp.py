@@ -1,0 +1,38 @@
+"""``smp.amp.GradScaler``: fp16 loss scaling that agrees across pipeline stages.
+
+Each stage sees only its own gradients, so an overflow on one stage must skip the step on all of them:
+after unscaling, the per-device ``found_inf`` flags are max-reduced over the world before the step
+decides, and every rank then steps or skips and updates its scale identically.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["GradScaler"]
+
+
+class GradScaler(torch.amp.GradScaler):
+    def __init__(self, device: str | None = None, **kwargs: Any):
+        super().__init__(device or ("cuda" if torch.cuda.is_available() else "cpu"), **kwargs)
+
+    def unscale_(self, optimizer: Any) -> None:
+        inner = getattr(optimizer, "optimizer", optimizer)
+        super().unscale_(inner)
+        found = self._per_optimizer_states[id(inner)]["found_inf_per_device"]
+        total = torch.zeros(1, device=self._scale.device if self._scale is not None else "cpu")
+        for flag in found.values():
+            total += flag.to(total.device)
+        dist.all_reduce(total, op=dist.ReduceOp.MAX)
+        for device in list(found):
+            found[device] = total.to(found[device].device)
+        if not found:  # this rank holds no gradients: still vote, under the scale's device
+            found[total.device] = total
+
+    def step(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        inner = getattr(optimizer, "optimizer", optimizer)
+        if self._enabled and self._per_optimizer_states[id(inner)]["stage"].name == "READY":
+            self.unscale_(optimizer)
+        return super().step(inner, *args, **kwargs)

@@ -1,0 +1,137 @@
+"""The ``smp.init`` configuration: SageMaker model parallelism's keys, defaults and checks.
+
+A config comes as a dict, a path to a JSON file, or JSON in the ``SMP_CONFIG`` environment variable.
+Unknown keys and bad values are errors that list what is valid, because a typo in a training config
+should not silently fall back to a default.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+__all__ = ["Config", "ConfigError", "load_config"]
+
+
+class ConfigError(ValueError):
+    """A bad ``smp.init`` configuration; the message says which key and what is allowed."""
+
+
+_PIPELINES = ("interleaved", "simple")
+_PLACEMENTS = ("cluster", "spread")
+_OPTIMIZE = ("speed", "memory")
+
+
+@dataclass(frozen=True)
+class Config:
+    pipeline_parallel_degree: int
+    microbatches: int = 1
+    pipeline: str = "interleaved"
+    auto_partition: bool = True
+    default_partition: int | None = None
+    placement_strategy: str = "cluster"
+    ddp: bool = False
+    optimize: str = "speed"
+    memory_weight: float | None = None
+    active_microbatches: int | None = None
+    shard_optimizer_state: bool = False
+    offload_activations: bool = False
+    tensor_parallel_degree: int = 1
+
+    @property
+    def schedule(self) -> str:
+        """The pipeline package's name for the schedule SMP calls ``pipeline``."""
+        return "1f1b" if self.pipeline == "interleaved" else "gpipe"
+
+    @property
+    def effective_memory_weight(self) -> float:
+        if self.memory_weight is not None:
+            return self.memory_weight
+        return 0.2 if self.optimize == "speed" else 0.8
+
+    @property
+    def max_in_flight(self) -> int:
+        return self.active_microbatches or self.pipeline_parallel_degree + 2
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _check(cond: bool, key: str, value: Any, allowed: str) -> None:
+    if not cond:
+        raise ConfigError(f"smp config {key!r}={value!r} is not valid: {allowed}")
+
+
+def load_config(config: dict | str | os.PathLike | None = None) -> Config:
+    """Read and check a config (dict, JSON file path, or ``SMP_CONFIG`` when None)."""
+    if config is None:
+        text = os.environ.get("SMP_CONFIG")
+        if not text:
+            raise ConfigError("smp.init() needs a config: pass a dict or a JSON file path, or set SMP_CONFIG "
+                              "to JSON such as '{\"pipeline_parallel_degree\": 2, \"microbatches\": 4}'")
+        config = _parse_json(text, "SMP_CONFIG")
+    elif isinstance(config, (str, os.PathLike)):
+        if not os.path.exists(config):
+            raise ConfigError(f"smp config file {os.fspath(config)!r} does not exist")
+        with open(config) as fh:
+            config = _parse_json(fh.read(), os.fspath(config))
+    if not isinstance(config, dict):
+        raise ConfigError(f"smp config must be a dict, got {type(config).__name__}")
+    cfg = dict(config)
+    if "partitions" in cfg:  # SMP's alias
+        if "pipeline_parallel_degree" in cfg and cfg["pipeline_parallel_degree"] != cfg["partitions"]:
+            raise ConfigError(f"'partitions'={cfg['partitions']} and 'pipeline_parallel_degree'="
+                              f"{cfg['pipeline_parallel_degree']} disagree; give one of them")
+        cfg["pipeline_parallel_degree"] = cfg.pop("partitions")
+    known = {f.name for f in fields(Config)}
+    unknown = sorted(set(cfg) - known)
+    if unknown:
+        raise ConfigError(f"unknown smp config key(s) {unknown}; valid keys: {sorted(known | {'partitions'})}")
+    if "pipeline_parallel_degree" not in cfg:
+        raise ConfigError("smp config needs 'pipeline_parallel_degree' (alias 'partitions'): the number of "
+                          "pipeline stages")
+    c = Config(**cfg)
+    _validate(c)
+    return c
+
+
+def _parse_json(text: str, where: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"smp config in {where} is not valid JSON: {exc}") from None
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _validate(c: Config) -> None:
+    _check(_is_int(c.pipeline_parallel_degree) and c.pipeline_parallel_degree >= 1,
+           "pipeline_parallel_degree", c.pipeline_parallel_degree, "a positive integer")
+    _check(_is_int(c.microbatches) and c.microbatches >= 1, "microbatches", c.microbatches, "a positive integer")
+    _check(c.pipeline in _PIPELINES, "pipeline", c.pipeline,
+           "'interleaved' (1F1B, backward first) or 'simple' (GPipe)")
+    _check(isinstance(c.auto_partition, bool), "auto_partition", c.auto_partition, "True or False")
+    _check(c.placement_strategy in _PLACEMENTS, "placement_strategy", c.placement_strategy, f"one of {_PLACEMENTS}")
+    _check(isinstance(c.ddp, bool), "ddp", c.ddp, "True or False")
+    _check(c.optimize in _OPTIMIZE, "optimize", c.optimize, f"one of {_OPTIMIZE}")
+    _check(c.memory_weight is None or (isinstance(c.memory_weight, (int, float)) and 0 <= c.memory_weight <= 1),
+           "memory_weight", c.memory_weight, "a number in [0, 1]")
+    _check(c.active_microbatches is None or (_is_int(c.active_microbatches) and c.active_microbatches >= 1),
+           "active_microbatches", c.active_microbatches, "a positive integer")
+    _check(isinstance(c.shard_optimizer_state, bool), "shard_optimizer_state", c.shard_optimizer_state, "True or False")
+    _check(isinstance(c.offload_activations, bool), "offload_activations", c.offload_activations, "True or False")
+    _check(c.offload_activations is False, "offload_activations", c.offload_activations,
+           "activation offloading is not supported by this engine; use smp.set_activation_checkpointing")
+    _check(c.tensor_parallel_degree == 1, "tensor_parallel_degree", c.tensor_parallel_degree,
+           "only 1: this engine does pipeline and data parallelism, not tensor parallelism")
+    if c.auto_partition:
+        _check(c.default_partition is None or (_is_int(c.default_partition) and
+                                               0 <= c.default_partition < c.pipeline_parallel_degree),
+               "default_partition", c.default_partition, f"an integer in [0, {c.pipeline_parallel_degree})")
+    else:
+        _check(_is_int(c.default_partition) and 0 <= c.default_partition < c.pipeline_parallel_degree,
+               "default_partition", c.default_partition,
+               f"required when auto_partition is False: an integer in [0, {c.pipeline_parallel_degree})")

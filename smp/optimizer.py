@@ -1,0 +1,89 @@
+"""``smp.DistributedOptimizer``: any torch optimizer over a DistributedModel's parameters.
+
+Each rank's stages fill ``.grad`` only for the parameters they hold, and torch optimizers skip
+parameters whose gradient is None, so the wrapped optimizer steps exactly the local parameters and
+keeps state for those only. ``state_dict()`` gathers every stage's state into the full dict;
+``local_state_dict()`` is this rank's part. With ``shard_optimizer_state`` the local parameters are
+handed to torch's ``ZeroRedundancyOptimizer`` over the data-parallel group instead.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from . import state
+
+__all__ = ["DistributedOptimizer"]
+
+
+class DistributedOptimizer:
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        self.optimizer = optimizer
+        self._zero: Any = None
+        st = state.get()
+        if st.config.shard_optimizer_state and st.topology.dp > 1:
+            if st.model is None:
+                raise RuntimeError("create the smp.DistributedModel before a DistributedOptimizer with "
+                                   "shard_optimizer_state=True")
+            st.model.register_post_partition_hook(lambda model, _: self._shard(model))
+
+    def _shard(self, model: Any) -> None:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        defaults = {k: v for k, v in self.optimizer.defaults.items() if k not in ("params",)}
+        self._zero = ZeroRedundancyOptimizer([p for p in model.local_parameters() if p.requires_grad],
+                                             optimizer_class=type(self.optimizer),
+                                             process_group=state.get().dp_group, **defaults)
+
+    # The optimizer's own attributes (param_groups, state, defaults): lr schedulers and GradScaler use them.
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["optimizer"], name)
+
+    def step(self, closure: Any = None) -> Any:
+        return (self._zero or self.optimizer).step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def local_state_dict(self) -> dict[str, Any]:
+        if self._zero is not None:
+            return {"_smp_zero": True, "local": self._zero.optimizer.state_dict()}
+        return self.optimizer.state_dict()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The optimizer state of every stage of this replica, merged (on every mp rank)."""
+        if self._zero is not None:
+            self._zero.consolidate_state_dict(to=0)
+            return self._zero.state_dict() if dist.get_rank(state.get().dp_group) == 0 else {}
+        local = self.optimizer.state_dict()
+        st = state.get()
+        parts: list[Any] = [None] * st.topology.pp
+        dist.all_gather_object(parts, {k: _cpu(v) for k, v in local["state"].items()}, group=st.mp_group)
+        merged: dict[int, Any] = {}
+        for part in parts:
+            merged.update(part)
+        return {"state": merged, "param_groups": local["param_groups"]}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if state_dict.get("_smp_zero"):
+            if self._zero is None:
+                raise RuntimeError("this optimizer state was saved with shard_optimizer_state=True; load it with "
+                                   "the same config after the first step has partitioned the model")
+            self._zero.optimizer.load_state_dict(state_dict["local"])
+            return
+        self.optimizer.load_state_dict(state_dict)
+
+    def __repr__(self) -> str:
+        return f"DistributedOptimizer({self.optimizer!r})"
+
+
+def _cpu(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.cpu()
+    if isinstance(value, dict):
+        return {k: _cpu(v) for k, v in value.items()}
+    return value

@@ -1,0 +1,292 @@
+"""``@smp.step``: the user's function runs once per microbatch, and its ``model(x)`` / ``model.backward(loss)``
+calls drive the pipeline schedule.
+
+The difficulty is 1F1B: microbatch k's backward must run before microbatch k+p's forward, yet the loss
+code between ``model(x)`` and ``model.backward(loss)`` needs the real output, which exists only on the
+last stage. So each microbatch's call of the user function runs in its own thread (a suspended context):
+
+* ``model(*args)`` records the microbatch's model inputs and blocks. The executor (main thread) takes the
+  inputs when the schedule first needs that microbatch, and on the last stage hands the real outputs back
+  when the forward of the last stage is done; the thread then computes the loss and calls
+  ``model.backward(loss)``, which hands the loss to the executor for the backward the schedule runs later.
+* On earlier stages nothing downstream of ``model(...)`` is needed: the thread stops there and the
+  function's return values come from the last stage, broadcast over the model-parallel group.
+
+Grad mode and autocast are thread-local in torch, so both are captured at ``model(...)`` and re-entered
+around the stage forwards. Return values come back as :class:`StepOutput`, one per returned leaf.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import threading
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+
+from pipeline import microbatch
+
+from . import state
+
+__all__ = ["step", "StepOutput", "current_microbatch"]
+
+_local = threading.local()
+
+
+class _Abandon(BaseException):
+    """Ends the user's function on ranks that do not hold the last stage (BaseException: user code that
+    catches Exception must not swallow it)."""
+
+
+@dataclass
+class _Call:
+    args: tuple
+    kwargs: dict
+    grad_enabled: bool
+    autocast: tuple[str, torch.dtype] | None
+
+
+@dataclass
+class _Micro:
+    index: int
+    cond: threading.Condition = field(default_factory=threading.Condition)
+    call: _Call | None = None
+    outputs: Any = None
+    have_outputs: bool = False
+    loss: torch.Tensor | None = None
+    backward_called: bool = False
+    backward_outside: bool = False
+    finished: bool = False
+    result: Any = None
+    error: BaseException | None = None
+
+    def wait(self, ready: Callable[[], bool]) -> None:
+        with self.cond:
+            self.cond.wait_for(ready)
+
+    def update(self, **changes: Any) -> None:
+        with self.cond:
+            for k, v in changes.items():
+                setattr(self, k, v)
+            self.cond.notify_all()
+
+
+def current_microbatch() -> int | None:
+    """The microbatch the calling thread is running inside a step, or None outside a step."""
+    micro = getattr(_local, "micro", None)
+    return None if micro is None else micro.index
+
+
+class StepOutput:
+    """One returned value of a step, per microbatch, with SMP's reductions."""
+
+    def __init__(self, outputs: list[Any]):
+        self.outputs = list(outputs)
+
+    def _tensors(self) -> list[torch.Tensor]:
+        return [o if isinstance(o, torch.Tensor) else torch.as_tensor(o) for o in self.outputs]
+
+    def reduce_mean(self) -> torch.Tensor:
+        return torch.stack(self._tensors()).mean(dim=0)
+
+    def reduce_sum(self) -> torch.Tensor:
+        return torch.stack(self._tensors()).sum(dim=0)
+
+    def concat(self) -> torch.Tensor:
+        return torch.cat(self._tensors())
+
+    def stack(self) -> torch.Tensor:
+        return torch.stack(self._tensors())
+
+    def __len__(self) -> int:
+        return len(self.outputs)
+
+    def __repr__(self) -> str:
+        return f"StepOutput({self.outputs!r})"
+
+
+def _autocast_state() -> tuple[str, torch.dtype] | None:
+    for device in ("cuda", "cpu"):
+        if torch.is_autocast_enabled(device):
+            return device, torch.get_autocast_dtype(device)
+    return None
+
+
+def model_call(model: Any, args: tuple, kwargs: dict) -> Any:
+    """``DistributedModel.__call__`` inside a step thread."""
+    micro: _Micro | None = getattr(_local, "micro", None)
+    if micro is None:
+        raise RuntimeError("smp.DistributedModel was called outside an @smp.step function: put the forward "
+                           "and model.backward(loss) inside a function decorated with @smp.step")
+    if micro.call is not None:
+        raise RuntimeError("the DistributedModel was called twice in one @smp.step microbatch; call it once per "
+                           "step (run other modules, such as a frozen teacher, as plain torch modules)")
+    micro.update(call=_Call(args, kwargs, torch.is_grad_enabled(), _autocast_state()))
+    if not model.is_last_stage_rank():
+        raise _Abandon()
+    micro.wait(lambda: micro.have_outputs or micro.error is not None)
+    if micro.error is not None:
+        raise _Abandon()
+    return micro.outputs
+
+
+def model_backward(tensors: Any, grad_tensors: Any = None) -> None:
+    """``DistributedModel.backward`` inside a step thread: hand the loss to the schedule."""
+    micro: _Micro | None = getattr(_local, "micro", None)
+    if micro is None:
+        raise RuntimeError("model.backward() was called outside an @smp.step function")
+    if micro.backward_called:
+        raise RuntimeError("model.backward() was called twice for one microbatch")
+    if grad_tensors is None:
+        loss = tensors if isinstance(tensors, torch.Tensor) else sum(t.sum() for t in tensors)
+        if loss.numel() != 1:
+            raise RuntimeError(f"model.backward(loss) needs a scalar loss, got shape {tuple(loss.shape)}; pass "
+                               "model.backward(tensors, grad_tensors) for non-scalar outputs")
+    else:  # d/dθ Σ <t, g> = Σ J_tᵀ g: the same gradients as autograd.backward(tensors, grads)
+        ts = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        gs = [grad_tensors] if isinstance(grad_tensors, torch.Tensor) else list(grad_tensors)
+        loss = sum((t * g.detach()).sum() for t, g in zip(ts, gs))
+    micro.update(loss=loss, backward_called=True)
+
+
+class _StepRun:
+    """One call of a step function: its microbatch threads and the hooks the executor calls."""
+
+    def __init__(self, fn: Callable, mbs: list[tuple[tuple, dict]], model: Any):
+        self.fn = fn
+        self.mbs = mbs
+        self.model = model
+        self.micros = [_Micro(k) for k in range(len(mbs))]
+        self.threads: list[threading.Thread | None] = [None] * len(mbs)
+
+    def _thread(self, micro: _Micro) -> None:
+        _local.micro = micro
+        a, kw = self.mbs[micro.index]
+        try:
+            micro.update(result=self.fn(*a, **kw))
+        except _Abandon:
+            pass
+        except BaseException as exc:  # handed to the main thread, which raises it
+            micro.update(error=exc)
+        finally:
+            micro.update(finished=True)
+
+    def call_of(self, k: int) -> _Call:
+        """Start microbatch k's thread if needed and wait until it reaches ``model(...)``."""
+        micro = self.micros[k]
+        if self.threads[k] is None:
+            self.threads[k] = threading.Thread(target=self._thread, args=(micro,), name=f"smp-step-mb{k}",
+                                               daemon=True)
+            self.threads[k].start()
+        micro.wait(lambda: micro.call is not None or micro.finished)
+        if micro.call is None:
+            if micro.error is not None:
+                raise micro.error
+            raise RuntimeError("the @smp.step function returned without calling the DistributedModel")
+        return micro.call
+
+    def before_forward(self, k: int) -> Any:
+        call = self.micros[k].call
+        if call is not None and call.autocast is not None:
+            return torch.autocast(call.autocast[0], dtype=call.autocast[1])
+        return nullcontext()
+
+    def loss_hook(self, k: int, flat_outputs: tuple) -> torch.Tensor | None:
+        """On the last stage: give microbatch k its outputs, wait for its loss (or for it to finish)."""
+        self.call_of(k)  # the last stage may read no model input, so its thread may not have started
+        micro = self.micros[k]
+        outputs = pytree.tree_unflatten(list(flat_outputs), self.model.out_spec)
+
+        def hook(grad: torch.Tensor) -> torch.Tensor:  # fires if the user runs autograd themselves
+            if not micro.backward_called:
+                micro.backward_outside = True
+            return grad
+
+        for t in flat_outputs:
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(hook)
+        micro.update(outputs=outputs, have_outputs=True)
+        micro.wait(lambda: micro.backward_called or micro.finished)
+        if micro.error is not None:
+            raise micro.error
+        if micro.backward_outside:
+            raise RuntimeError("loss.backward() was called inside an @smp.step function: call "
+                               "model.backward(loss) instead, so the pipeline runs the backward pass")
+        if micro.loss is None:
+            return None
+        return micro.loss / len(self.micros) if self.model.average_grads_across_microbatches else micro.loss
+
+    def results(self) -> list[Any]:
+        for k, t in enumerate(self.threads):
+            if t is None:  # microbatches this rank never needed (no local stage reads model inputs)
+                self.call_of(k)
+        for micro, t in zip(self.micros, self.threads):
+            t.join()
+            if micro.error is not None:
+                raise micro.error
+            if micro.backward_outside:
+                raise RuntimeError("loss.backward() was called inside an @smp.step function: call "
+                                   "model.backward(loss) instead, so the pipeline runs the backward pass")
+        return [m.result for m in self.micros]
+
+
+def _detach(value: Any) -> Any:
+    return pytree.tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, value)
+
+
+def _wrap(results: list[Any]) -> Any:
+    """Per-microbatch results -> the same structure with a StepOutput at every leaf."""
+    flat = [pytree.tree_flatten(r) for r in results]
+    spec = flat[0][1]
+    for leaves, s in flat[1:]:
+        if s != spec:
+            raise RuntimeError(f"the @smp.step function returned differently shaped values across microbatches: "
+                               f"{spec} vs {s}")
+    if not flat[0][0] and results[0] is None:
+        return None
+    columns = [StepOutput([leaves[i] for leaves, _ in flat]) for i in range(len(flat[0][0]))]
+    return pytree.tree_unflatten(columns, spec)
+
+
+def step(fn: Callable | None = None, *, non_split_inputs: list[str] | tuple[str, ...] = (),
+         input_split_axes: dict[str, int] | None = None, detach_outputs: bool = True) -> Callable:
+    """Decorate a training/eval step; see the module docstring."""
+    if fn is None:
+        return functools.partial(step, non_split_inputs=non_split_inputs, input_split_axes=input_split_axes,
+                                 detach_outputs=detach_outputs)
+    arg_names = [p.name for p in inspect.signature(fn).parameters.values()
+                 if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        st = state.get()
+        model = st.model
+        if model is None:
+            raise RuntimeError("create smp.DistributedModel(model) before calling an @smp.step function")
+        if st.in_step is not None:
+            raise RuntimeError("@smp.step functions cannot be nested or run concurrently")
+        mbs = microbatch.split(args, kwargs, st.config.microbatches, non_split_inputs=non_split_inputs,
+                               input_split_axes=input_split_axes, arg_names=arg_names)
+        run = _StepRun(fn, mbs, model)
+        st.in_step = run
+        try:
+            results = model.run_step(run)
+        finally:
+            st.in_step = None
+        if detach_outputs:
+            results = _detach(results)
+        return _wrap(results)
+
+    return wrapper
+
+
+def broadcast_results(results: list[Any] | None, src: int, group: Any) -> list[Any]:
+    """The last stage's per-microbatch return values, to every rank of the model-parallel group."""
+    box = [results]
+    if dist.get_world_size(group) > 1:
+        dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]

@@ -1,0 +1,108 @@
+"""SMP v1-style training scripts run by the tests on spawned ranks (importable, so spawn can pickle them)."""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class MnistCNN(nn.Module):
+    """The classic MNIST model-parallel example's shape: two convs, pooling, two linears."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 8, 3, 1)
+        self.conv2 = nn.Conv2d(8, 16, 3, 1)
+        self.fc1 = nn.Linear(16 * 12 * 12, 32)
+        self.fc2 = nn.Linear(32, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.relu(self.conv1(x))
+        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+        x = F.relu(self.fc1(torch.flatten(x, 1)))
+        return F.log_softmax(self.fc2(x), dim=1)
+
+
+def build(name: str, batch: int, seed: int):
+    """(model, loss_fn, batches(step) -> (args, kwargs, target)) for a model name."""
+    from partitioner import zoo
+
+    if name == "cnn":
+        torch.manual_seed(seed)
+        model = MnistCNN()
+
+        def batches(step: int):
+            g = torch.Generator().manual_seed(1000)  # one batch, so the loss must fall
+            return (torch.randn(batch, 1, 28, 28, generator=g),), {}, torch.randint(0, 10, (batch,), generator=g)
+        return model, lambda out, t: F.nll_loss(out, t), batches
+    zm = zoo.build(name, batch=batch, seed=seed)
+    return zm.model, zm.loss_fn, lambda step: zoo.make_batch(name, batch, seed=1000)
+
+
+def _shard(value, index: int, count: int):
+    import torch.utils._pytree as pytree
+
+    return pytree.tree_map(lambda x: x.chunk(count)[index] if isinstance(x, torch.Tensor) and x.dim() else x, value)
+
+
+def train(rank: int, world: int, config: dict, name: str, steps: int, batch: int, ckpt: str | None = None,
+          resume_at: int | None = None, stop_at: int | None = None):
+    """Train ``steps`` steps with smp; return per-step losses, the reference's, and max param errors.
+
+    With ``ckpt`` and ``stop_at``: save a partial checkpoint after step ``stop_at`` and stop.
+    With ``ckpt`` and ``resume_at``: load it and continue from step ``resume_at``.
+    """
+    import smp
+
+    smp.init(config)
+    model, loss_fn, batches = build(name, batch, seed=0)
+    reference = copy.deepcopy(model)
+    # SGD with momentum: linear in the gradient, so float-level gradient noise stays float-level. (Adam
+    # turns the ~1e-10 noise on mathematically-zero gradients, e.g. attention key biases, into +-lr steps.)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
+    model = smp.DistributedModel(model)
+    opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+
+    @smp.step
+    def train_step(model, args, kwargs, target):
+        out = model(*args, **kwargs)
+        loss = loss_fn(out, target)
+        model.backward(loss)
+        return loss
+
+    losses, ref_losses = [], []
+    first = 0
+    if ckpt and resume_at is not None:
+        model.load_state_dict(smp.load(ckpt + ".model"))
+        first = resume_at
+    for step in range(steps):
+        args, kwargs, target = batches(step)
+        ref_loss = loss_fn(reference(*args, **kwargs), target)
+        ref_opt.zero_grad()
+        ref_loss.backward()
+        ref_opt.step()
+        ref_losses.append(float(ref_loss.detach()))
+        if step < first:
+            continue
+        if ckpt and resume_at is not None and step == first:
+            opt.load_state_dict(smp.load(ckpt + ".opt"))  # optimizer state exists once partitioned
+        d, n = smp.dp_rank(), smp.dp_size()
+        out = train_step(model, _shard(args, d, n), _shard(kwargs, d, n), _shard(target, d, n))
+        shard_losses = smp.allgather(float(out.reduce_mean()), smp.CommGroup.DP_GROUP)
+        losses.append(sum(shard_losses) / len(shard_losses))
+        opt.step()
+        opt.zero_grad()
+        if ckpt and stop_at is not None and step == stop_at:
+            smp.save(model.local_state_dict(), ckpt + ".model", partial=True)
+            smp.save(opt.local_state_dict(), ckpt + ".opt", partial=True)
+            smp.barrier()
+            return {"stopped": step}
+    ref_params = dict(reference.named_parameters())
+    worst = 0.0
+    for pname, p in model.local_named_parameters():
+        r = ref_params[pname]
+        worst = max(worst, float(((p - r).abs() / (r.abs() + 1e-3)).max().detach()))
+    return {"losses": losses, "ref_losses": ref_losses[first:], "param_rel_err": worst,
+            "ranks": (smp.rank(), smp.pp_rank(), smp.dp_rank(), smp.get_mp_group(), smp.get_dp_group())}
