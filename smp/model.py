@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from partitioner import trace
+from partitioner import PartitionPlan, trace
 from partitioner.partition import fixed_plan
 from partitioner.trace import flatten_inputs
 from pipeline import PipelineRunner
@@ -86,6 +86,7 @@ class DistributedModel(torch.nn.Module):
         self.partitioned = False
         self.runner: PipelineRunner | None = None
         self._post_partition_hooks: list[Callable[["DistributedModel", Any], None]] = []
+        self._resume_plan: str | None = None  # from a partial checkpoint: stages must match what was saved
         st.model = self
 
     # -- the step interface --------------------------------------------------------------------------
@@ -157,7 +158,13 @@ class DistributedModel(torch.nn.Module):
         pp = cfg.pipeline_parallel_degree
         options = {"microbatches": cfg.microbatches, "memory_weight": cfg.effective_memory_weight,
                    "pipeline": cfg.schedule}
-        if cfg.auto_partition:
+        if self._resume_plan is not None:
+            plan = PartitionPlan.from_json(self._resume_plan)
+            plan.graph = trace(self.module, call.args, call.kwargs)
+            if plan.num_stages != pp or set(plan.assignment) != set(plan.graph.names):
+                raise RuntimeError("the partial checkpoint was saved for a different model or "
+                                   "pipeline_parallel_degree: its partition does not fit this one")
+        elif cfg.auto_partition:
             options["measure"] = self.trace_execution_times
             plan = shared_plan(self.module, call.args, call.kwargs, pp, options)
         else:
@@ -230,6 +237,8 @@ class DistributedModel(torch.nn.Module):
         out = {k: v for k, v in self.module.state_dict(keep_vars=True).items() if id(v) in ids}
         out = {k: v.detach() for k, v in out.items()}
         out["_smp_partial"] = True
+        if self.partitioned:  # a restart must cut the model the same way for these tensors to fit
+            out["_smp_plan"] = self.runner.plan.to_json()
         return out
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
@@ -250,4 +259,11 @@ class DistributedModel(torch.nn.Module):
         """Full or partial (from ``local_state_dict``) dicts; tensors are copied into the model's own."""
         sd = dict(state_dict)
         partial = bool(sd.pop("_smp_partial", False))
+        plan = sd.pop("_smp_plan", None)
+        if plan is not None:
+            if not self.partitioned:
+                self._resume_plan = plan
+            elif PartitionPlan.from_json(plan).assignment != self.runner.plan.assignment:
+                raise RuntimeError("this partial checkpoint was saved under a different partition of the model; "
+                                   "load it before the first step so the model is partitioned the same way")
         return self.module.load_state_dict(sd, strict=strict and not partial)
