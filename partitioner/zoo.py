@@ -2,9 +2,10 @@
 
 Every model is built from a config with random weights (nothing is downloaded), all dropout
 probabilities are 0 so repeated runs are bit-for-bit deterministic, and each one comes with an
-example microbatch, a matching target and a loss function. ``size="small"`` takes roughly
-10-50 ms for forward+backward on one CPU thread; ``size="base"`` has more and wider blocks for
-benchmarks. Input shapes do not depend on ``size``, so :func:`make_batch` needs only the name.
+example microbatch, a matching target and a loss function. With the default batch of 4 on one
+CPU thread, forward+backward takes about 5-20 ms at ``size="small"`` and 20-150 ms at
+``size="base"`` (more and wider blocks, for benchmarks). Input shapes do not depend on ``size``,
+so :func:`make_batch` needs only the name.
 
 Each model exports with ``torch.export.export(model, args, kwargs, strict=False)`` (the way the
 engine traces) and the exported module reproduces the eager output.
@@ -24,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["ZooModel", "NAMES", "SIZES", "build", "make_batch", "MLP", "UNet", "Inception"]
+__all__ = ["ZooModel", "Batch", "NAMES", "SIZES", "build", "make_batch", "MLP", "UNet", "Inception"]
 
 SIZES: tuple[str, ...] = ("small", "base")
 
@@ -321,7 +322,8 @@ def make_batch(name: str, batch: int = 4, seed: int = 0) -> Batch:
 
 
 def build(name: str, *, batch: int = 4, size: str = "small", seed: int = 0) -> ZooModel:
-    """Build zoo model ``name`` in train mode with weights drawn after ``torch.manual_seed(seed)``."""
+    """Build zoo model ``name`` in train mode with weights drawn after ``torch.manual_seed(seed)``
+    and the example batch ``make_batch(name, batch, seed)``; unknown names or sizes raise ValueError."""
     spec = _spec(name)
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r} for zoo model {name!r}; choose one of {', '.join(SIZES)}")

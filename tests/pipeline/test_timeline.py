@@ -1,0 +1,68 @@
+"""Timelines: recording spans, Chrome-trace round trip, PNG Gantt charts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pipeline.schedule import Action, zero_bubble_h1
+from pipeline.simulate import simulate
+from pipeline.timeline import Event, Recorder, load_events, to_chrome_trace, to_png
+
+
+@pytest.fixture(scope="module")
+def events() -> list[Event]:
+    return simulate(zero_bubble_h1(4, 8), 1e-3, 2e-3).events
+
+
+def test_recorder_records_spans_in_order() -> None:
+    recorder = Recorder(rank=3)
+    with recorder.span(Action("F", 1, 0)):
+        pass
+    with pytest.raises(RuntimeError), recorder.span("B0@s1"):
+        raise RuntimeError("a failed pass still shows up in the trace")
+    first, second = recorder.events
+    assert (first.rank, first.action, second.action) == (3, "F0@s1", "B0@s1")
+    assert first.start <= first.end <= second.start <= second.end
+
+
+def test_chrome_trace_round_trip(events: list[Event], tmp_path: Path) -> None:
+    path = tmp_path / "trace.json"
+    doc = to_chrome_trace(events, path)
+    spans = [e for e in doc["traceEvents"] if e["ph"] == "X"]
+    assert len(spans) == len(events)
+    assert {e["tid"] for e in spans} == {0, 1, 2, 3}
+    assert {e["cat"] for e in spans} == {"F", "B", "W"}
+    assert spans[0]["name"] == events[0].action and spans[0]["pid"] == 0
+    assert json.loads(path.read_text()) == doc
+    loaded = load_events(path)
+    assert [(e.rank, e.action) for e in loaded] == [(e.rank, e.action) for e in events]
+    assert [t for e in loaded for t in (e.start, e.end)] == pytest.approx([t for e in events for t in (e.start, e.end)])
+
+
+def test_load_events_rejects_other_json(tmp_path: Path) -> None:
+    path = tmp_path / "other.json"
+    path.write_text("[1, 2]")
+    with pytest.raises(ValueError, match="is not a Chrome trace"):
+        load_events(path)
+
+
+def test_png_is_a_real_image(events: list[Event], tmp_path: Path) -> None:
+    path = tmp_path / "timeline.png"
+    to_png(events, path, title="ZB-H1, p=4, m=8")
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len(data) > 5_000
+
+
+def test_png_accepts_non_action_spans(tmp_path: Path) -> None:
+    path = tmp_path / "mixed.png"
+    to_png([Event(0, "F0@s0", 0.0, 1.0), Event(0, "optimizer", 1.0, 2.0)], path)
+    assert path.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_png_needs_events(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="at least one event"):
+        to_png([], tmp_path / "empty.png")
