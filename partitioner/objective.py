@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .cost import OPTIMIZER_STATE_FACTOR, DeviceRates, NodeCosts, in_flight
-from .graph import OpGraph
+from .graph import OpGraph, unique_ints
 from .plan import PartitionPlan, StageSummary
 
 __all__ = ["Problem", "Evaluation", "evaluate", "make_plan", "MemoryBudgetError"]
@@ -107,7 +107,7 @@ def _crossings(g: OpGraph, stage: np.ndarray, k: int) -> tuple[np.ndarray, np.nd
         return z, z, z
     s_src, s_dst = stage[g.src], stage[g.dst]
     cross = s_src != s_dst
-    key = np.unique(g.value[cross] * k + s_dst[cross])
+    key = unique_ints(g.value[cross] * k + s_dst[cross])
     val, consumer = key // k, key % k
     producer_of_value = np.zeros(len(g.value_bytes), np.int64)
     producer_of_value[g.value] = stage[g.src]
@@ -125,7 +125,7 @@ def evaluate(p: Problem, stage: np.ndarray) -> Evaluation:
     msgs = np.bincount(cons, minlength=k) + np.bincount(prod, minlength=k)
     # Activations forward and gradients back: the same bytes twice.
     comm = 2.0 * ((b_in + b_out) / r.link_bytes_per_s + msgs * r.link_latency_s)
-    pairs = np.unique(stage[g.use_node] * max(len(g.param_names), 1) + g.use_param) if len(g.use_node) else np.zeros(0, np.int64)
+    pairs = unique_ints(stage[g.use_node] * max(len(g.param_names), 1) + g.use_param) if len(g.use_node) else np.zeros(0, np.int64)
     p_stage, p_idx = pairs // max(len(g.param_names), 1), pairs % max(len(g.param_names), 1)
     param_bytes = np.bincount(p_stage, weights=g.param_bytes[p_idx], minlength=k)
     param_mem = np.bincount(p_stage, weights=p.param_mem[p_idx], minlength=k)
@@ -153,15 +153,35 @@ def budget_error(p: Problem, ev: Evaluation) -> MemoryBudgetError:
     total = float(p.param_mem.sum() + p.graph.act_bytes.sum())
     need = int(np.ceil(total / p.device_memory))
     return MemoryBudgetError(
-        f"no {p.num_stages}-stage plan fits device_memory={_gib(p.device_memory)}: the best plan's stage "
+        f"no {p.num_stages}-stage plan fits device_memory={_gib(p.device_memory)}: the most memory-balanced plan's stage "
         f"{worst} needs {_gib(ev.memory[worst])} (parameters, gradients and {p.optimizer} state, plus "
         f"activations for {int(p.inflight[worst])} microbatch(es) in flight); the whole model needs "
         f"{_gib(total)} with one microbatch in flight. Fix: use at least {max(need, p.num_stages + 1)} stages, "
         f"a larger device, optimizer='sgd', or fewer microbatches in flight.")
 
 
+def _stage_modules(g: OpGraph, stage: np.ndarray, k: int) -> list[list[str]]:
+    """Per stage, the module paths of its ops in order of first appearance (vectorised for big graphs)."""
+    ids: dict[str, int] = {}
+    mid = np.fromiter((ids.setdefault(m, len(ids)) for m in g.modules), np.int64, count=g.num_nodes)
+    names = list(ids)
+    key = stage * max(len(names), 1) + mid
+    order = np.argsort(key, kind="stable")
+    sk = key[order]
+    first = order[np.concatenate([[True], sk[1:] != sk[:-1]])] if len(sk) else order
+    first.sort()
+    out: list[list[str]] = [[] for _ in range(k)]
+    for i in first.tolist():
+        out[int(stage[i])].append(names[int(mid[i])])
+    return out
+
+
 def _gib(x: float) -> str:
-    return f"{x / 2**30:.3f} GiB"
+    """Bytes in the largest binary unit that keeps them >= 1 (small models must not print "0.000 GiB")."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(x) >= scale:
+            return f"{x / scale:.3f} {unit}"
+    return f"{x:.0f} B"
 
 
 def make_plan(p: Problem, ev: Evaluation, method: str) -> PartitionPlan:
@@ -169,12 +189,7 @@ def make_plan(p: Problem, ev: Evaluation, method: str) -> PartitionPlan:
     check_acyclic(g, ev.stage)
     prod, cons, _ = _crossings(g, ev.stage, k)
     stage_list = ev.stage.tolist()
-    modules: list[list[str]] = [[] for _ in range(k)]
-    seen: list[set[str]] = [set() for _ in range(k)]
-    for s, m in zip(stage_list, g.modules):
-        if m not in seen[s]:
-            seen[s].add(m)
-            modules[s].append(m)
+    modules = _stage_modules(g, ev.stage, k)
     fwd = np.bincount(ev.stage, weights=p.costs.forward_s, minlength=k)
     bwd = np.bincount(ev.stage, weights=p.costs.backward_s, minlength=k)
     flops = np.bincount(ev.stage, weights=g.flops, minlength=k)
@@ -188,10 +203,14 @@ def make_plan(p: Problem, ev: Evaluation, method: str) -> PartitionPlan:
     ) for s in range(k)]
     shared: dict[str, list[int]] = {}
     if len(g.use_node):
-        holders: dict[int, set[int]] = {}
-        for n, q in zip(g.use_node.tolist(), g.use_param.tolist()):
-            holders.setdefault(q, set()).add(stage_list[n])
-        shared = {g.param_names[q]: sorted(v) for q, v in sorted(holders.items()) if len(v) > 1}
+        # (parameter, stage) pairs, sorted by parameter then stage; keep parameters held by several stages.
+        pairs = unique_ints(g.use_param * k + ev.stage[g.use_node])
+        q, s_of = pairs // k, pairs % k
+        many = np.flatnonzero(np.bincount(q, minlength=len(g.param_names)) > 1)
+        in_many = np.isin(q, many)
+        starts = np.searchsorted(q[in_many], many)
+        held = np.split(s_of[in_many], starts[1:]) if len(many) else []
+        shared = {g.param_names[int(qq)]: h.tolist() for qq, h in zip(many, held)}
     lb = p.lower_bound
     return PartitionPlan(
         num_stages=k, method=method, assignment=dict(zip(g.names, stage_list)), stages=stages,

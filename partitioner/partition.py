@@ -19,6 +19,7 @@ Fiduccia–Mattheyses boundary refinement, accepting a move only when the exact 
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -26,12 +27,12 @@ import pymetis
 import torch
 
 from .cost import DeviceRates, calibrate, estimate, measure as measure_costs
-from .graph import OpGraph
+from .graph import OpGraph, unique_ints
 from .objective import Evaluation, Problem, budget_error, evaluate, make_plan
 from .plan import PartitionPlan
 from .trace import trace
 
-__all__ = ["partition", "METHODS", "MAX_POSITIONS", "parse_size", "make_problem"]
+__all__ = ["partition", "METHODS", "MAX_POSITIONS", "parse_size", "make_problem", "fixed_plan"]
 
 METHODS = ("auto", "dp", "metis")
 MAX_POSITIONS = 1536
@@ -118,8 +119,14 @@ def partition(graph_or_model: Any, num_stages: int, *, example_inputs: Any = Non
         candidates.append(("metis", evaluate(p, np.zeros(p.graph.num_nodes, np.int64))))
     name, best = min(candidates, key=lambda c: c[1].key(p.device_memory))
     if p.device_memory is not None and np.any(best.memory > p.device_memory):
-        raise budget_error(p, best)
+        raise budget_error(p, _least_memory(p))
     return make_plan(p, best, name)
+
+
+def _least_memory(p: Problem) -> Evaluation:
+    """The plan whose largest stage needs the least memory (for the numbers in a budget error)."""
+    q = dataclasses.replace(p, memory_weight=1.0, device_memory=None)
+    return refine(q, dp_partition(q))
 
 
 # --- the chain DP --------------------------------------------------------------------------------------
@@ -145,6 +152,21 @@ def _prefix(p: Problem) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
     return T, P, A, np.cumsum(cut)[: n + 1]
 
 
+def _live_values(g: OpGraph) -> np.ndarray:
+    """Per cut position, how many values are live across it (each is one message)."""
+    n = g.num_nodes
+    count = np.zeros(n + 2)
+    if g.num_edges:
+        nv = len(g.value_bytes)
+        first = np.full(nv, n, np.int64)
+        last = np.full(nv, -1, np.int64)
+        np.minimum.at(first, g.value, g.src)
+        np.maximum.at(last, g.value, g.dst)
+        live = last > first
+        count += np.bincount(first[live] + 1, minlength=n + 2) - np.bincount(last[live] + 1, minlength=n + 2)
+    return np.cumsum(count)[: n + 1]
+
+
 def _candidates(T: np.ndarray, cut: np.ndarray) -> np.ndarray:
     n = len(T) - 1
     if n + 1 <= MAX_POSITIONS:
@@ -167,7 +189,8 @@ class _Scorer:
         self.p = p
         self.T, self.P, self.A, self.cut = _prefix(p)
         r = p.rates
-        self.comm = 2.0 * (self.cut / r.link_bytes_per_s + (self.cut > 0) * r.link_latency_s)
+        # One message per value live across the cut (objective.evaluate pays latency per value sent).
+        self.comm = 2.0 * (self.cut / r.link_bytes_per_s + _live_values(p.graph) * r.link_latency_s)
         self.wt = (1 - p.memory_weight) / p.norm_time
         self.wm = p.memory_weight / p.norm_mem
 
@@ -180,6 +203,66 @@ class _Scorer:
             bad = bad | (mem > self.p.device_memory)
         return np.where(bad, np.inf, score)
 
+    def grid(self, s: int, cand: np.ndarray, comm: np.ndarray) -> np.ndarray:
+        """score(s, cand[a], cand[b]) for every candidate pair, with the segment communication ``comm``
+        of :func:`_grid_comm` instead of the per-cut estimate."""
+        I, J = cand[:, None], cand[None, :]
+        time = self.T[J] - self.T[I] + comm
+        mem = self.P[J] - self.P[I] + self.p.inflight[s] * (self.A[J] - self.A[I])
+        score = self.wt * time + self.wm * mem
+        bad = I >= J
+        if self.p.device_memory is not None:
+            bad = bad | (mem > self.p.device_memory)
+        return np.where(bad, np.inf, score)
+
+
+def _grid_comm(p: Problem, cand: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Communication of every candidate segment ``[cand[a], cand[b])`` as its own stage: seconds (values
+    in and out, activations forward and gradients back, as :func:`objective.evaluate` prices them) and the
+    bytes it receives.
+
+    A value counts as received by a segment when it is produced before the segment and read inside it --
+    exactly once per (value, consumer stage), as ``evaluate`` counts it, so a skip connection costs only the
+    stages that produce and read it, not the ones it passes over. A value sent to later stages counts once
+    on the sending side (a segment cannot know how the stages after it are cut). Each crossing is a
+    rectangle of segments (a range of starts times a range of ends), so the whole table is a 2-D prefix sum
+    over O(edges) corner updates.
+    """
+    g, r = p.graph, p.rates
+    N = len(cand)
+    secs = np.zeros((N + 1) * (N + 1))
+    recv = np.zeros((N + 1) * (N + 1))
+    if g.num_edges:
+        nv = len(g.value_bytes)
+        producer = np.zeros(nv, np.int64)
+        producer[g.value] = g.src
+        interval = np.searchsorted(cand, producer, side="right") - 1   # candidate interval of each producer
+        key = unique_ints(g.value * N + (np.searchsorted(cand, g.dst, side="right") - 1))
+        v, q = key // N, key % N                                        # (value, consumer interval), sorted
+        keep = q != interval[v]
+        v, q = v[keep], q[keep]
+        if len(v):
+            first = np.ones(len(v), bool)
+            first[1:] = v[1:] != v[:-1]
+            last = np.ones(len(v), bool)
+            last[:-1] = v[1:] != v[:-1]
+            prev_q = np.where(first, interval[v], np.concatenate([[0], q[:-1]]))
+            nbytes = g.value_bytes[v].astype(np.float64)
+            cost = 2.0 * (nbytes / r.link_bytes_per_s + r.link_latency_s)
+
+            def rect(out, r0, r1, c0, c1, w):  # add w to out[r0..r1, c0..c1]
+                for rows, cols, sign in ((r0, c0, 1), (r0, c1 + 1, -1), (r1 + 1, c0, -1), (r1 + 1, c1 + 1, 1)):
+                    out += np.bincount(rows * (N + 1) + cols, weights=sign * w, minlength=(N + 1) * (N + 1))
+
+            # Received: starts after the producer's interval up to this reader's, ends past this reader.
+            rect(secs, prev_q + 1, q, q + 1, np.full_like(q, N - 1), cost)
+            rect(recv, prev_q + 1, q, q + 1, np.full_like(q, N - 1), nbytes)
+            # Sent (once per value): segments holding the producer that end before its last reader.
+            pv, lq = interval[v[last]], q[last]
+            rect(secs, np.zeros_like(pv), pv, pv + 1, lq, cost[last])
+    shape = (N + 1, N + 1)
+    return (secs.reshape(shape).cumsum(0).cumsum(1)[:N, :N], recv.reshape(shape).cumsum(0).cumsum(1)[:N, :N])
+
 
 def dp_partition(p: Problem) -> np.ndarray:
     """Stage of every node under the best contiguous partition (see module docstring)."""
@@ -187,8 +270,9 @@ def dp_partition(p: Problem) -> np.ndarray:
     sc = _Scorer(p)
     cand = _candidates(sc.T, sc.cut)
     N = len(cand)
-    I, J = cand[:, None], cand[None, :]
-    mats = [sc(s, I, J) for s in range(k)] if _stage_dependent(p) else [sc(0, I, J)] * k
+    comm, recv = _grid_comm(p, cand)
+    mats = [sc.grid(s, cand, comm) for s in range(k)] if _stage_dependent(p) else [sc.grid(0, cand, comm)] * k
+    del comm
     prev = mats[0][0].copy()
     parents = []
     for s in range(1, k):
@@ -198,11 +282,14 @@ def dp_partition(p: Problem) -> np.ndarray:
     best = prev[N - 1]
     bounds = _backtrack(parents, N)
     if np.isfinite(best) and k > 1:
-        bounds = _fewest_cut_bytes(mats, sc.cut[cand], best) or bounds
+        bounds = _fewest_cut_bytes(mats, recv, best) or bounds
     pos = cand[bounds]
-    if N < n + 1:
-        pos = _reposition(sc, pos)
-    return np.searchsorted(pos, np.arange(n), side="right") - 1
+    stage = np.searchsorted(pos, np.arange(n), side="right") - 1
+    if N < n + 1:  # boundaries were placed on a coarse grid: refine them at full resolution, keep the better
+        moved = np.searchsorted(_reposition(sc, pos), np.arange(n), side="right") - 1
+        if evaluate(p, moved).key(p.device_memory) < evaluate(p, stage).key(p.device_memory):
+            stage = moved
+    return stage
 
 
 def _stage_dependent(p: Problem) -> bool:
@@ -217,14 +304,15 @@ def _backtrack(parents: list[np.ndarray], N: int) -> list[int]:
     return bounds[::-1]
 
 
-def _fewest_cut_bytes(mats: list[np.ndarray], cut: np.ndarray, best: float) -> list[int] | None:
-    """Among partitions whose every stage scores <= best, the one that cuts the fewest bytes."""
+def _fewest_cut_bytes(mats: list[np.ndarray], recv: np.ndarray, best: float) -> list[int] | None:
+    """Among partitions whose every stage scores <= best, the one that cuts the fewest bytes (the sum over
+    stages of the bytes each receives, ``recv[a, b]`` for the segment between candidates a and b)."""
     limit = best * (1 + 1e-9) + 1e-15
-    k, N = len(mats), len(cut)
+    k, N = len(mats), len(recv)
     prev = np.where(mats[0][0] <= limit, 0.0, np.inf)
     parents = []
     for s in range(1, k):
-        total = np.where(mats[s] <= limit, prev[:, None] + cut[:, None], np.inf)
+        total = np.where(mats[s] <= limit, prev[:, None] + recv, np.inf)
         parents.append(total.argmin(axis=0))
         prev = total[parents[-1], np.arange(N)]
     return _backtrack(parents, N) if np.isfinite(prev[N - 1]) else None
@@ -234,13 +322,18 @@ def _reposition(sc: _Scorer, pos: np.ndarray, sweeps: int = 3) -> np.ndarray:
     """Move each boundary to its best full-resolution position between its neighbours."""
     pos = pos.copy()
     for _ in range(sweeps):
+        before = pos.copy()
         for b in range(1, len(pos) - 1):
             xs = np.arange(pos[b - 1] + 1, pos[b + 1])
             if len(xs) == 0:
                 continue
             worst = np.maximum(sc(b - 1, np.full_like(xs, pos[b - 1]), xs), sc(b, xs, np.full_like(xs, pos[b + 1])))
-            order = np.lexsort((sc.cut[xs], worst))
-            pos[b] = xs[order[0]]
+            # The lowest worst score, ties to the fewest live bytes, then the earliest position (what a
+            # stable lexsort on (cut, worst) picks, without sorting 10^5 positions).
+            tied = np.flatnonzero(worst == worst.min())
+            pos[b] = xs[tied[np.argmin(sc.cut[xs[tied]])]]
+        if np.array_equal(pos, before):  # a sweep that moves nothing would repeat itself
+            break
     return pos
 
 
@@ -339,3 +432,22 @@ def refine(p: Problem, stage: np.ndarray, max_rounds: int | None = None) -> Eval
         if not improved:
             break
     return best
+
+
+def fixed_plan(graph: OpGraph, num_stages: int, stage: Any, *, method: str = "manual", **options: Any) -> PartitionPlan:
+    """A plan for a given op -> stage assignment (hand placement), scored like any other plan."""
+    p = make_problem(graph, num_stages, **options)
+    stage = np.asarray(stage, np.int64)
+    if stage.shape != (graph.num_nodes,) or stage.min(initial=0) < 0 or stage.max(initial=0) >= num_stages:
+        raise ValueError(f"an assignment needs one stage in [0, {num_stages}) per op ({graph.num_nodes} ops)")
+    back = stage[graph.src] > stage[graph.dst]
+    if back.any():
+        e = int(np.argmax(back))
+        u, v = graph.src[e], graph.dst[e]
+        raise ValueError(f"this placement is not a pipeline: {graph.modules[u] or 'the root module'} on partition "
+                         f"{stage[u]} feeds {graph.modules[v] or 'the root module'} on partition {stage[v]}; "
+                         "partitions must follow the order in which data flows through the model")
+    empty = sorted(set(range(num_stages)) - set(stage.tolist()))
+    if empty:
+        raise ValueError(f"partition(s) {empty} have no ops: place some modules on them or use fewer partitions")
+    return make_plan(p, evaluate(p, stage), method)

@@ -61,6 +61,19 @@ class SplitModel:
                     raise ValueError(f"input {name!r} has shape {tuple(got.shape)} but the model was traced "
                                      f"with {tuple(want.shape)}; stages are specialised to the traced shapes: "
                                      "keep the (micro)batch shape fixed or partition again for the new shape")
+                if got.dtype != want.dtype:
+                    raise ValueError(f"input {name!r} has dtype {got.dtype} but the model was traced with "
+                                     f"{want.dtype}; convert the input or partition again with that dtype")
+            elif isinstance(got, torch.Tensor) or not _same_constant(got, want):
+                raise ValueError(f"input {name!r} was traced as the constant {want!r} and the stages are "
+                                 f"specialised to it, but got {got!r}; partition again with that value")
+
+
+def _same_constant(got: Any, want: Any) -> bool:
+    try:
+        return type(got) is type(want) and bool(got == want)
+    except Exception:  # objects without a usable ==: trust the caller
+        return True
 
 
 class StagedModule(torch.nn.Module):
@@ -108,14 +121,24 @@ def split(graph: OpGraph, assignment: dict[str, int], num_stages: int) -> SplitM
                                          f"feeds {node.name} on stage {s}")
                     readers.setdefault(inp.name, set()).add(s)
 
-    # Pass 2: build each stage graph.
+    # Pass 2: build each stage graph. A value received from another stage that this stage mutates in place
+    # (HF ResNet's ``hidden += residual`` is ``aten.add_``) is cloned first: a pipeline stage gets its
+    # inputs as fresh autograd leaves, and an in-place op on a leaf that requires grad is an error.
+    mutated = [{n.name for n in _written_inputs(node) if n.name in needed[stage_of[node.name]]
+                and n.op != "placeholder"} for node in nodes]
     graphs = [torch.fx.Graph() for _ in range(num_stages)]
     envs: list[dict[str, torch.fx.Node]] = [{} for _ in range(num_stages)]
     for s in range(num_stages):
+        written = set().union(*(m for node, m in zip(nodes, mutated) if stage_of[node.name] == s))
         for name, src in needed[s].items():
             ph = graphs[s].placeholder(name)
             ph.meta = dict(src.meta)
             envs[s][name] = ph
+        for name in needed[s]:
+            if name in written:
+                copy = graphs[s].call_function(torch.ops.aten.clone.default, (envs[s][name],))
+                copy.meta = dict(needed[s][name].meta)
+                envs[s][name] = copy
     for node in nodes:
         s = stage_of[node.name]
         g, env = graphs[s], envs[s]
@@ -153,6 +176,20 @@ def split(graph: OpGraph, assignment: dict[str, int], num_stages: int) -> SplitM
             param_names={a: alias.get(a, a) for a in attrs},
         ))
     return SplitModel(stages=stages, program=prog, value_meta=value_meta)
+
+
+def _written_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The input nodes that ``node`` writes to in place (by its ATen schema's alias annotations)."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or not schema.is_mutable:
+        return []
+    out = []
+    for i, arg in enumerate(schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        val = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+        out.extend(v for v in (val if isinstance(val, (list, tuple)) else [val]) if isinstance(v, torch.fx.Node))
+    return out
 
 
 def _param_aliases(gm: torch.nn.Module) -> dict[str, str]:

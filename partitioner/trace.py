@@ -233,7 +233,23 @@ def flatten_inputs(fx: TracedProgram, args: tuple, kwargs: dict | None = None) -
     """Flatten ``(args, kwargs)`` the way the traced graph's placeholders expect them."""
     import torch.fx._pytree as fx_pytree
 
+    kwargs = dict(kwargs or {})
+    want_args, want_kwargs = _signature(fx.in_spec)
+    if want_args is not None and (len(args) != want_args or set(kwargs) != set(want_kwargs)):
+        # tree_flatten_spec alone would silently drop extra inputs.
+        raise TypeError(f"inputs do not match the traced signature: the model was traced with {want_args} "
+                        f"positional input(s) and keyword input(s) {sorted(want_kwargs)}, but got {len(args)} "
+                        f"positional and {sorted(kwargs)}; pass the same inputs as the example microbatch")
     try:
-        return list(fx_pytree.tree_flatten_spec((tuple(args), dict(kwargs or {})), fx.in_spec))
+        return list(fx_pytree.tree_flatten_spec((tuple(args), kwargs), fx.in_spec))
     except Exception as exc:
         raise TypeError(f"inputs do not match the traced signature {fx.in_spec}: {exc}") from exc
+
+
+def _signature(spec: pytree.TreeSpec) -> tuple[int | None, list[str]]:
+    """Number of positional inputs and the keyword names of an ``(args, kwargs)`` input spec."""
+    try:
+        args_spec, kwargs_spec = spec.children() if callable(getattr(spec, "children", None)) else spec.children_specs
+        return args_spec.num_children, list(kwargs_spec.context or [])
+    except Exception:  # not an (args, kwargs) spec: leave the check to tree_flatten_spec
+        return None, []

@@ -1,0 +1,251 @@
+"""Tracing models into op graphs: structure, costs, parameters, folding, and the traced program itself."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import partitioner
+from partitioner import zoo
+from partitioner.baselines import block_index
+from partitioner.cost import estimate
+from tests.conftest import tensor_leaves
+
+
+@pytest.fixture(scope="module", params=zoo.NAMES)
+def zoo_graph(request):
+    zm = zoo.build(request.param, batch=2)
+    state = {k: v.clone() for k, v in zm.model.state_dict().items()}
+    g = partitioner.trace(zm.model, zm.args, zm.kwargs)
+    return zm, g, state
+
+
+# --- a model small enough to check by hand -------------------------------------------------------------
+
+
+def test_mlp_graph_by_hand():
+    model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+    g = partitioner.trace(model, (torch.randn(8, 64),))
+    assert g.names == ["linear", "relu", "linear_1", "output"]
+    assert g.kinds == ["aten.linear", "aten.relu", "aten.linear", "output"]
+    assert g.modules == ["0", "1", "2", ""]
+    assert g.flops.tolist() == [2 * 8 * 64 * 32, 8 * 32, 2 * 8 * 32 * 10, 0]
+    assert g.out_bytes.tolist() == [8 * 32 * 4, 8 * 32 * 4, 8 * 10 * 4, 0]
+    # A chain: one value per producer, read by the next op.
+    assert g.src.tolist() == [0, 1, 2] and g.dst.tolist() == [1, 2, 3] and g.value.tolist() == [0, 1, 2]
+    assert g.value_bytes.tolist() == [1024, 1024, 320]
+    assert g.param_names == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    assert g.param_bytes.tolist() == [64 * 32 * 4, 32 * 4, 32 * 10 * 4, 10 * 4]
+    assert g.param_trainable.all()
+    assert sorted(zip(g.use_node.tolist(), g.use_param.tolist())) == [(0, 0), (0, 1), (2, 2), (2, 3)]
+    assert g.node_param_bytes().tolist() == [64 * 32 * 4 + 32 * 4, 0, 32 * 10 * 4 + 40, 0]
+    assert g.fx.input_names == ["input"] or len(g.fx.input_names) == 1
+    assert "4 ops" in g.describe()
+
+
+def test_conv_and_matmul_flops():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 8, 3, padding=1)
+            self.dw = nn.Conv2d(8, 8, 3, padding=1, groups=8)
+
+        def forward(self, x, w):
+            y = self.dw(self.conv(x))
+            return torch.bmm(y.flatten(2), w)
+
+    x, w = torch.randn(2, 3, 16, 16), torch.randn(2, 256, 5)
+    g = partitioner.trace(Net(), (x, w))
+    flops = dict(zip(g.names, g.flops.tolist()))
+    assert flops["conv2d"] == 2 * (2 * 8 * 16 * 16) * (3 * 3 * 3)
+    assert flops["conv2d_1"] == 2 * (2 * 8 * 16 * 16) * (1 * 3 * 3)  # depthwise: one input channel per output
+    assert flops["bmm"] == 2 * (2 * 8 * 5) * 256
+    kinds = dict(zip(g.names, g.kinds))
+    view = [n for n, k in kinds.items() if k in ("aten.flatten", "aten.view")]
+    assert view and all(flops[n] == 0 for n in view)
+    assert all(g.act_bytes[g.names.index(n)] == 0 for n in view)  # views keep nothing alive
+
+
+def test_attention_flops_count_both_matmuls():
+    q = torch.randn(2, 4, 16, 8)
+    g = partitioner.trace(_Attention(), (q,))
+    i = next(i for i, k in enumerate(g.kinds) if "scaled_dot_product" in k)
+    b, s, d = 2 * 4, 16, 8
+    assert g.flops[i] == 4.0 * b * s * s * d + 5.0 * b * s * s
+
+
+class _Attention(nn.Module):
+    def forward(self, q):
+        return F.scaled_dot_product_attention(q, q, q)
+
+
+# --- every zoo model -----------------------------------------------------------------------------------
+
+
+def test_zoo_graph_is_topological_and_consistent(zoo_graph):
+    zm, g, _ = zoo_graph
+    n = g.num_nodes
+    assert n > 5 and len(g.names) == len(set(g.names))
+    assert np.all(g.src < g.dst) and g.src.min() >= 0 and g.dst.max() < n
+    assert g.kinds[-1] == "output" and g.kinds.count("output") == 1
+    # Edges are deduplicated per (src, dst, value); a value has one producer.
+    triples = set(zip(g.src.tolist(), g.dst.tolist(), g.value.tolist()))
+    assert len(triples) == g.num_edges
+    producer = {}
+    for s, v in zip(g.src.tolist(), g.value.tolist()):
+        assert producer.setdefault(v, s) == s
+    assert set(g.value.tolist()) == set(range(len(g.value_bytes)))
+    assert np.all(g.flops >= 0) and np.all(g.act_bytes <= g.out_bytes) and np.all(g.value_bytes >= 0)
+    # The output op reads every value the model returns.
+    assert g.dst.max() == n - 1
+
+
+def test_zoo_every_fx_node_belongs_to_one_op(zoo_graph):
+    _, g, _ = zoo_graph
+    fx = g.fx
+    calls = [node.name for node in fx.module.graph.nodes if node.op in ("call_function", "output")]
+    assert set(calls) <= set(fx.op_of)
+    members = [m for ms in g.members for m in ms]
+    assert len(members) == len(set(members)) and set(members) == set(calls)
+    for i, ms in enumerate(g.members):
+        assert g.names[i] in ms and all(fx.op_of[m] == i for m in ms)
+
+
+def test_zoo_module_paths_are_real_submodules(zoo_graph):
+    zm, g, _ = zoo_graph
+    for path in set(g.modules) - {""}:
+        zm.model.get_submodule(path)
+    _, block = block_index(g.modules)
+    assert block.max() >= 1  # the repeated blocks are visible to the "layers" baseline
+
+
+def test_zoo_parameters_are_keyed_once(zoo_graph):
+    zm, g, _ = zoo_graph
+    model = zm.model
+    tensors = {id(t): (n, t) for n, t in list(model.named_parameters()) + list(model.named_buffers())}
+    assert len(g.param_names) == len(set(g.param_names)) == len(tensors)
+    assert int(g.param_bytes.sum()) == sum(t.numel() * t.element_size() for _, t in tensors.values())
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert {n for n, t in zip(g.param_names, g.param_trainable) if t} == trainable
+    used = set(g.use_param.tolist())
+    assert all(q in used for q, n in enumerate(g.param_names) if n in trainable), "a trainable parameter no op uses"
+
+
+def test_zoo_trace_leaves_the_model_alone(zoo_graph):
+    zm, g, state = zoo_graph
+    assert zm.model.training
+    after = zm.model.state_dict()
+    assert after.keys() == state.keys() and all(torch.equal(after[k], state[k]) for k in state)
+
+
+def test_zoo_traced_program_reproduces_the_model(zoo_graph):
+    zm, g, _ = zoo_graph
+    with torch.no_grad():
+        saved = {k: v.clone() for k, v in zm.model.state_dict().items()}
+        want = tensor_leaves(zm.model(*zm.args, **zm.kwargs))
+        zm.model.load_state_dict(saved)
+        got = tensor_leaves(g.fx.module(*zm.args, **zm.kwargs))
+        zm.model.load_state_dict(saved)
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_zoo_costs_are_positive_where_it_matters(zoo_graph):
+    _, g, _ = zoo_graph
+    c = estimate(g, partitioner.DeviceRates())
+    ops = np.array([k != "output" for k in g.kinds])
+    assert np.all(c.forward_s[ops] > 0) and np.all(c.forward_s[~ops] == 0)
+    assert np.all(c.backward_s >= 0) and c.backward_s.sum() > c.forward_s.sum()
+    assert c.needs_grad.any()
+
+
+# --- folding -------------------------------------------------------------------------------------------
+
+
+def test_batchnorm_counter_update_joins_the_batchnorm():
+    """``num_batches_tracked += 1`` reads no op, so it joins the op that uses the same buffer: a mutated
+    buffer never lands on two stages."""
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU())
+    g = partitioner.trace(model, (torch.randn(2, 3, 8, 8),))
+    bn = g.kinds.index("aten.batch_norm")
+    assert any(m.startswith("add_") for m in g.members[bn])
+    counter = g.param_names.index("1.num_batches_tracked")
+    assert g.use_node[g.use_param == counter].tolist() == [bn]
+    for name in ("1.running_mean", "1.running_var"):
+        assert g.use_node[g.use_param == g.param_names.index(name)].tolist() == [bn]
+    assert not g.param_trainable[counter]
+
+
+def test_tuple_outputs_are_folded_into_their_op():
+    class Split(nn.Module):
+        def forward(self, x):
+            a, b = torch.chunk(x * 2, 2, dim=-1)
+            return a + 1, b - 1
+
+    g = partitioner.trace(Split(), (torch.randn(3, 8),))
+    assert not any(k == "getitem" for k in g.kinds)
+    assert all(k.startswith("aten.") or k == "output" for k in g.kinds)
+
+
+def test_shared_module_is_one_parameter_used_by_two_ops():
+    zm = zoo.build("inception", batch=2)
+    g = partitioner.trace(zm.model, zm.args)
+    q = g.param_names.index("blocks.0.shared.weight")
+    users = g.use_node[g.use_param == q]
+    assert len(users) == 2 and all(g.modules[u] == "blocks.0.shared" for u in users)
+
+
+def test_frozen_parameters_have_no_backward():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.frozen = nn.Linear(16, 16)
+            self.frozen.requires_grad_(False)
+            self.head = nn.Linear(16, 4)
+
+        def forward(self, x):
+            return self.head(torch.relu(self.frozen(x)))
+
+    g = partitioner.trace(Net(), (torch.randn(4, 16),))
+    c = estimate(g, partitioner.DeviceRates())
+    by_module = dict(zip(g.modules, range(g.num_nodes)))
+    assert c.backward_s[by_module["frozen"]] == 0 and not c.needs_grad[by_module["frozen"]]
+    assert c.backward_s[by_module["head"]] > 0
+    assert not g.param_trainable[g.param_names.index("frozen.weight")]
+
+
+def test_keyword_tensor_inputs_are_graph_inputs():
+    zm = zoo.build("bert", batch=2)
+    g = partitioner.trace(zm.model, zm.args, zm.kwargs)
+    assert g.fx.input_names == ["input_ids", "attention_mask"]
+    assert [tuple(m.shape) for m in g.fx.input_meta] == [(2, 32), (2, 32)]
+
+
+def test_dict_output_keeps_its_structure():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 3)
+
+        def forward(self, x, *, scale):
+            h = self.a(x)
+            return {"logits": self.b(h) * scale, "hidden": h}
+
+    model, x = Net(), torch.randn(4, 8)
+    plan = partitioner.partition(model, 2, example_inputs=(x,), example_kwargs={"scale": torch.tensor(2.0)})
+    out = plan.as_module()(x, scale=torch.tensor(2.0))
+    want = model(x, scale=torch.tensor(2.0))
+    assert isinstance(out, dict) and out.keys() == want.keys()
+    for k in want:
+        torch.testing.assert_close(out[k], want[k], rtol=0, atol=0)
+
+
+def test_args_need_not_be_a_tuple():
+    model = nn.Linear(4, 2)
+    x = torch.randn(3, 4)
+    g1 = partitioner.trace(model, x)
+    g2 = partitioner.trace(model, (x,))
+    assert g1.names == g2.names and g1.flops.tolist() == g2.flops.tolist()
