@@ -2,11 +2,15 @@
 
 Compute is a roofline with a dispatch floor: an op's forward takes
 ``max(flops / flop_rate, moved_bytes / memory_bandwidth) + op_overhead`` seconds (Williams et al. 2009,
-"Roofline: an insightful visual performance model", CACM 52(4)). The three rates are *measured* on the
-device by :func:`calibrate` (a matmul, a large add, a tiny op); backward is 2x forward (two matmuls per
-forward matmul) for ops that need a gradient and 0 for ops that do not (frozen teachers, index math).
-``measure`` mode replaces the estimate by timing each op's forward for real and scaling backward by the
-measured backward/forward ratio of the whole model.
+"Roofline: an insightful visual performance model", CACM 52(4)). The rates are *measured* on the
+device by :func:`calibrate` (a matmul, a streaming add, a tiny op, a write to fresh memory). Backward is
+2x forward (two matmuls per forward matmul: the input gradient and the weight gradient) for ops that need
+a gradient, 1x for ops none of whose inputs needs one (the first layer: only its weight gradient), and 0
+for ops that need none (frozen teachers, index math); on top of that, every trainable parameter an op
+uses costs its bytes written at ``grad_bytes_per_s``: the weight gradient is a new tensor every step
+(``zero_grad(set_to_none=True)``), and on CPU writing fresh pages is page-fault bound -- for a conv net,
+whose late layers hold most of the weights and few of the FLOPs, this is most of the backward time.
+``measure`` mode replaces the estimate by timing each op's forward and backward for real.
 
 Memory per stage: parameters (+ gradients + optimizer state for trainable ones, by optimizer kind) and
 the activations each op keeps for backward times the microbatches in flight on that stage.
@@ -15,6 +19,7 @@ Communication: bytes over a link of ``link_bytes_per_s`` plus ``link_latency_s``
 from __future__ import annotations
 
 import math
+import operator
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -52,6 +57,7 @@ class DeviceRates:
     op_overhead_s: float = 5.0e-6
     link_bytes_per_s: float = 2.0e9
     link_latency_s: float = 5.0e-5
+    grad_bytes_per_s: float = 2.0e9   # writing freshly allocated memory (a new weight gradient)
 
     def comm_s(self, nbytes: float, messages: float = 1.0) -> float:
         return 0.0 if nbytes <= 0 else nbytes / self.link_bytes_per_s + messages * self.link_latency_s
@@ -70,6 +76,18 @@ def _median_time(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def _best_time(fn, repeats: int) -> float:
+    """Fastest of ``repeats`` runs: other load only ever slows a run down, so the minimum is the device's
+    own speed (what makes plans stable on a shared machine; medians moved with the load)."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
 @cache
 def calibrate(device: str = "cpu") -> DeviceRates:
     """Measure this device's matmul rate, memory bandwidth and per-op overhead (about 0.2 s, cached).
@@ -80,23 +98,34 @@ def calibrate(device: str = "cpu") -> DeviceRates:
     dev = torch.device(device)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     a = torch.randn(512, 512, device=dev)
-    big = torch.randn(4 * 1024 * 1024, device=dev)
+    # Streaming bandwidth: two inputs and a preallocated output, each larger than a last-level cache.
+    # (A 16 MiB ``big + big`` sat at the size of this class of CPU's L3 and allocated its output every
+    # call, so it read as 7 GB/s in one process and 60 GB/s in the next.)
+    n_big = 16 * 1024 * 1024
+    x, y, z = (torch.randn(n_big, device=dev) for _ in range(3))
     tiny = torch.randn(8, device=dev)
+    # Fresh memory: 64 MiB is above glibc's largest mmap threshold (32 MiB), so on CPU every call maps new
+    # pages, as a step's new weight gradients do once malloc has trimmed them; CUDA's caching allocator
+    # reuses its blocks, so there this is plain write bandwidth.
+    n_fresh = 16 * 1024 * 1024
 
     def run(f):
         return lambda: (f(), sync())
 
-    mm = _median_time(run(lambda: a @ a), 5)
-    add = _median_time(run(lambda: big + big), 5)
-    small = _median_time(run(lambda: tiny + tiny), 50)
+    mm = _best_time(run(lambda: a @ a), 10)
+    add = _best_time(run(lambda: torch.add(x, y, out=z)), 10)
+    small = _best_time(run(lambda: tiny + tiny), 200)
+    fresh = _best_time(run(lambda: torch.empty(n_fresh, device=dev).fill_(1.0)), 5)
+    del x, y, z
 
     def r2(x: float) -> float:
         return float(f"{x:.2g}")
 
     return DeviceRates(
         flops_per_s=r2(2 * 512 ** 3 / mm),
-        bytes_per_s=r2(3 * big.numel() * 4 / add),
+        bytes_per_s=r2(3 * n_big * 4 / add),
         op_overhead_s=r2(small),
+        grad_bytes_per_s=r2(n_fresh * 4 / fresh),
     )
 
 
@@ -182,61 +211,130 @@ def estimate(graph: OpGraph, rates: DeviceRates | None = None) -> NodeCosts:
     compute = np.maximum(graph.flops / rates.flops_per_s, graph.move_bytes / rates.bytes_per_s)
     is_op = np.array([k != "output" for k in graph.kinds], bool)
     fwd = np.where(is_op, compute + rates.op_overhead_s, 0.0)
-    needs = _needs_grad(graph) & is_op
-    bwd = np.where(needs, 2.0 * compute + rates.op_overhead_s, 0.0)
+    all_needs = _needs_grad(graph)
+    needs = all_needs & is_op
+    # Input gradients only where some input carries one; weight gradients are written to fresh memory.
+    input_grad = np.zeros(graph.num_nodes, bool)
+    input_grad[graph.dst[all_needs[graph.src]]] = True
+    grad_bytes = np.zeros(graph.num_nodes)
+    if len(graph.use_node):
+        trainable = graph.param_trainable[graph.use_param]
+        np.add.at(grad_bytes, graph.use_node[trainable], graph.param_bytes[graph.use_param[trainable]])
+    factor = np.where(input_grad, 2.0, 1.0)
+    bwd = np.where(needs, factor * compute + grad_bytes / rates.grad_bytes_per_s + rates.op_overhead_s, 0.0)
     return NodeCosts(forward_s=fwd, backward_s=bwd, needs_grad=needs)
 
 
 def measure(graph: OpGraph, args: tuple, kwargs: dict | None = None, *, repeats: int = 3,
             rates: DeviceRates | None = None) -> NodeCosts:
-    """Time every op's forward for real (median of ``repeats``) and scale backward by the measured
-    backward/forward ratio of the whole traced model."""
+    """Time every op's forward *and* backward for real (median of ``repeats``, after one warm-up pass).
+
+    The traced graph runs node by node; each op reads its inputs as fresh autograd leaves, and right after
+    its forward its own backward runs on random output gradients, so backward costs are per op -- a conv
+    net's late layers, which hold most of the weights, pay for their weight gradients, where one
+    backward/forward ratio for the whole model would spread that cost evenly. Each op's weight gradients
+    are new tensors (as after ``zero_grad(set_to_none=True)``). The fixed cost of one
+    ``autograd.backward`` call, which a stage pays once and not per op, is measured on a trivial op and
+    subtracted. With one intra-op thread on CPU the clock is this thread's CPU time (robust on a shared
+    machine); otherwise wall time. The model's buffers (BatchNorm statistics) and gradients are restored.
+    """
     import torch.utils._pytree as pytree
 
     from .trace import flatten_inputs
 
     if graph.fx is None:
         raise ValueError("measure() needs a traced graph (partitioner.trace), not a synthetic one")
+    rates = rates or calibrate()
     fx = graph.fx
     gm = fx.module
     flat = flatten_inputs(fx, args, kwargs)
-    per_node = np.zeros(graph.num_nodes)
-    samples: dict[str, list[float]] = {}
-    for rep in range(repeats + 1):  # the first pass warms up and is not counted
-        env: dict[str, Any] = {}
-        placeholders = iter(flat)
-        for node in gm.graph.nodes:
-            if node.op == "placeholder":
-                env[node.name] = next(placeholders)
-            elif node.op == "get_attr":
-                env[node.name] = _fetch(gm, node.target)
-            elif node.op == "call_function":
-                a, k = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: env[n.name])
-                t0 = time.perf_counter()
-                env[node.name] = node.target(*a, **k)
-                if rep:
-                    samples.setdefault(node.name, []).append(time.perf_counter() - t0)
-    for name, ts in samples.items():
-        per_node[fx.op_of[name]] += statistics.median(ts)
-    base = estimate(graph, rates)
-    # Whole-model forward vs forward+backward, to turn measured forwards into backward estimates.
-    out_leaves = [v for v in pytree.tree_leaves(gm(*args, **(kwargs or {}))) if isinstance(v, torch.Tensor)]
-    diff = [o for o in out_leaves if o.requires_grad]
-    if diff:
-        def fwd():
-            return [o for o in pytree.tree_leaves(gm(*args, **(kwargs or {}))) if isinstance(o, torch.Tensor) and o.requires_grad]
+    clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
+    params = {id(p): p for p in gm.parameters()}
+    saved_grads = {k: p.grad for k, p in params.items()}
+    saved_buffers = [(b, b.detach().clone()) for b in gm.buffers()]
+    gen = torch.Generator().manual_seed(0)
+    fwd_samples: dict[str, list[float]] = {}
+    bwd_samples: dict[str, list[float]] = {}
+    call_overhead = _backward_call_overhead(clock, repeats) - rates.op_overhead_s
 
-        def fwd_bwd():
-            outs = fwd()
-            torch.autograd.backward([o.float().sum() for o in outs])
-        f = _median_time(fwd, repeats)
-        fb = _median_time(fwd_bwd, repeats)
-        gm.zero_grad(set_to_none=True)
-        ratio = max(fb - f, 0.0) / max(f, 1e-12)
-    else:
-        ratio = 0.0
-    bwd = np.where(base.needs_grad, per_node * ratio, 0.0)
-    return NodeCosts(forward_s=per_node, backward_s=bwd, needs_grad=base.needs_grad, measured=True)
+    def leaf(v: Any, written: bool) -> Any:
+        if isinstance(v, torch.Tensor) and v.requires_grad and id(v) not in params:
+            v = v.detach().requires_grad_(True)
+            return v.clone() if written else v  # an in-place op may not write to a leaf
+        return v
+
+    try:
+        for rep in range(repeats + 1):  # the first pass warms up and is not counted
+            env: dict[str, Any] = {}
+            placeholders = iter(flat)
+            for node in gm.graph.nodes:
+                if node.op == "placeholder":
+                    env[node.name] = next(placeholders)
+                elif node.op == "get_attr":
+                    env[node.name] = _fetch(gm, node.target)
+                elif node.op == "call_function":
+                    if node.target is operator.getitem:  # part of its producer, timed there
+                        env[node.name] = node.target(*torch.fx.node.map_arg(node.args, lambda n: env[n.name]))
+                        continue
+                    written = {n.name for n in _written_args(node)}
+                    a, k = torch.fx.node.map_arg((node.args, node.kwargs),
+                                                 lambda n: leaf(env[n.name], n.name in written))
+                    t0 = clock()
+                    out = node.target(*a, **k)
+                    t1 = clock()
+                    env[node.name] = out
+                    outs = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor) and o.requires_grad]
+                    if outs:
+                        grads = [torch.randn(o.shape, generator=gen).to(o.dtype).to(o.device) for o in outs]
+                        t2 = clock()
+                        torch.autograd.backward(outs, grads)
+                        t3 = clock()
+                        for q in params.values():
+                            q.grad = None
+                    if rep:
+                        fwd_samples.setdefault(node.name, []).append(t1 - t0)
+                        if outs:
+                            bwd_samples.setdefault(node.name, []).append(max(t3 - t2 - call_overhead, 0.0))
+    finally:
+        with torch.no_grad():
+            for b, value in saved_buffers:
+                b.copy_(value)
+        for k, q in params.items():
+            q.grad = saved_grads[k]
+    fwd = np.zeros(graph.num_nodes)
+    bwd = np.zeros(graph.num_nodes)
+    for name, ts in fwd_samples.items():
+        fwd[fx.op_of[name]] += statistics.median(ts)
+    for name, ts in bwd_samples.items():
+        bwd[fx.op_of[name]] += statistics.median(ts)
+    needs = estimate(graph, rates).needs_grad
+    return NodeCosts(forward_s=fwd, backward_s=np.where(needs, bwd, 0.0), needs_grad=needs, measured=True)
+
+
+def _written_args(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The input nodes that ``node`` updates in place (by its ATen schema's alias annotations)."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or not schema.is_mutable:
+        return []
+    out = []
+    for i, arg in enumerate(schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            val = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+            out.extend(v for v in (val if isinstance(val, (list, tuple)) else [val]) if isinstance(v, torch.fx.Node))
+    return out
+
+
+def _backward_call_overhead(clock, repeats: int) -> float:
+    """Seconds of one ``autograd.backward`` call on a trivial op (what timing ops one by one adds)."""
+    x = torch.ones(8, requires_grad=True)
+    g = torch.ones(8)
+    times = []
+    for _ in range(10 * (repeats + 1)):
+        y = x * 1.0
+        t0 = clock()
+        torch.autograd.backward([y], [g])
+        times.append(clock() - t0)
+    return statistics.median(times)
 
 
 def _fetch(module: torch.nn.Module, target: str) -> Any:
