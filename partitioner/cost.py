@@ -33,7 +33,7 @@ import torch.fx
 from .graph import OpGraph
 
 __all__ = ["DeviceRates", "calibrate", "NodeCosts", "estimate", "measure", "op_flops_and_bytes",
-           "OPTIMIZER_STATE_FACTOR", "in_flight"]
+           "OPTIMIZER_STATE_FACTOR", "in_flight", "tensor_bytes"]
 
 # Optimizer state per trainable parameter byte (Adam keeps two moments; SGD with momentum one).
 OPTIMIZER_STATE_FACTOR = {"adam": 2.0, "adamw": 2.0, "sgd": 1.0, "none": 0.0}
@@ -76,16 +76,24 @@ def _median_time(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def _best_time(fn, repeats: int) -> float:
+def _best_time(fn, repeats: int, clock=time.perf_counter) -> float:
     """Fastest of ``repeats`` runs: other load only ever slows a run down, so the minimum is the device's
     own speed (what makes plans stable on a shared machine; medians moved with the load)."""
     fn()
     best = float("inf")
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = clock()
         fn()
-        best = min(best, time.perf_counter() - t0)
+        best = min(best, clock() - t0)
     return best
+
+
+def _cost_clock(device: torch.device):
+    """With one intra-op thread on CPU all of an op's work runs on the calling thread, so that thread's CPU
+    time is the op's cost; unlike wall time it does not grow while other processes hold the cores (which a
+    minimum over runs cannot undo for a run of 100 ms under steady load), and it does include the
+    kernel's page-fault time. Elsewhere (more threads, CUDA), wall time."""
+    return time.thread_time if device.type == "cpu" and torch.get_num_threads() == 1 else time.perf_counter
 
 
 @cache
@@ -112,10 +120,11 @@ def calibrate(device: str = "cpu") -> DeviceRates:
     def run(f):
         return lambda: (f(), sync())
 
-    mm = _best_time(run(lambda: a @ a), 10)
-    add = _best_time(run(lambda: torch.add(x, y, out=z)), 10)
-    small = _best_time(run(lambda: tiny + tiny), 200)
-    fresh = _best_time(run(lambda: torch.empty(n_fresh, device=dev).fill_(1.0)), 5)
+    clock = _cost_clock(dev)
+    mm = _best_time(run(lambda: a @ a), 10, clock)
+    add = _best_time(run(lambda: torch.add(x, y, out=z)), 10, clock)
+    small = _best_time(run(lambda: tiny + tiny), 200)  # ~1 us: reading a CPU-time clock costs about as much
+    fresh = _best_time(run(lambda: torch.empty(n_fresh, device=dev).fill_(1.0)), 5, clock)
     del x, y, z
 
     def r2(x: float) -> float:
@@ -133,11 +142,12 @@ def _numel(v: Any) -> int:
     return v.numel() if isinstance(v, torch.Tensor) else 0
 
 
-def _tensor_bytes(v: Any) -> int:
+def tensor_bytes(v: Any) -> int:
+    """Bytes of a tensor, or of the tensors in a (nested) list/tuple; 0 for anything else."""
     if isinstance(v, torch.Tensor):
         return v.numel() * v.element_size()
     if isinstance(v, (list, tuple)):
-        return sum(_tensor_bytes(x) for x in v)
+        return sum(tensor_bytes(x) for x in v)
     return 0
 
 
@@ -151,7 +161,7 @@ def op_flops_and_bytes(node: torch.fx.Node) -> tuple[float, int, bool]:
     out_numel = _numel(out) if isinstance(out, torch.Tensor) else sum(_numel(o) for o in (out or ()) if isinstance(o, torch.Tensor)) if isinstance(out, (list, tuple)) else 0
     if name in _VIEW_OPS:
         return 0.0, 0, True
-    moved = _tensor_bytes(out) + sum(_tensor_bytes(v) for v in vals)
+    moved = tensor_bytes(out) + sum(tensor_bytes(v) for v in vals)
     t = [v for v in vals if isinstance(v, torch.Tensor)]
     if name in ("addmm", "mm", "bmm", "baddbmm", "matmul", "linear") and len(t) >= 2:
         a, b = (t[1], t[2]) if name in ("addmm", "baddbmm") and len(t) >= 3 else (t[0], t[1])
@@ -169,7 +179,7 @@ def op_flops_and_bytes(node: torch.fx.Node) -> tuple[float, int, bool]:
         batch = q.numel() // (q.shape[-2] * q.shape[-1])
         return 4.0 * batch * q.shape[-2] * k.shape[-2] * q.shape[-1] + 5.0 * batch * q.shape[-2] * k.shape[-2], moved, False
     if name == "embedding":
-        return 0.0, 2 * _tensor_bytes(out), False
+        return 0.0, 2 * tensor_bytes(out), False
     if name in _NORM_OPS:
         return 5.0 * out_numel, moved, False
     return float(out_numel), moved, False
@@ -236,7 +246,7 @@ def measure(graph: OpGraph, args: tuple, kwargs: dict | None = None, *, repeats:
     are new tensors (as after ``zero_grad(set_to_none=True)``). The fixed cost of one
     ``autograd.backward`` call, which a stage pays once and not per op, is measured on a trivial op and
     subtracted. With one intra-op thread on CPU the clock is this thread's CPU time (robust on a shared
-    machine); otherwise wall time. The model's buffers (BatchNorm statistics) and gradients are restored.
+    machine, see :func:`_cost_clock`); otherwise wall time. The model's buffers (BatchNorm statistics) and gradients are restored.
     """
     import torch.utils._pytree as pytree
 
@@ -248,9 +258,11 @@ def measure(graph: OpGraph, args: tuple, kwargs: dict | None = None, *, repeats:
     fx = graph.fx
     gm = fx.module
     flat = flatten_inputs(fx, args, kwargs)
-    clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
+    clock = _cost_clock(next(iter(gm.parameters()), torch.empty(0)).device)
     params = {id(p): p for p in gm.parameters()}
     saved_grads = {k: p.grad for k, p in params.items()}
+    for q in params.values():  # or the first backward would accumulate into the caller's gradients
+        q.grad = None
     saved_buffers = [(b, b.detach().clone()) for b in gm.buffers()]
     gen = torch.Generator().manual_seed(0)
     fwd_samples: dict[str, list[float]] = {}

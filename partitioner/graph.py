@@ -97,15 +97,20 @@ class OpGraph:
     def edge_bytes(self) -> np.ndarray:
         return self.value_bytes[self.value]
 
-    def node_param_bytes(self) -> np.ndarray:
-        """Parameter bytes per node, each parameter attributed to its first user (for prefix sums)."""
-        out = np.zeros(self.num_nodes, np.int64)
+    def by_first_user(self, per_param: np.ndarray) -> np.ndarray:
+        """A per-parameter quantity attributed to each parameter's first user (for prefix sums along the
+        topological order); unused parameters count nowhere."""
+        out = np.zeros(self.num_nodes, np.asarray(per_param).dtype)
         if len(self.use_node):
             first = np.full(len(self.param_names), self.num_nodes, np.int64)
             np.minimum.at(first, self.use_param, self.use_node)
             used = first < self.num_nodes
-            np.add.at(out, first[used], self.param_bytes[used])
+            np.add.at(out, first[used], per_param[used])
         return out
+
+    def node_param_bytes(self) -> np.ndarray:
+        """Parameter bytes per node, each parameter attributed to its first user."""
+        return self.by_first_user(self.param_bytes)
 
     def index(self) -> dict[str, int]:
         return {name: i for i, name in enumerate(self.names)}

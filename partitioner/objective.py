@@ -59,14 +59,7 @@ class Problem:
 
     def node_param_mem(self) -> np.ndarray:
         """Parameter memory per node, each parameter attributed to its first user (for prefix sums)."""
-        g = self.graph
-        out = np.zeros(g.num_nodes)
-        if len(g.use_node):
-            first = np.full(len(g.param_names), g.num_nodes, np.int64)
-            np.minimum.at(first, g.use_param, g.use_node)
-            used = first < g.num_nodes
-            np.add.at(out, first[used], self.param_mem[used])
-        return out
+        return self.graph.by_first_user(self.param_mem)
 
     @property
     def lower_bound(self) -> float:

@@ -140,30 +140,30 @@ def _prefix(p: Problem) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
     P = np.concatenate([[0.0], np.cumsum(p.node_param_mem())])
     A = np.concatenate([[0.0], np.cumsum(g.act_bytes.astype(np.float64))])
     cut = np.zeros(n + 2)
+    first, last, nbytes = _value_spans(g)
+    np.add.at(cut, first + 1, nbytes)
+    np.add.at(cut, last + 1, -nbytes)
+    return T, P, A, np.cumsum(cut)[: n + 1]
+
+
+def _value_spans(g: OpGraph) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For each value read after the op that produces it: the producer's position, the last reader's
+    position and its bytes (it crosses every cut in between)."""
+    n, nv = g.num_nodes, len(g.value_bytes)
+    first = np.full(nv, n, np.int64)
+    last = np.full(nv, -1, np.int64)
     if g.num_edges:
-        nv = len(g.value_bytes)
-        first = np.full(nv, n, np.int64)
-        last = np.full(nv, -1, np.int64)
         np.minimum.at(first, g.value, g.src)
         np.maximum.at(last, g.value, g.dst)
-        live = last > first
-        np.add.at(cut, first[live] + 1, g.value_bytes[live])
-        np.add.at(cut, last[live] + 1, -g.value_bytes[live])
-    return T, P, A, np.cumsum(cut)[: n + 1]
+    live = last > first
+    return first[live], last[live], g.value_bytes[live]
 
 
 def _live_values(g: OpGraph) -> np.ndarray:
     """Per cut position, how many values are live across it (each is one message)."""
     n = g.num_nodes
-    count = np.zeros(n + 2)
-    if g.num_edges:
-        nv = len(g.value_bytes)
-        first = np.full(nv, n, np.int64)
-        last = np.full(nv, -1, np.int64)
-        np.minimum.at(first, g.value, g.src)
-        np.maximum.at(last, g.value, g.dst)
-        live = last > first
-        count += np.bincount(first[live] + 1, minlength=n + 2) - np.bincount(last[live] + 1, minlength=n + 2)
+    first, last, _ = _value_spans(g)
+    count = np.bincount(first + 1, minlength=n + 2) - np.bincount(last + 1, minlength=n + 2)
     return np.cumsum(count)[: n + 1]
 
 

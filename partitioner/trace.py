@@ -23,7 +23,7 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
-from .cost import op_flops_and_bytes
+from .cost import op_flops_and_bytes, tensor_bytes
 from .graph import OpGraph
 
 __all__ = ["trace", "TraceError", "TracedProgram", "flatten_inputs"]
@@ -43,14 +43,6 @@ class TracedProgram:
     op_of: dict[str, int]                  # fx node name -> op index (folded nodes map to their op)
     input_names: list[str]                 # placeholder names, in flat order
     input_meta: list[Any]                  # example value of each flat input (tensor metadata or constant)
-
-
-def _nbytes(val: Any) -> int:
-    if isinstance(val, torch.Tensor):
-        return val.numel() * val.element_size()
-    if isinstance(val, (list, tuple)):
-        return sum(_nbytes(v) for v in val)
-    return 0
 
 
 def _module_path(node: torch.fx.Node) -> str:
@@ -143,7 +135,7 @@ def _build(gm: torch.fx.GraphModule, in_spec: pytree.TreeSpec, out_spec: pytree.
         kinds.append(kind)
         modules.append(_module_path(node))
         flops.append(f)
-        ob = _nbytes(node.meta.get("val"))
+        ob = tensor_bytes(node.meta.get("val"))
         out_b.append(ob)
         act_b.append(0 if is_view else ob)
         move_b.append(moved)
@@ -202,7 +194,7 @@ def _build(gm: torch.fx.GraphModule, in_spec: pytree.TreeSpec, out_spec: pytree.
                 continue
             if inp.name not in value_id:
                 value_id[inp.name] = len(value_bytes)
-                value_bytes.append(_nbytes(by_name[inp.name].meta.get("val")))
+                value_bytes.append(tensor_bytes(by_name[inp.name].meta.get("val")))
             edges.add((producer, consumer, value_id[inp.name]))
     e = np.array(sorted(edges), dtype=np.int64).reshape(-1, 3)
     use_pairs = np.array([(i, p) for i, ps in enumerate(uses) for p in sorted(ps)], np.int64).reshape(-1, 2)
