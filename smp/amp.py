@@ -18,7 +18,19 @@ class GradScaler(torch.amp.GradScaler):
     def __init__(self, device: str | None = None, **kwargs: Any):
         super().__init__(device or ("cuda" if torch.cuda.is_available() else "cpu"), **kwargs)
 
+    def _ensure_scale(self) -> None:
+        """Only the last stage's rank calls ``scale(loss)``, which creates the scale tensor lazily; the other
+        ranks create theirs here, at the same initial value, so every rank can unscale and update."""
+        if self._enabled and self._scale is None:
+            device = torch.device(self._device)
+            if device.type == "cuda" and device.index is None:
+                device = torch.device("cuda", torch.cuda.current_device())
+            self._lazy_init_scale_growth_tracker(device)
+
     def unscale_(self, optimizer: Any) -> None:
+        if not self._enabled:
+            return
+        self._ensure_scale()
         inner = getattr(optimizer, "optimizer", optimizer)
         super().unscale_(inner)
         found = self._per_optimizer_states[id(inner)]["found_inf_per_device"]
@@ -30,6 +42,10 @@ class GradScaler(torch.amp.GradScaler):
             found[device] = total.to(found[device].device)
         if not found:  # this rank holds no gradients: still vote, under the scale's device
             found[total.device] = total
+
+    def update(self, new_scale: Any = None) -> None:
+        self._ensure_scale()
+        super().update(new_scale)
 
     def step(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
         inner = getattr(optimizer, "optimizer", optimizer)

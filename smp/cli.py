@@ -948,12 +948,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="FILE", help="write the results as JSON")
     p.set_defaults(func=cmd_simulate)
 
-    p = sub.add_parser("demo", help="partition a built-in GPT-2 and show the plan and its schedule",
-                       description="The quickest look: zoo:gpt2 in 2 stages, its plan and simulated schedule.")
+    p = sub.add_parser("demo", help="partition a built-in GPT-2, show the plan and its schedule, train it pipelined",
+                       description="The quickest look: zoo:gpt2 in 2 stages, its plan and simulated schedule, "
+                                   "then a few training steps pipelined over 2 local processes.")
     p.add_argument("--partitions", "-p", type=_positive_int, default=2)
     p.add_argument("--microbatches", "-m", type=_positive_int, default=4)
     p.add_argument("--pipeline", choices=PIPELINES, default="interleaved")
-    p.add_argument("--train", action="store_true", help="then train it pipelined (examples/train_gpt2.py)")
+    p.add_argument("--no-train", dest="train", action="store_false",
+                   help="stop after the plan and schedule (skip training examples/train_gpt2.py pipelined)")
     p.add_argument("--quiet", "-q", action="store_true")
     p.set_defaults(func=cmd_demo)
 
@@ -1286,8 +1288,8 @@ def demo(argv: Sequence[str] | None = None) -> int:
 
     The demo is the list of steps in ``DEMO_STEPS``, each a function of one :class:`DemoRun` that prints its
     part and leaves results on the run for the steps after it; a step that returns a non-zero exit code stops
-    the demo. Training GPT-2 pipelined (``--train``, ``examples/train_gpt2.py`` through ``smp launch``) is the
-    last step; extend the demo by adding steps.
+    the demo. Training GPT-2 pipelined (``examples/train_gpt2.py`` through ``smp launch``; ``--no-train`` skips
+    it) is the last step; extend the demo by adding steps.
     """
     return main(["demo", *(argv or [])])
 
@@ -1328,7 +1330,7 @@ TRAIN_SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__fi
 
 
 def _demo_train(run: DemoRun) -> int:
-    """With ``--train``: run ``examples/train_gpt2.py`` pipelined on ``--partitions`` processes."""
+    """Unless ``--no-train``: run ``examples/train_gpt2.py`` pipelined on ``--partitions`` processes."""
     if not run.args.train:
         print()
         print("next: smp inspect zoo:gpt2 --partitions 4 --microbatches 8 --graph plan.png --timeline steps.png")

@@ -10,7 +10,7 @@ built over ``model.parameters()`` and ``state_dict`` keys work unchanged.
 from __future__ import annotations
 
 import warnings
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -115,6 +115,13 @@ class DistributedModel(torch.nn.Module):
         runner = self.runner
         sm = runner.split_model
         train = self.module.training and run.call_of(0).grad_enabled
+        if run.call_of(0).autocast != self._traced_autocast:
+            def name(ac: Any) -> str:
+                return f"torch.autocast({ac[0]!r}, dtype={ac[1]})" if ac else "no autocast"
+            raise RuntimeError(f"the model was partitioned under {name(self._traced_autocast)} but this step runs "
+                               f"under {name(run.call_of(0).autocast)}: the tensors that cross pipeline stages have "
+                               "the dtypes of the first step, so call the model under the same autocast setting in "
+                               "every step")
 
         def inputs_of(k: int) -> dict[str, Any]:
             call = run.call_of(k)
@@ -156,6 +163,22 @@ class DistributedModel(torch.nn.Module):
         st = state.get()
         cfg = st.config
         pp = cfg.pipeline_parallel_degree
+        # Trace under the step's autocast: the dtypes of the tensors that cross stages (the receive buffers)
+        # come from the trace, and under autocast they are the low-precision ones.
+        self._traced_autocast = call.autocast
+        with torch.autocast(call.autocast[0], dtype=call.autocast[1]) if call.autocast else nullcontext():
+            plan = self._make_plan(call, pp)
+        self.runner = PipelineRunner(
+            plan, schedule=cfg.schedule, microbatches=cfg.microbatches,
+            max_in_flight=cfg.active_microbatches if cfg.schedule == "1f1b" else None,
+            pipelines=st.topology.mp_groups(), device=st.device,
+            checkpoint_modules=self._checkpointed_paths())
+        self.partitioned = True
+        for fn in self._post_partition_hooks:
+            fn(self, None)
+
+    def _make_plan(self, call: "step_mod._Call", pp: int) -> PartitionPlan:
+        cfg = state.get().config
         options = {"microbatches": cfg.microbatches, "memory_weight": cfg.effective_memory_weight,
                    "pipeline": cfg.schedule}
         if self._resume_plan is not None:
@@ -171,22 +194,16 @@ class DistributedModel(torch.nn.Module):
             graph = trace(self.module, call.args, call.kwargs)
             plan = fixed_plan(graph, pp, self._manual_stages(graph), **options)
             plan.graph = graph
-        self.runner = PipelineRunner(
-            plan, schedule=cfg.schedule, microbatches=cfg.microbatches,
-            max_in_flight=cfg.active_microbatches if cfg.schedule == "1f1b" else None,
-            pipelines=st.topology.mp_groups(), device=st.device,
-            checkpoint_modules=self._checkpointed_paths())
-        self.partitioned = True
-        for fn in self._post_partition_hooks:
-            fn(self, None)
+        return plan
 
     def _checkpointed_paths(self) -> list[str]:
         marked = state.get().checkpointed
         return [name for name, m in self.module.named_modules() if m in marked]
 
     def _manual_stages(self, graph: Any) -> np.ndarray:
-        """Each op goes where its innermost placed module is; an op of no placed module follows its
-        latest producer, or ``default_partition`` when it has none."""
+        """Each op goes where its innermost placed module is; an op of no placed module goes to
+        ``default_partition``, or to its latest producer's partition when that comes later (so glue code
+        in an unplaced parent, e.g. the root module's forward, never sends a tensor backwards)."""
         st = state.get()
         placed = {name: st.placement[m] for name, m in self.module.named_modules() if m in st.placement}
         stage = np.full(graph.num_nodes, -1, np.int64)
@@ -203,7 +220,7 @@ class DistributedModel(torch.nn.Module):
         for i in range(graph.num_nodes):  # index order is topological: producers are settled first
             if stage[i] < 0:
                 preds = src[starts[i]:starts[i + 1]]
-                stage[i] = int(stage[preds].max()) if len(preds) else default
+                stage[i] = max(default, int(stage[preds].max())) if len(preds) else default
         stage[[i for i, k in enumerate(graph.kinds) if k == "output"]] = st.config.pipeline_parallel_degree - 1
         return stage
 

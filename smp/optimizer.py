@@ -18,7 +18,10 @@ from . import state
 __all__ = ["DistributedOptimizer"]
 
 
-class DistributedOptimizer:
+class DistributedOptimizer(torch.optim.Optimizer):
+    """A torch ``Optimizer`` (so lr schedulers accept it) that delegates to the optimizer it wraps; it never
+    calls ``Optimizer.__init__``, so ``param_groups``, ``state`` and ``defaults`` are the wrapped one's."""
+
     def __init__(self, optimizer: torch.optim.Optimizer):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -35,23 +38,42 @@ class DistributedOptimizer:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         defaults = {k: v for k, v in self.optimizer.defaults.items() if k not in ("params",)}
-        self._zero = ZeroRedundancyOptimizer([p for p in model.local_parameters() if p.requires_grad],
-                                             optimizer_class=type(self.optimizer),
+        local = {id(p) for p in model.local_parameters() if p.requires_grad}
+        # The wrapped optimizer's param groups, restricted to this rank's parameters (groups keep their own
+        # hyperparameters); _zero_groups[i] is the wrapped group that ZeRO group i mirrors.
+        groups, self._zero_groups = [], []
+        for i, g in enumerate(self.optimizer.param_groups):
+            params = [p for p in g["params"] if id(p) in local]
+            if params:
+                groups.append({**{k: v for k, v in g.items() if k not in ("params", "initial_lr")}, "params": params})
+                self._zero_groups.append(i)
+        self._zero = ZeroRedundancyOptimizer(groups, optimizer_class=type(self.optimizer),
                                              process_group=state.get().dp_group, **defaults)
+
+    def _sync_zero_hyperparameters(self) -> None:
+        """lr schedulers change the wrapped optimizer's groups: carry lr & co. over to ZeRO's before it steps."""
+        for zg, i in zip(self._zero.param_groups, self._zero_groups):
+            zg.update({k: v for k, v in self.optimizer.param_groups[i].items() if k not in ("params", "initial_lr")})
 
     # The optimizer's own attributes (param_groups, state, defaults): lr schedulers and GradScaler use them.
     def __getattr__(self, name: str) -> Any:
         return getattr(self.__dict__["optimizer"], name)
 
     def step(self, closure: Any = None) -> Any:
-        return (self._zero or self.optimizer).step(closure)
+        if self._zero is not None:
+            self._sync_zero_hyperparameters()
+            return self._zero.step(closure)
+        return self.optimizer.step(closure)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        self.optimizer.add_param_group(param_group)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def local_state_dict(self) -> dict[str, Any]:
         if self._zero is not None:
-            return {"_smp_zero": True, "local": self._zero.optimizer.state_dict()}
+            return {"_smp_zero": True, "local": self._zero.optim.state_dict()}
         return self.optimizer.state_dict()
 
     def state_dict(self) -> dict[str, Any]:
@@ -73,7 +95,7 @@ class DistributedOptimizer:
             if self._zero is None:
                 raise RuntimeError("this optimizer state was saved with shard_optimizer_state=True; load it with "
                                    "the same config after the first step has partitioned the model")
-            self._zero.optimizer.load_state_dict(state_dict["local"])
+            self._zero.optim.load_state_dict(state_dict["local"])
             return
         self.optimizer.load_state_dict(state_dict)
 

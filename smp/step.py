@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
+import queue
 import threading
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -73,6 +75,39 @@ class _Micro:
             for k, v in changes.items():
                 setattr(self, k, v)
             self.cond.notify_all()
+
+
+class _Workers:
+    """Daemon threads that run the microbatches' calls of the user's function, reused across steps (starting
+    a thread per microbatch per step costs more than the rest of smp's per-step work). A task may block for
+    as long as the schedule needs, so a new thread starts whenever no idle one is left; one stuck for good
+    (a step that failed) is simply not reused, and as a daemon it never holds up the interpreter's exit."""
+
+    def __init__(self) -> None:
+        self._tasks: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._idle = 0  # threads waiting for a task, or about to
+
+    def submit(self, task: Callable[[], None]) -> None:
+        with self._lock:
+            spawn = self._idle == 0
+            if not spawn:
+                self._idle -= 1
+        if spawn:
+            threading.Thread(target=self._loop, name="smp-step", daemon=True).start()
+        self._tasks.put(task)
+
+    def _loop(self) -> None:
+        while True:
+            task = self._tasks.get()
+            try:
+                task()
+            finally:
+                with self._lock:
+                    self._idle += 1
+
+
+_workers = _Workers()
 
 
 def current_microbatch() -> int | None:
@@ -161,27 +196,36 @@ class _StepRun:
         self.mbs = mbs
         self.model = model
         self.micros = [_Micro(k) for k in range(len(mbs))]
-        self.threads: list[threading.Thread | None] = [None] * len(mbs)
+        self.started = [False] * len(mbs)
+        self.result_cache: dict = {}
+        # Grad mode and autocast are thread-local: the caller's (``with torch.no_grad(): step(...)``) must
+        # hold in the microbatch threads too.
+        self.grad_enabled = torch.is_grad_enabled()
+        self.autocast = _autocast_state()
 
     def _thread(self, micro: _Micro) -> None:
         _local.micro = micro
         a, kw = self.mbs[micro.index]
+        ac = self.autocast
         try:
-            micro.update(result=self.fn(*a, **kw))
+            with torch.set_grad_enabled(self.grad_enabled), \
+                    (torch.autocast(ac[0], dtype=ac[1]) if ac is not None else nullcontext()):
+                result = self.fn(*a, **kw)
+            micro.update(result=result)
         except _Abandon:
             pass
         except BaseException as exc:  # handed to the main thread, which raises it
             micro.update(error=exc)
         finally:
+            _local.micro = None
             micro.update(finished=True)
 
     def call_of(self, k: int) -> _Call:
-        """Start microbatch k's thread if needed and wait until it reaches ``model(...)``."""
+        """Start microbatch k's call if needed and wait until it reaches ``model(...)``."""
         micro = self.micros[k]
-        if self.threads[k] is None:
-            self.threads[k] = threading.Thread(target=self._thread, args=(micro,), name=f"smp-step-mb{k}",
-                                               daemon=True)
-            self.threads[k].start()
+        if not self.started[k]:
+            self.started[k] = True
+            _workers.submit(lambda: self._thread(micro))
         micro.wait(lambda: micro.call is not None or micro.finished)
         if micro.call is None:
             if micro.error is not None:
@@ -190,8 +234,8 @@ class _StepRun:
         return micro.call
 
     def before_forward(self, k: int) -> Any:
-        call = self.micros[k].call
-        if call is not None and call.autocast is not None:
+        call = self.call_of(k)  # microbatch k's thread may not have reached model(...) yet: its autocast is there
+        if call.autocast is not None:
             return torch.autocast(call.autocast[0], dtype=call.autocast[1])
         return nullcontext()
 
@@ -221,11 +265,11 @@ class _StepRun:
         return micro.loss / len(self.micros) if self.model.average_grads_across_microbatches else micro.loss
 
     def results(self) -> list[Any]:
-        for k, t in enumerate(self.threads):
-            if t is None:  # microbatches this rank never needed (no local stage reads model inputs)
+        for k, started in enumerate(self.started):
+            if not started:  # microbatches this rank never needed (no local stage reads model inputs)
                 self.call_of(k)
-        for micro, t in zip(self.micros, self.threads):
-            t.join()
+        for micro in self.micros:
+            micro.wait(lambda: micro.finished)
             if micro.error is not None:
                 raise micro.error
             if micro.backward_outside:
@@ -261,6 +305,8 @@ def step(fn: Callable | None = None, *, non_split_inputs: list[str] | tuple[str,
     arg_names = [p.name for p in inspect.signature(fn).parameters.values()
                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
 
+    result_cache: dict = {}  # how this function's return values travel (see broadcast_results)
+
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         st = state.get()
@@ -272,6 +318,7 @@ def step(fn: Callable | None = None, *, non_split_inputs: list[str] | tuple[str,
         mbs = microbatch.split(args, kwargs, st.config.microbatches, non_split_inputs=non_split_inputs,
                                input_split_axes=input_split_axes, arg_names=arg_names)
         run = _StepRun(fn, mbs, model)
+        run.result_cache = result_cache
         st.in_step = run
         try:
             results = model.run_step(run)
@@ -284,9 +331,73 @@ def step(fn: Callable | None = None, *, non_split_inputs: list[str] | tuple[str,
     return wrapper
 
 
+def _signature(results: Any) -> tuple | None:
+    """Structure, and kind/dtype/shape of every leaf, of a step's return values; None when a leaf is not a
+    dense tensor or a Python bool/int/float (those always travel pickled)."""
+    leaves, spec = pytree.tree_flatten(results)
+    kinds = []
+    for x in leaves:
+        if isinstance(x, torch.Tensor):
+            if x.layout != torch.strided:
+                return None
+            kinds.append((x.dtype, tuple(x.shape)))
+        elif type(x) in (bool, float) or (type(x) is int and -2 ** 63 <= x < 2 ** 63):
+            kinds.append(type(x))
+        else:
+            return None
+    return spec, tuple(kinds)
+
+
+def _nbytes(kinds: tuple) -> int:
+    return sum(k[0].itemsize * math.prod(k[1]) if isinstance(k, tuple) else 8 for k in kinds)
+
+
 def broadcast_results(results: list[Any] | None, src: int, group: Any) -> list[Any]:
-    """The last stage's per-microbatch return values, to every rank of the model-parallel group."""
-    box = [results]
-    if dist.get_world_size(group) > 1:
-        dist.broadcast_object_list(box, src=src, group=group)
-    return box[0]
+    """The last stage's per-microbatch return values, to every rank of the model-parallel group.
+
+    The first step of a step function sends them pickled (two collectives). When a step returns values of
+    the same structure, dtypes and shapes as the step before (the usual case: a loss per microbatch), they
+    travel as the raw bytes of one tensor behind a flag byte instead: one collective, no pickling. A flag of
+    0 says the structure changed, and the pickled path follows.
+    """
+    if dist.get_world_size(group) == 1:
+        return results
+    st = state.get()
+    cache: dict = st.in_step.result_cache if st.in_step is not None else {}
+    known = cache.get("signature")
+    if known is not None:
+        spec, kinds = known
+        buf = torch.zeros(1 + _nbytes(kinds), dtype=torch.uint8, device=st.device)
+        if results is not None and _signature(results) == known:
+            buf[0] = 1
+            parts = []
+            for x in pytree.tree_leaves(results):
+                if isinstance(x, torch.Tensor):
+                    parts.append(x.detach().to(st.device).contiguous().reshape(-1).view(torch.uint8))
+                else:
+                    t = torch.tensor([x], dtype=torch.float64 if type(x) is float else torch.int64, device=st.device)
+                    parts.append(t.view(torch.uint8))
+            if parts:
+                buf[1:].copy_(torch.cat(parts))
+        dist.broadcast(buf, src=src, group=group)
+        if bool(buf[0]):
+            if results is not None:
+                return results
+            leaves, offset = [], 1
+            for kind in kinds:
+                if isinstance(kind, tuple):
+                    dtype, shape = kind
+                    n = dtype.itemsize * math.prod(shape)
+                    leaves.append(buf[offset:offset + n].clone().view(dtype).reshape(shape))
+                else:
+                    n = 8
+                    raw = buf[offset:offset + n].clone()
+                    leaves.append(kind(raw.view(torch.float64 if kind is float else torch.int64).item()))
+                offset += n
+            return pytree.tree_unflatten(leaves, spec)
+    # Only values travel: autograd graphs (and the hooks on the model outputs) stay on the last stage's rank.
+    box = [None if results is None else _detach(results)]
+    dist.broadcast_object_list(box, src=src, group=group)
+    got = results if results is not None else box[0]
+    cache["signature"] = _signature(got)
+    return got
