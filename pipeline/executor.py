@@ -86,13 +86,15 @@ class Executor:
         self._mailbox: dict[tuple[str, int, int], torch.Tensor] = {}  # (value, mb, to stage) -> tensor
         self._grads: dict[tuple[str, int], torch.Tensor] = {}        # (value, mb) -> summed local grads
         self.peak_held = {s: 0 for s in self._stages}
+        self._posted: dict[Action, list[tuple[str, int, torch.Tensor, Any, int, str]]] = {}
         results: dict[int, tuple] = {}
-        for action in self.schedule.actions[self.rank]:
+        order = [a for a in self.schedule.actions[self.rank] if a.kind != "B" or train]
+        for i, action in enumerate(order):
             if action.kind == "W":
                 raise NotImplementedError("split input/weight backward (zero-bubble) schedules are simulated "
                                           "only; run them with schedule='1f1b' or 'gpipe'")
-            if action.kind == "B" and not train:
-                continue
+            for ahead in order[i + 1:i + 1 + self.RECV_LOOKAHEAD]:
+                self._post_recvs(ahead)
             span = self.recorder.span(str(action)) if self.recorder else nullcontext()
             with span:
                 if action.kind == "F":
@@ -106,14 +108,48 @@ class Executor:
         self.transport.flush()
         return results
 
+    # -- receives, posted ahead -------------------------------------------------------------------
+    # gloo moves a message's payload only once the receiver has posted its receive (the sender queues it and
+    # waits for a "receive ready" note), so a receive posted when the action starts costs a round trip of
+    # thread wake-ups on the critical path. Posting the next action's receives before running the current
+    # one lets a peer's send go out at once. Same messages, tags and buffers; one action's buffers earlier.
+    RECV_LOOKAHEAD = 1
+
+    def _recv_specs(self, a: Action) -> list[tuple[str, int, int, str]]:
+        """(value, producing/consuming stage, tag, description) of every remote value ``a`` receives."""
+        stage, k = self._stages[a.stage], a.microbatch
+        if a.kind == "F":
+            return sorted(((n, stage.sources[n], self._tag(n, k, False),
+                            f"receiving {n} for stage {a.stage} microbatch {k}")
+                           for n in stage.inputs
+                           if stage.sources[n] != MODEL_INPUT and not self._local(stage.sources[n])),
+                          key=lambda r: r[2])
+        if a.kind == "B":
+            return [(n, c, self._tag(n, k, True), f"receiving the gradient of {n} (microbatch {k}) from stage {c}")
+                    for n in stage.outputs if self.requires_grad.get(n, False)
+                    for c in stage.consumers.get(n, []) if not self._local(c)]
+        return []
+
+    def _post_recvs(self, a: Action) -> None:
+        if a not in self._posted:
+            posted = []
+            for n, s, tag, what in self._recv_specs(a):
+                buf = self._buffer(n)
+                posted.append((n, s, buf, self.transport.irecv(buf, self._peer(s), tag), self._peer(s), what))
+            self._posted[a] = posted
+
+    def _received(self, a: Action) -> list[tuple[str, int, torch.Tensor]]:
+        """Wait for ``a``'s receives (posting them first if they are not yet): (value, stage, buffer)."""
+        self._post_recvs(a)
+        posted = self._posted.pop(a)
+        for _, _, _, work, peer, what in posted:
+            self.transport.wait(work, peer, what)
+        return [(n, s, buf) for n, s, buf, _, _, _ in posted]
+
     def _forward(self, a: Action, inputs: dict[str, Any], loss_hook: LossHook | None, train: bool) -> tuple | None:
         stage = self._stages[a.stage]
         k = a.microbatch
-        remote = [n for n in stage.inputs if stage.sources[n] != MODEL_INPUT and not self._local(stage.sources[n])]
-        received = {n: self._buffer(n) for n in remote}
-        self.transport.recv(sorted(((received[n], self._peer(stage.sources[n]), self._tag(n, k, False),
-                                     f"receiving {n} for stage {a.stage} microbatch {k}") for n in remote),
-                                   key=lambda r: r[2]))
+        received = {n: buf for n, _, buf in self._received(a)}
         args = []
         boundary: dict[str, torch.Tensor] = {}
         for n in stage.inputs:
@@ -166,10 +202,7 @@ class Executor:
         else:
             wanted = [(n, c) for n in stage.outputs if self.requires_grad.get(n, False)
                       for c in stage.consumers.get(n, [])]
-            remote = [(n, c, self._buffer(n)) for n, c in wanted if not self._local(c)]
-            self.transport.recv([(buf, self._peer(c), self._tag(n, k, True),
-                                  f"receiving the gradient of {n} (microbatch {k}) from stage {c}")
-                                 for n, c, buf in remote])
+            remote = self._received(a)
             got: dict[str, torch.Tensor] = {}
             for n, _, buf in remote:
                 got[n] = got[n] + buf if n in got else buf

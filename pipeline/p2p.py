@@ -49,6 +49,10 @@ class Transport:
         if len(self.pending) > 64:  # keep the list short; completed sends need no wait
             self.pending = [p for p in self.pending if not p[0].is_completed()]
 
+    def irecv(self, buffer: torch.Tensor, src: int, tag: int) -> Any:
+        """Post one receive; :meth:`wait` on the returned work (with the peer and a description)."""
+        return dist.irecv(buffer, src=src, group=self.group, tag=tag)
+
     def recv(self, buffers: list[tuple[torch.Tensor, int, int, str]]) -> None:
         """Receive every (buffer, src, tag, what) and wait for all of them."""
         works = [(dist.irecv(buf, src=src, group=self.group, tag=tag), src, what) for buf, src, tag, what in buffers]
