@@ -38,6 +38,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.common import pin  # noqa: E402
 from tests.spawn import run_ranks  # noqa: E402
 
 CONFIGS = {  # name -> (ranks, global batch as a multiple of --batch)
@@ -45,17 +46,6 @@ CONFIGS = {  # name -> (ranks, global batch as a multiple of --batch)
     "pp2 x dp2": (4, 1),
     "pp2 x dp2 weak": (4, 2),
 }
-
-
-def pin(rank: int, cfg: dict) -> None:
-    if not cfg.get("pin") or not hasattr(os, "sched_setaffinity"):
-        return
-    cores = sorted(os.sched_getaffinity(0))
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            os.sched_setaffinity(int(tid), {cores[rank % len(cores)]})
-        except OSError:
-            pass
 
 
 def worker(rank: int, world: int, cfg: dict, global_batch: int) -> dict[str, Any] | None:

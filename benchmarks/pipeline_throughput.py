@@ -51,6 +51,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.common import pin  # noqa: E402
 from tests.spawn import run_ranks  # noqa: E402
 
 GOAL_BUBBLE_FRACTION = 0.97   # ours: efficiency >= 97% of the bubble bound m / (m + p - 1)
@@ -110,20 +111,6 @@ def ours_schedules(v: int) -> dict[str, tuple[str, int]]:
     if v > 1:
         out[f"intl v={v}"] = ("interleaved-virtual", v)
     return out
-
-
-def pin(rank: int, cfg: dict) -> None:
-    """Every thread of this process (main, gloo's) onto core ``rank % cores``: otherwise, on a busy host,
-    Linux's affine wake-ups tend to stack two communicating ranks on one core."""
-    if not cfg.get("pin") or not hasattr(os, "sched_setaffinity"):
-        return
-    cores = sorted(os.sched_getaffinity(0))
-    core = {cores[rank % len(cores)]}
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            os.sched_setaffinity(int(tid), core)
-        except OSError:
-            pass
 
 
 def record_cpu(runner) -> list[float]:

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.common import pin  # noqa: E402
 from tests.spawn import run_ranks  # noqa: E402
 
 GOAL_OVERHEAD = 0.03  # smp at most 3 % slower than the bare runner
@@ -51,18 +52,6 @@ def build(cfg: dict) -> tuple[torch.nn.Sequential, torch.Tensor, torch.Tensor]:
         layers += [torch.nn.Linear(cfg["width"], cfg["width"]), torch.nn.GELU()]
     return (torch.nn.Sequential(*layers), torch.randn(cfg["batch"], cfg["width"]),
             torch.randn(cfg["batch"], cfg["width"]))
-
-
-def pin(rank: int, cfg: dict) -> None:
-    """Every thread of this process onto core ``rank % cores`` (see benchmarks/pipeline_throughput.py)."""
-    if not cfg.get("pin") or not hasattr(os, "sched_setaffinity"):
-        return
-    cores = sorted(os.sched_getaffinity(0))
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            os.sched_setaffinity(int(tid), {cores[rank % len(cores)]})
-        except OSError:
-            pass
 
 
 def worker(rank: int, world: int, cfg: dict) -> dict[str, Any] | None:
