@@ -200,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{rates.link_bytes_per_s / 1e9:.1f} GB/s + {rates.link_latency_s * 1e6:.0f} us")
     print("# ours/baselines = predicted balance (bottleneck / lower bound, comm included); cut = bytes crossing "
           "stages per microbatch;\n# dominated = a baseline as good in bottleneck and cut and better in one; "
+          "p.comp = predicted max/mean stage compute (no comm: what 'measured' checks);\n# "
           f"measured = max/mean stage time (fwd+bwd {opts.clock} time, median of {opts.repeats}; m.best: fastest repeat);\n"
           "# floor = best max/mean any contiguous plan reaches with per-op measured costs (op granularity); "
           "m.pred / m.meas = the plan of partition(measure=True)")
@@ -208,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     meas_cols = "".join(f" {'m.' + b[:6]:>8}" for b in BASELINES) if opts.measure_baselines else ""
     cost_cols = f" {'floor':>6} {'m.pred':>6} {'m.meas':>6}" if with_costs else ""
     head = (f"{'model':<10} {'k':>2} {'blk/st':>6} {'LB ms':>8} {'ours':>6} {'method':>6}{bl_cols}"
-            f" {'cut MiB':>8}{cut_cols} {'dominated':>9} {'part s':>7} {'measured':>8} {'m.best':>7}{cost_cols}{meas_cols}")
+            f" {'cut MiB':>8}{cut_cols} {'dominated':>9} {'part s':>7} {'p.comp':>6} {'measured':>8} {'m.best':>7}{cost_cols}{meas_cols}")
     print(head)
     print("-" * len(head))
     failures: list[str] = []
@@ -243,10 +244,12 @@ def main(argv: list[str] | None = None) -> int:
                 mb = "".join(f" {time_stages(g, bp.assignment, k, zm.args, zm.kwargs, opts.repeats, opts.clock).balance:>8.3f}"
                              for bp in base.values())
             blk = n_blocks / k
+            comp = [st.forward_s + st.backward_s for st in plan.stages]
+            p_comp = max(comp) / (sum(comp) / k)
             print(f"{name:<10} {k:>2} {blk:>6.1f} {plan.lower_bound * 1e3:>8.2f} {plan.balance:>6.3f} "
                   f"{plan.method:>6}" + "".join(f" {bp.balance:>8.3f}" for bp in base.values())
                   + f" {_mib(plan.cut_bytes):>8}" + "".join(f" {_mib(bp.cut_bytes):>11}" for bp in base.values())
-                  + f" {(','.join(dominated) or 'no'):>9} {t_part:>7.3f} {measured}{cc}{mb}", flush=True)
+                  + f" {(','.join(dominated) or 'no'):>9} {t_part:>7.3f} {p_comp:>6.3f} {measured}{cc}{mb}", flush=True)
             if opts.verbose and times is not None:
                 pred = [s.forward_s + s.backward_s for s in plan.stages]
                 print("    predicted compute ms: " + " ".join(f"{x * 1e3:7.2f}" for x in pred))

@@ -93,10 +93,9 @@ def test_zoo_stages_run_as_pipeline_exactly(traced):
     """Stage inputs as fresh leaves (what a pipeline rank gets): in-place ops on received tensors must not
     break autograd (HF ResNet's ``hidden += residual``), and per-stage backward gives the same gradients."""
     g = traced.graph
-    for k in (4, 8):
-        plan = partitioner.partition(g, k)
-        got = traced.pipeline_step(split(g, plan.assignment, k))
-        assert_same_step(got, traced.want)
+    plan = partitioner.partition(g, 8)
+    got = traced.pipeline_step(split(g, plan.assignment, 8))
+    assert_same_step(got, traced.want)
 
 
 def test_staged_module_trains_the_models_own_parameters(traced):

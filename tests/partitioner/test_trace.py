@@ -1,6 +1,8 @@
 """Tracing models into op graphs: structure, costs, parameters, folding, and the traced program itself."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -249,3 +251,60 @@ def test_args_need_not_be_a_tuple():
     g1 = partitioner.trace(model, x)
     g2 = partitioner.trace(model, (x,))
     assert g1.names == g2.names and g1.flops.tolist() == g2.flops.tolist()
+
+
+# --- the cost model ------------------------------------------------------------------------------------
+
+
+def _two_layer():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8))
+
+
+def test_backward_costs_only_the_gradients_needed():
+    """The first layer computes no input gradient (its input is data): 1x its forward compute, not 2x;
+    every weight gradient is a fresh tensor written at ``grad_bytes_per_s``."""
+    g = partitioner.trace(_two_layer(), (torch.randn(16, 32),))
+    rates = partitioner.DeviceRates(grad_bytes_per_s=float("inf"))
+    c = estimate(g, rates)
+    compute = np.maximum(g.flops / rates.flops_per_s, g.move_bytes / rates.bytes_per_s)
+    first, relu, second = (g.names.index(n) for n in ("linear", "relu", "linear_1"))
+    assert c.backward_s[first] == pytest.approx(compute[first] + rates.op_overhead_s)
+    assert c.backward_s[relu] == pytest.approx(2 * compute[relu] + rates.op_overhead_s)
+    assert c.backward_s[second] == pytest.approx(2 * compute[second] + rates.op_overhead_s)
+    slow = dataclasses.replace(rates, grad_bytes_per_s=1e6)
+    extra = estimate(g, slow).backward_s - c.backward_s
+    assert extra[first] == pytest.approx((32 * 64 + 64) * 4 / 1e6)
+    assert extra[second] == pytest.approx((64 * 8 + 8) * 4 / 1e6)
+    assert extra[relu] == 0
+    assert np.array_equal(estimate(g, slow).forward_s, c.forward_s)  # forward is unchanged
+
+
+def test_calibrated_rates_are_sane():
+    r = partitioner.calibrate()
+    assert r is partitioner.calibrate()  # cached: one measurement per process
+    assert 1e8 < r.flops_per_s < 1e15 and 1e8 < r.bytes_per_s < 1e13
+    assert 1e7 < r.grad_bytes_per_s < 1e13 and 0 < r.op_overhead_s < 1e-3
+    assert set(r.to_dict()) >= {"flops_per_s", "bytes_per_s", "grad_bytes_per_s", "op_overhead_s",
+                                "link_bytes_per_s", "link_latency_s"}
+
+
+def test_measure_times_forward_and_backward_per_op_and_leaves_the_model_alone():
+    zm = zoo.build("resnet", batch=2)  # BatchNorm buffers and in-place residual adds
+    g = partitioner.trace(zm.model, zm.args, zm.kwargs)
+    for p in zm.model.parameters():
+        p.grad = torch.full_like(p, 3.0)
+    state = {k: v.clone() for k, v in zm.model.state_dict().items()}
+    c = partitioner.measure(g, zm.args, zm.kwargs, repeats=1)
+    assert c.measured
+    ops = np.array([k != "output" for k in g.kinds])
+    assert np.all(c.forward_s[ops] > 0) and np.all(c.forward_s >= 0)
+    assert np.all(c.backward_s[c.needs_grad & ops] >= 0) and c.backward_s.sum() > 0
+    assert np.all(c.backward_s[~c.needs_grad] == 0)
+    convs = [i for i, k in enumerate(g.kinds) if k == "aten.conv2d"]
+    assert all(c.backward_s[i] > 0 for i in convs)
+    after = zm.model.state_dict()
+    assert all(torch.equal(after[k], state[k]) for k in state), "measure() must restore BatchNorm statistics"
+    assert all(torch.equal(p.grad, torch.full_like(p, 3.0)) for p in zm.model.parameters())
+    plan = partitioner.partition(g, 2, measure=True, example_inputs=zm.args)
+    assert plan.options["measured"] is True
