@@ -11,6 +11,11 @@ whose gradient sums over both when the stages run in one process.
 We build the stage graphs ourselves rather than with ``torch.fx.passes.split_module`` because the runtime
 needs, per stage, exactly which values it receives from and sends to which stage; that is the
 bookkeeping this file does.
+
+torch.export bakes the model's train/eval mode into the graph as a literal flag of each mode-dependent op
+(dropout, batch and instance norm, rrelu) and as BatchNorm's ``num_batches_tracked += 1``, which Python
+runs only in training. The stages read that flag from their own ``training`` attribute instead, so
+``stage.eval()`` / ``stage.train()`` behave as on the original model, whatever mode it was traced in.
 """
 from __future__ import annotations
 
@@ -83,6 +88,7 @@ class StagedModule(torch.nn.Module):
         super().__init__()
         self.split_model = split_model
         self.stages = torch.nn.ModuleList([s.module for s in split_model.stages])
+        self.train(split_model.program.training)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         sm = self.split_model
@@ -152,7 +158,7 @@ def split(graph: OpGraph, assignment: dict[str, int], num_stages: int) -> SplitM
         if node.op == "output":
             g.output(torch.fx.node.map_arg(node.args[0], lookup))
         else:
-            env[node.name] = g.node_copy(node, lookup)
+            env[node.name] = _follow_module_mode(g.node_copy(node, lookup), g)
 
     alias = _param_aliases(gm)
     stages: list[Stage] = []
@@ -164,7 +170,7 @@ def split(graph: OpGraph, assignment: dict[str, int], num_stages: int) -> SplitM
         else:
             outputs = [a.name if isinstance(a, torch.fx.Node) else repr(a)
                        for a in pytree.tree_leaves(out_node.args[0], is_leaf=lambda x: isinstance(x, torch.fx.Node))]
-        module = torch.fx.GraphModule(gm, graphs[s], class_name=f"Stage{s}")
+        module = torch.fx.GraphModule(gm, graphs[s], class_name=f"Stage{s}").train(prog.training)
         attrs = [n.target for n in graphs[s].nodes if n.op == "get_attr"]
         for name, node in needed[s].items():
             value_meta[name] = node.meta.get("val")
@@ -176,6 +182,52 @@ def split(graph: OpGraph, assignment: dict[str, int], num_stages: int) -> SplitM
             param_names={a: alias.get(a, a) for a in attrs},
         ))
     return SplitModel(stages=stages, program=prog, value_meta=value_meta)
+
+
+_MODE_ARGS = ("train", "training", "use_input_stats")
+
+
+def _add_if_training(counter: torch.Tensor, other: Any, training: bool) -> None:
+    if training:
+        counter.add_(other)
+
+
+def _follow_module_mode(node: torch.fx.Node, g: torch.fx.Graph) -> torch.fx.Node:
+    """Make a copied op read the stage's ``self.training`` where the trace baked in a constant mode."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or not node.args:
+        return node
+    counter = node.args[0]
+    if node.target is torch.ops.aten.add_.Tensor and isinstance(counter, torch.fx.Node) \
+            and counter.op == "get_attr" and counter.target.endswith("num_batches_tracked"):
+        node.target, node.args = _add_if_training, (*node.args, _training(g, node))
+        return node
+    names = [a.name for a in schema.arguments]
+    at = next((i for i, n in enumerate(names) if n in _MODE_ARGS), None)
+    if at is None or _no_running_stats(node, names):
+        return node
+    # Arguments the trace left to their defaults (eval-mode rrelu has none after the input) are spelled out.
+    args = list(node.args) + [node.kwargs.get(a.name, a.default_value) for a in schema.arguments[len(node.args):at]]
+    node.args = (*args[:at], _training(g, node), *args[at + 1:])
+    node.kwargs = {k: v for k, v in node.kwargs.items() if names.index(k) > at}
+    return node
+
+
+def _no_running_stats(node: torch.fx.Node, names: list[str]) -> bool:
+    """A norm without running statistics uses batch statistics in both modes: its flag stays as traced."""
+    if "running_mean" not in names:
+        return False
+    i = names.index("running_mean")
+    return (node.args[i] if i < len(node.args) else node.kwargs.get("running_mean")) is None
+
+
+def _training(g: torch.fx.Graph, user: torch.fx.Node) -> torch.fx.Node:
+    """The stage module's ``training`` flag: one ``get_attr`` per graph, placed before its first user."""
+    found = next((n for n in g.nodes if n.op == "get_attr" and n.target == "training"), None)
+    if found is None:
+        with g.inserting_before(user):
+            found = g.get_attr("training")
+    return found
 
 
 def _written_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:

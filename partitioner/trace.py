@@ -43,6 +43,7 @@ class TracedProgram:
     op_of: dict[str, int]                  # fx node name -> op index (folded nodes map to their op)
     input_names: list[str]                 # placeholder names, in flat order
     input_meta: list[Any]                  # example value of each flat input (tensor metadata or constant)
+    training: bool = True                  # the model's mode when traced: the mode stages start in
 
 
 def _module_path(node: torch.fx.Node) -> str:
@@ -98,10 +99,11 @@ def trace(model: torch.nn.Module, args: tuple | list | Any = (), kwargs: dict | 
     kwargs = dict(kwargs or {})
     ep = _export(model, tuple(args), kwargs)
     gm = ep.module()
-    return _build(gm, ep.call_spec.in_spec, ep.call_spec.out_spec)
+    return _build(gm, ep.call_spec.in_spec, ep.call_spec.out_spec, model.training)
 
 
-def _build(gm: torch.fx.GraphModule, in_spec: pytree.TreeSpec, out_spec: pytree.TreeSpec) -> OpGraph:
+def _build(gm: torch.fx.GraphModule, in_spec: pytree.TreeSpec, out_spec: pytree.TreeSpec,
+           training: bool) -> OpGraph:
     # Parameters and buffers, keyed by the tensor object: tied weights reached by two names are one key.
     key_of: dict[int, int] = {}
     param_names: list[str] = []
@@ -199,7 +201,8 @@ def _build(gm: torch.fx.GraphModule, in_spec: pytree.TreeSpec, out_spec: pytree.
     e = np.array(sorted(edges), dtype=np.int64).reshape(-1, 3)
     use_pairs = np.array([(i, p) for i, ps in enumerate(uses) for p in sorted(ps)], np.int64).reshape(-1, 2)
     fx = TracedProgram(module=gm, in_spec=in_spec, out_spec=out_spec, op_of=op_of,
-                       input_names=[n.name for n in inputs], input_meta=[n.meta.get("val") for n in inputs])
+                       input_names=[n.name for n in inputs], input_meta=[n.meta.get("val") for n in inputs],
+                       training=training)
     return OpGraph(
         names=names, kinds=kinds, modules=modules,
         flops=np.asarray(flops, np.float64), out_bytes=np.asarray(out_b, np.int64),

@@ -218,6 +218,16 @@ class PipelineRunner:
             self.transport.report_failure(exc)
             raise
 
+    def train(self, mode: bool = True) -> "PipelineRunner":
+        """Put this rank's stages in training or evaluation mode (dropout, BatchNorm), as ``nn.Module.train``.
+        Stages start in the mode the model was traced in."""
+        for st in self.local_stages:
+            st.module.train(mode)
+        return self
+
+    def eval(self) -> "PipelineRunner":
+        return self.train(False)
+
     @property
     def events(self) -> list:
         return self.recorder.events if self.recorder else []

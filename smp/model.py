@@ -114,6 +114,7 @@ class DistributedModel(torch.nn.Module):
             self._partition(run.call_of(0))
         runner = self.runner
         sm = runner.split_model
+        runner.train(self.module.training)  # model.eval() turns dropout off and BatchNorm to running statistics
         train = self.module.training and run.call_of(0).grad_enabled
         if run.call_of(0).autocast != self._traced_autocast:
             def name(ac: Any) -> str:

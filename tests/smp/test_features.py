@@ -472,8 +472,6 @@ def test_eval_and_no_grad_steps_run_forward_only():
         assert not any(r["eval_grads"]) and not any(r["no_grad_grads"]), r  # no backward ran
 
 
-@pytest.mark.xfail(strict=True, reason="known bug: the stages are traced in the mode of the first step, so "
-                   "model.eval() after training leaves dropout on (and BatchNorm in batch-statistics mode)")
 def test_eval_after_training_turns_dropout_off():
     for r in run_ranks(_forward_only, 2, 0.5, timeout=240):
         assert r["eval_repeatable"] and r["eval_err"] < 1e-6, r
