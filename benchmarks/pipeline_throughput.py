@@ -9,11 +9,13 @@ flips every round; medians):
 
 * ``single``: one process (rank 0; the other ranks wait in a barrier), the unpartitioned model, the same
   microbatches, forward + backward per microbatch with gradients accumulating (loss / m);
-* ``ours``: :class:`pipeline.PipelineRunner`, ``schedule="1f1b"`` and ``"gpipe"``, plan from
-  ``partitioner.partition(trace(model, microbatch), p, rates=DeviceRates())``; and, for information,
-  ``"interleaved-virtual"`` with ``--virtual`` stages per rank (a plan of p x v stages; 0 to skip);
-* ``torch``: ``torch.distributed.pipelining`` ``PipelineStage`` + ``Schedule1F1B`` / ``ScheduleGPipe``, the
-  Sequential cut at the SAME layers as our p-stage plan (read from the plan, checked and printed).
+* ``ours``: :class:`pipeline.PipelineRunner`, ``schedule="1f1b"``, ``"gpipe"`` and ``"zb-h1"`` (zero bubble,
+  backward split into B and W), plan from ``partitioner.partition(trace(model, microbatch), p,
+  rates=DeviceRates())``; and, for information, ``"interleaved-virtual"`` with ``--virtual`` stages per rank
+  (a plan of p x v stages; 0 to skip);
+* ``torch``: ``torch.distributed.pipelining`` ``PipelineStage`` + ``Schedule1F1B`` / ``ScheduleGPipe`` /
+  ``ScheduleInterleavedZeroBubble`` (ZB1P, one stage per rank), the Sequential cut at the SAME layers as our
+  p-stage plan (read from the plan, checked and printed).
 
 A step is timed from a barrier to a barrier (gradients are reset outside the timed span). Efficiency is
 ``single / (p * pipelined)``, shown against the bubble bound ``m / (m + p - 1)`` of GPipe/1F1B. Next to the
@@ -107,7 +109,7 @@ def describe_cuts(cuts: list[int], model: torch.nn.Sequential) -> str:
 
 def ours_schedules(v: int) -> dict[str, tuple[str, int]]:
     """Row name -> (schedule name, virtual stages) of our runs."""
-    out = {"1f1b": ("1f1b", 1), "gpipe": ("gpipe", 1)}
+    out = {"1f1b": ("1f1b", 1), "gpipe": ("gpipe", 1), "zb-h1": ("zb-h1", 1)}
     if v > 1:
         out[f"intl v={v}"] = ("interleaved-virtual", v)
     return out
@@ -143,7 +145,7 @@ def _timed(fn, barrier) -> tuple[float, float]:
 
 def pipelined_worker(rank: int, world: int, cfg: dict) -> dict[str, Any] | None:
     import torch.distributed as dist
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleavedZeroBubble
 
     from pipeline import PipelineRunner, microbatch
 
@@ -160,13 +162,14 @@ def pipelined_worker(rank: int, world: int, cfg: dict) -> dict[str, Any] | None:
             for key, (sched, v) in ours_schedules(cfg["virtual"]).items()}
     action_cpu = {key: record_cpu(r) for key, r in ours.items()}
 
-    def peer(cls):
+    def peer(cls, multi: bool = False):
         group = dist.new_group(list(range(world)))
         part = torch.nn.Sequential(*model[bounds[rank]:bounds[rank + 1]])  # shares the model's parameters
         stage = PipelineStage(part, rank, p, torch.device("cpu"), group=group)
-        return cls(stage, n_microbatches=m, loss_fn=F.mse_loss)
+        return cls([stage] if multi else stage, n_microbatches=m, loss_fn=F.mse_loss)
 
-    peers = {"1f1b": peer(Schedule1F1B), "gpipe": peer(ScheduleGPipe)}
+    peers = {"1f1b": peer(Schedule1F1B), "gpipe": peer(ScheduleGPipe),
+             "zb-h1": peer(ScheduleInterleavedZeroBubble, multi=True)}
     losses: dict[str, float] = {}
 
     def run_single():
@@ -280,40 +283,62 @@ def overhead_worker(rank: int, world: int, cfg: dict) -> dict[str, dict[str, lis
 
 
 # -- analysis (in the parent process) -------------------------------------------------------------------
-def span_times(steps: list[list], num_stages: int) -> tuple[list[float], list[float]]:
-    """Per-stage median F and B seconds from the recorded timelines (chain pipelines): a span counts from
-    when both its rank was free (span start) and its input had been produced (end of F of stage s - 1 for
-    F of stage s, of B of stage s + 1 for B of stage s), so waiting for a peer does not count."""
+Times = dict[str, list[float]]  # "F"/"B" (and "W" for a split backward) -> median seconds per stage
+
+
+def _medians(samples: dict[str, list[list[float]]]) -> Times:
+    return {k: [statistics.median(v) for v in per_stage] for k, per_stage in samples.items() if per_stage[0]}
+
+
+def span_times(steps: list[list], num_stages: int) -> Times:
+    """Per-stage median F, B (and W) seconds from the recorded timelines (chain pipelines): a span counts
+    from when both its rank was free (span start) and its input had been produced (end of F of stage s - 1
+    for F of stage s, of B of stage s + 1 for B of stage s; a W's input is its own B, on its rank), so
+    waiting for a peer does not count."""
     from pipeline.schedule import Action
 
-    fwd: list[list[float]] = [[] for _ in range(num_stages)]
-    bwd: list[list[float]] = [[] for _ in range(num_stages)]
+    samples: dict[str, list[list[float]]] = {k: [[] for _ in range(num_stages)] for k in "FBW"}
     for ranks in steps:
         span = {e.action: (e.start, e.end) for events, _, _ in ranks for e in events}
         for name, (start, end) in span.items():
             a = Action.parse(name)
-            dep = (f"F{a.microbatch}@s{a.stage - 1}" if a.kind == "F" else f"B{a.microbatch}@s{a.stage + 1}")
+            dep = {"F": f"F{a.microbatch}@s{a.stage - 1}", "B": f"B{a.microbatch}@s{a.stage + 1}"}.get(a.kind)
             ready = span[dep][1] if dep in span else start
-            (fwd if a.kind == "F" else bwd)[a.stage].append(end - max(start, ready))
-    return [statistics.median(v) for v in fwd], [statistics.median(v) for v in bwd]
+            samples[a.kind][a.stage].append(end - max(start, ready))
+    return _medians(samples)
 
 
-def cpu_times(steps: list[list], num_stages: int) -> tuple[list[float], list[float], float]:
-    """Per-stage median thread-CPU seconds of F and B, and the median over steps of the largest per-rank
-    CPU spent outside the actions (batch split, loss broadcast, barriers, gloo's threads)."""
+def cpu_times(steps: list[list], num_stages: int) -> tuple[Times, float]:
+    """Per-stage median thread-CPU seconds of F, B (and W), and the median over steps of the largest
+    per-rank CPU spent outside the actions (batch split, loss broadcast, barriers, gloo's threads)."""
     from pipeline.schedule import Action
 
-    fwd: list[list[float]] = [[] for _ in range(num_stages)]
-    bwd: list[list[float]] = [[] for _ in range(num_stages)]
+    samples: dict[str, list[list[float]]] = {k: [[] for _ in range(num_stages)] for k in "FBW"}
     outside = []
     for ranks in steps:
         for events, cpus, _ in ranks:
             for e, c in zip(events, cpus):
                 a = Action.parse(e.action)
-                (fwd if a.kind == "F" else bwd)[a.stage].append(c)
+                samples[a.kind][a.stage].append(c)
         outside.append(max(used - sum(cpus) for _, cpus, used in ranks))
-    return ([statistics.median(v) for v in fwd], [statistics.median(v) for v in bwd],
-            statistics.median(outside))
+    return _medians(samples), statistics.median(outside)
+
+
+def _simulate(sched, t: Times, **kw):
+    """Simulated step of ``sched`` from measured times: a split backward's B and W as measured."""
+    from pipeline.simulate import simulate
+
+    return simulate(sched, t["F"], t["B"], weight_s=t.get("W"), **kw)
+
+
+def _work(t: Times) -> float:
+    """Seconds of all passes of one microbatch through every stage."""
+    return sum(sum(v) for v in t.values())
+
+
+def _fb(t: Times) -> tuple[list[float], list[float]]:
+    """F and the whole backward (B + W) per stage, for the table."""
+    return t["F"], [b + w for b, w in zip(t["B"], t.get("W", [0.0] * len(t["B"])))]
 
 
 def _load() -> str:
@@ -392,7 +417,6 @@ def main(argv: list[str] | None = None) -> int:
 
     # 2. Simulator vs measurement, from our runner's timeline.
     from pipeline.schedule import make_schedule
-    from pipeline.simulate import simulate
 
     print()
     sim_err = {}
@@ -402,18 +426,19 @@ def main(argv: list[str] | None = None) -> int:
     print("-" * len(head))
     for key, (sched_name, vs) in ours_schedules(v).items():
         sched = make_schedule(sched_name, p, m, virtual_stages=vs)
-        fwd, bwd = span_times(res["steps"][key], p * vs)
-        pred = simulate(sched, fwd, bwd, comm_s=res["comm_s"]).step_s
+        times = span_times(res["steps"][key], p * vs)
+        fwd, bwd = _fb(times)
+        pred = _simulate(sched, times, comm_s=res["comm_s"]).step_s
         meas = wall[f"ours {key}"]
         sim_err[key] = pred / meas - 1
-        work = m * (sum(fwd) + sum(bwd))
-        ceiling = work / (p * simulate(sched, fwd, bwd).step_s) / bound
+        work = m * _work(times)
+        ceiling = work / (p * _simulate(sched, times).step_s) / bound
         print(f"{'ours ' + key:<15} {_ms(fwd):>23} {_ms(bwd):>23} {res['comm_s'] * 1e3:>7.3f} {pred:>9.4f} "
               f"{meas:>8.4f} {sim_err[key]:>+6.1%} {single / work:>5.3f} {ceiling:>7.3f} {pred / meas:>7.3f}")
-    print("F/B: medians of the timeline's spans, each from when its cross-rank input had arrived; comm: ping-pong "
-          "median.\n'of bound' ~= work x ceiling x runtime: work = single / the stages' summed F+B (< 1: a stage "
-          "is slower than in\none process); ceiling = 'of bound' of a zero-overhead runtime with these stage times "
-          "(imbalance); runtime = predicted / measured.")
+    print("F/B (B + W when split): medians of the timeline's spans, each from when its cross-rank input had "
+          "arrived; comm: ping-pong\nmedian. 'of bound' ~= work x ceiling x runtime: work = single / the stages' "
+          "summed F+B (< 1: a stage is\nslower than in one process); ceiling = 'of bound' of a zero-overhead runtime "
+          "with these stage times (imbalance);\nruntime = predicted / measured.")
 
     # 3. The same from CPU time: what an idle machine with one core per rank would show.
     print()
@@ -424,16 +449,18 @@ def main(argv: list[str] | None = None) -> int:
     est_of_bound = {}
     for key, (sched_name, vs) in ours_schedules(v).items():
         sched = make_schedule(sched_name, p, m, virtual_stages=vs)
-        fwd, bwd, outside = cpu_times(res["steps"][key], p * vs)
-        est = simulate(sched, fwd, bwd, comm_s=res["comm_min_s"]).step_s + outside
+        times, outside = cpu_times(res["steps"][key], p * vs)
+        fwd, bwd = _fb(times)
+        est = _simulate(sched, times, comm_s=res["comm_min_s"]).step_s + outside
         eff = cpu["single"] / (p * est)
         est_of_bound[key] = eff / bound
-        ceiling = m * (sum(fwd) + sum(bwd)) / (p * simulate(sched, fwd, bwd).step_s) / bound
+        ceiling = m * _work(times) / (p * _simulate(sched, times).step_s) / bound
         print(f"{'ours ' + key:<15} {_ms(fwd):>23} {_ms(bwd):>23} {outside * 1e3:>10.2f} {est:>11.4f} {eff:>6.3f} "
               f"{eff / bound:>8.3f} {ceiling:>7.3f}")
-    print(f"F/B: median thread-CPU per action; outside: the largest per-rank CPU outside the actions per step (batch "
-          f"split, loss\nbroadcast, barriers, gloo threads); est. = simulated with comm {res['comm_min_s'] * 1e3:.3f} "
-          f"ms (ping-pong min) + outside; efficiency vs single's {cpu['single']:.4f} CPU s/step.")
+    print(f"F/B (B + W when split): median thread-CPU per action; outside: the largest per-rank CPU outside the "
+          f"actions per step\n(batch split, loss broadcast, barriers, gloo threads); est. = simulated with comm "
+          f"{res['comm_min_s'] * 1e3:.3f} ms (ping-pong min) + outside;\nefficiency vs single's "
+          f"{cpu['single']:.4f} CPU s/step.")
 
     overhead = overhead_cpu = None
     if not args.skip_overhead:

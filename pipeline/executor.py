@@ -5,8 +5,24 @@ the order: ``F`` of (stage, microbatch) receives the stage's inputs — from the
 inputs, from the producing stage otherwise, even when it is several stages back (skip connections, T5's
 encoder output) — runs the stage and sends each output to every stage that reads it; ``B`` receives the
 gradients of the stage's outputs (summed over the stages that read them), runs autograd through the
-stage and sends the input gradients back. Activations are kept from ``F`` to ``B`` only, so the number
-held at once is exactly what the schedule implies (GPipe: m, 1F1B: p - s); ``peak_held`` counts it.
+stage and sends the input gradients back. Activations are kept from ``F`` to ``B`` only (to ``W`` when the
+backward is split, below), so the number held at once is exactly what the schedule implies (GPipe: m,
+1F1B: p - s, ZB-H1: p + 1, all capped at m); ``peak_held`` counts it.
+
+Zero-bubble schedules (ZB-H1, Qi et al. 2023, "Zero Bubble Pipeline Parallelism", arXiv:2401.10241;
+``schedule.split_backward``) split the backward in two, with torch's own helpers
+(``torch.distributed.pipelining._backward``): ``B`` computes only the gradients of the stage's boundary
+inputs (``stage_backward_input``, which also records the gradients reaching the parameters' subgraphs)
+and sends them upstream at once; ``W`` later turns those into parameter gradients
+(``stage_backward_weight``). B keeps the graph for W (``retain_graph``), so W is what frees a microbatch's
+activations. Every parameter still gets its exact gradient:
+
+* a stage with no boundary input that carries a gradient (the first stage) has nothing to send upstream,
+  so its ``B`` only stores the output gradients and ``W`` runs the whole backward, as torch's stage does;
+* the split sees a parameter's gradient only where it meets the inputs' part of the graph, so any other
+  stage with an output that does not depend on its inputs runs the fused backward in ``B`` and has nothing
+  left for ``W``; so does any other checkpointed stage, whose ``W`` would recompute the forward once per
+  parameter group (``stage_backward_weight`` runs one autograd pass per group).
 
 Values that cross stages are detached at the boundary, also between two stages on one rank, so each
 ``B`` runs autograd through its own stage only. Gradients accumulate in the parameters' ``.grad`` across
@@ -14,12 +30,20 @@ microbatches, as ``loss.backward()`` per microbatch would.
 """
 from __future__ import annotations
 
+from bisect import bisect_right
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.utils.checkpoint
+from torch.distributed.pipelining._backward import (
+    _get_grad_fn_or_grad_acc,
+    construct_reverse_graph,
+    reverse_closure,
+    stage_backward_input,
+    stage_backward_weight,
+)
 
 from partitioner.split import MODEL_INPUT, SplitModel
 
@@ -38,6 +62,7 @@ class _Held:
     outputs: dict[str, torch.Tensor]
     inputs: dict[str, torch.Tensor]
     loss: torch.Tensor | None = None
+    weight_pass: Callable[[], None] | None = None  # what W still has to do once B ran (split backward)
 
 
 @dataclass
@@ -88,13 +113,12 @@ class Executor:
         self.peak_held = {s: 0 for s in self._stages}
         self._posted: dict[Action, list[tuple[str, int, torch.Tensor, Any, int, str]]] = {}
         results: dict[int, tuple] = {}
-        order = [a for a in self.schedule.actions[self.rank] if a.kind != "B" or train]
+        order = [a for a in self.schedule.actions[self.rank] if a.kind == "F" or train]
+        communicating = [i for i, a in enumerate(order) if a.kind != "W"]  # a W receives nothing: look past it
         for i, action in enumerate(order):
-            if action.kind == "W":
-                raise NotImplementedError("split input/weight backward (zero-bubble) schedules are simulated "
-                                          "only; run them with schedule='1f1b' or 'gpipe'")
-            for ahead in order[i + 1:i + 1 + self.RECV_LOOKAHEAD]:
-                self._post_recvs(ahead)
+            nxt = bisect_right(communicating, i)
+            for j in communicating[nxt:nxt + self.RECV_LOOKAHEAD]:
+                self._post_recvs(order[j])
             span = self.recorder.span(str(action)) if self.recorder else nullcontext()
             with span:
                 if action.kind == "F":
@@ -103,8 +127,10 @@ class Executor:
                         out = self._forward(action, inputs_of(action.microbatch), loss_hook, train)
                     if out is not None:
                         results[action.microbatch] = out
-                else:
+                elif action.kind == "B":
                     self._backward(action)
+                else:
+                    self._weight(action)
         self.transport.flush()
         return results
 
@@ -186,12 +212,17 @@ class Executor:
             self._held[(a.stage, k)] = held
             count = sum(1 for s, _ in self._held if s == a.stage)
             self.peak_held[a.stage] = max(self.peak_held[a.stage], count)
+        if last and self.schedule.split_backward and train:
+            # B keeps the graph for W, and W frees only the parameters' side of it: outputs handed out
+            # attached would keep the rest alive for as long as the caller holds them.
+            return tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in outs)
         return tuple(outs) if last else None
 
     def _backward(self, a: Action) -> None:
         stage = self._stages[a.stage]
         k = a.microbatch
-        held = self._held.pop((a.stage, k), None)
+        split = self.schedule.split_backward
+        held = self._held.get((a.stage, k)) if split else self._held.pop((a.stage, k), None)
         if held is None:
             raise RuntimeError(f"backward of stage {a.stage} microbatch {k} before its forward ran in training "
                                "mode (was the forward run under torch.no_grad()?)")
@@ -214,10 +245,15 @@ class Executor:
                 if n in held.outputs:
                     tensors.append(held.outputs[n])
                     grads.append(g)
-        if tensors:
-            torch.autograd.backward(tensors, grads)
+        if split:
+            input_grads = self._backward_input(a, held, tensors, grads)
+        else:
+            if tensors:
+                torch.autograd.backward(tensors, grads)
+            input_grads = {n: t.grad for n, t in held.inputs.items()}
         for n, t in held.inputs.items():
-            g = t.grad if t.grad is not None else torch.zeros_like(t)
+            g = input_grads.get(n)
+            g = g if g is not None else torch.zeros_like(t)
             src = stage.sources[n]
             if self._local(src):
                 key = (n, k)
@@ -225,3 +261,52 @@ class Executor:
             else:
                 self.transport.isend(g.contiguous(), self._peer(src), self._tag(n, k, True),
                                      f"sending the gradient of {n} (microbatch {k}) to stage {src}")
+
+    def _backward_input(self, a: Action, held: _Held, tensors: list[torch.Tensor],
+                        grads: list[torch.Tensor | None]) -> dict[str, torch.Tensor | None]:
+        """B of a split backward: the input gradients now, the rest left in ``held.weight_pass`` for W (the
+        held activations then stay until W; they are released here when nothing is left)."""
+        inputs = list(held.inputs.values())
+        if tensors and not inputs:
+            held.weight_pass = lambda: torch.autograd.backward(tensors, grads)
+            return {}
+        if not tensors or a.stage in self.checkpointed or not _inputs_reach_all(tensors, inputs):
+            if tensors:
+                torch.autograd.backward(tensors, grads)
+            del self._held[(a.stage, a.microbatch)]
+            return {n: t.grad for n, t in held.inputs.items()}
+        # stage_backward_input detaches its roots in place to free the output side, but an output may be a
+        # view, which refuses (pytorch#142229), or saved by a node W still needs (a residual stream that the
+        # stage also reads), which would break W: hand it throwaway copies, roots of the same graph.
+        roots = [t.clone() for t in tensors]
+        params = list(self._stages[a.stage].module.parameters())
+        dinputs, groups = stage_backward_input(roots, grads, inputs, iter(params))
+        held.outputs, held.loss = {}, None  # the originals too: W needs only the parameters' side of the graph
+        held.weight_pass = lambda: _weight_grads(params, groups)
+        return dict(zip(held.inputs, dinputs))
+
+    def _weight(self, a: Action) -> None:
+        held = self._held.pop((a.stage, a.microbatch), None)  # None: B already did everything
+        if held is not None and held.weight_pass is not None:
+            held.weight_pass()
+
+
+def _inputs_reach_all(roots: list[torch.Tensor], inputs: list[torch.Tensor]) -> bool:
+    """Does every root depend on some input? Then each path from a parameter to a root meets the inputs'
+    part of the graph, where ``stage_backward_input`` records the gradient, so W's parameter gradients are
+    complete; a root that depends on parameters alone would have its contribution lost."""
+    root_nodes = [_get_grad_fn_or_grad_acc(t) for t in roots]
+    reached, _ = reverse_closure([_get_grad_fn_or_grad_acc(t) for t in inputs], set(),
+                                 construct_reverse_graph(root_nodes))
+    return all(n in reached for n in root_nodes)
+
+
+def _weight_grads(params: list[torch.nn.Parameter], groups: list[dict[str, Any]]) -> None:
+    """W of a split backward: accumulate the parameter gradients into ``.grad``."""
+    fresh = [p for p in params if p.grad is None]
+    stage_backward_weight(iter(params), groups)
+    # A first gradient is stored as autograd returned it, which may be the very tensor it also gave another
+    # parameter or the input gradient (x + b): own it before the next microbatch adds to it in place.
+    for p in fresh:
+        if p.grad is not None:
+            p.grad = p.grad.clone()

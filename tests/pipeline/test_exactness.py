@@ -3,12 +3,16 @@ microbatches — loss, every parameter's gradient and every buffer (BatchNorm st
 schedule, several rank counts and microbatch counts."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from tests.spawn import run_ranks
 
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "zb-h1")
 
 
 def _reference(zm, m: int):
@@ -86,6 +90,77 @@ def test_two_ranks_every_schedule(name):
 @pytest.mark.parametrize("world", [3, 4])
 def test_more_ranks_mlp(world):
     errors = run_ranks(_exactness, world, "mlp", (2, 8), SCHEDULES, 1, timeout=180)
+    assert all(e == [] for e in errors), "\n".join(sum(errors, []))
+
+
+class _Shifted(nn.Module):
+    """Stage 1: two parameters added to the boundary path, so autograd hands them (and the path) one and
+    the same gradient tensor; one output is saved by an op of the stage that reads it too, the other is a
+    view."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.out = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.shift1 = nn.Parameter(torch.randn(4, 8))
+        self.shift2 = nn.Parameter(torch.randn(4, 8))
+
+    def forward(self, h):
+        y = self.lin(h) + self.shift1 + self.shift2
+        return y, self.out(y).view(h.shape[0], 2, 4)
+
+
+class _Side(nn.Module):
+    """Stage 2: a second output that depends on a parameter only, not on the stage's inputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.offset = nn.Parameter(torch.randn(4, 8))
+
+    def forward(self, y, u):
+        return self.lin(u.reshape(u.shape[0], 8)) + y, torch.tanh(self.offset)
+
+
+class _SplitEdges(nn.Module):
+    STAGES = {"first": 0, "mid": 1, "side": 2}  # module -> stage; the rest (the head) on stage 3
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.mid, self.side, self.head = nn.Linear(8, 8), _Shifted(), _Side(), nn.Linear(8, 3)
+
+    def forward(self, x):
+        a, b = self.side(*self.mid(self.first(x)))
+        return self.head(a * b)
+
+
+def _split_backward_edges(rank: int, world: int, m: int):
+    from partitioner import trace
+    from partitioner.cost import DeviceRates
+    from partitioner.partition import fixed_plan
+    from pipeline import PipelineRunner
+
+    torch.manual_seed(0)
+    model = _SplitEdges()
+    x, y = torch.randn(4 * m, 8), torch.randn(4 * m, 3)
+    zm = SimpleNamespace(model=model, args=(x,), kwargs={}, target=y, loss_fn=F.mse_loss)
+    ref = _reference(zm, m)
+    graph = trace(model, (x[:4],))
+    plan = fixed_plan(graph, world, [_SplitEdges.STAGES.get(mod.split(".")[0], 3) for mod in graph.modules],
+                      rates=DeviceRates(), microbatches=m)
+    errors = []
+    for checkpointed in ((), ("first", "mid")):
+        runner = PipelineRunner(plan, schedule="zb-h1", microbatches=m, timeout_s=30, checkpoint_modules=checkpointed)
+        res = runner.step((x,), target=y, loss_fn=F.mse_loss)
+        errors += _compare(rank, runner, zm, res, ref, f"zb-h1 m={m} checkpointed={checkpointed}")
+        model.zero_grad(set_to_none=True)
+    return errors
+
+
+def test_zero_bubble_split_backward_edges():
+    """ZB-H1's split backward on each kind of stage: the first (no input gradient: all in W), outputs that
+    are views or saved for W and parameters sharing one gradient tensor, an output that needs no input
+    (fused backward in B), the loss stage; and with activation checkpointing."""
+    errors = run_ranks(_split_backward_edges, 4, 3, timeout=180)
     assert all(e == [] for e in errors), "\n".join(sum(errors, []))
 
 

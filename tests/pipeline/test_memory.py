@@ -1,6 +1,7 @@
 """Memory: 1F1B is real. Stage s holds at most min(p - s, m) microbatches' activations at once under 1F1B,
-all m under GPipe — counted by the executor (``runner.executor.peak_held``) and, independently, by the
-bytes of the tensors autograd actually keeps alive for backward on each rank."""
+all m under GPipe, min(p + 1, m) under ZB-H1 (held until W) — counted by the executor
+(``runner.executor.peak_held``) and, independently, by the bytes of the tensors autograd actually keeps alive
+for backward on each rank."""
 from __future__ import annotations
 
 import pytest
@@ -30,7 +31,9 @@ class _SavedBytes:
             __slots__ = ("t", "key")
 
             def __init__(self, t: torch.Tensor):
-                self.t = t
+                # Detached: the tensor itself (its grad_fn) would be a reference cycle through the node that
+                # saves it, which only a backward without retain_graph breaks (a split backward's B keeps it).
+                self.t = t.detach()
                 if t.untyped_storage().data_ptr() in counter.params:
                     self.key = None
                     return
@@ -66,7 +69,7 @@ def _peaks(rank: int, world: int, ms: tuple[int, ...]):
     out = {}
     for m in ms:
         x, y = torch.randn(m * MB_ROWS, WIDTH), torch.randn(m * MB_ROWS, WIDTH)
-        for sched in ("1f1b", "gpipe"):
+        for sched in ("1f1b", "gpipe", "zb-h1"):
             runner = PipelineRunner(plan, schedule=sched, microbatches=m, timeout_s=30)
             saved = _SavedBytes(list(model.parameters()))
             with saved.hooks():
@@ -86,18 +89,29 @@ def test_in_flight_activations(world):
         for rank, got in enumerate(results):
             stage, held_1f1b, bytes_1f1b, left_1f1b = got[(m, "1f1b")]
             _, held_gpipe, bytes_gpipe, left_gpipe = got[(m, "gpipe")]
+            _, held_zb, bytes_zb, left_zb = got[(m, "zb-h1")]
             assert stage == rank
             want = min(world - stage, m)
+            # ZB-H1: the F/B order of 1F1B, but a microbatch is held until its W, and rank s defers its first
+            # s W's (p - s warm-up forwards + s deferred W's + the F that precedes each step's W).
+            want_zb = min(world + 1, m)
             assert held_1f1b == {stage: want}, f"p={world} m={m} rank {rank}: 1f1b held {held_1f1b}, want {want}"
             assert held_gpipe == {stage: m}, f"p={world} m={m} rank {rank}: gpipe held {held_gpipe}, want {m}"
+            assert held_zb == {stage: want_zb}, f"p={world} m={m} rank {rank}: zb-h1 held {held_zb}, want {want_zb}"
             # Real memory agrees: every saved activation is freed by the end of the step, and the peak
             # bytes scale with the microbatches held (each one's activations are the same size).
-            assert left_1f1b == 0 and left_gpipe == 0, (left_1f1b, left_gpipe)
+            assert left_1f1b == 0 and left_gpipe == 0 and left_zb == 0, (left_1f1b, left_gpipe, left_zb)
             assert bytes_gpipe > 0
             ratio = bytes_1f1b / bytes_gpipe
             assert ratio == pytest.approx(want / m, rel=0.05), (
                 f"p={world} m={m} stage {stage}: saved-tensor peak 1f1b {bytes_1f1b} B vs gpipe {bytes_gpipe} B "
                 f"(ratio {ratio:.3f}), expected about {want}/{m}")
+            # The last stage's B already frees the loss side of the graph (W needs only the parameters' side).
+            ratio_zb = bytes_zb / bytes_gpipe
+            if stage < world - 1:
+                assert ratio_zb == pytest.approx(want_zb / m, rel=0.05), (stage, ratio_zb, want_zb, m)
+            else:
+                assert ratio_zb <= want_zb / m * 1.05, (stage, ratio_zb, want_zb, m)
     # The headline: on stage 0, 1F1B holds p microbatches where GPipe holds all m.
     stage0 = results[0][(8, "1f1b")]
     assert stage0[1] == {0: min(world, 8)} and results[0][(8, "gpipe")][1] == {0: 8}
