@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import pin  # noqa: E402
+from benchmarks.common import load_average, pin  # noqa: E402
 from tests.spawn import run_ranks  # noqa: E402
 
 CONFIGS = {  # name -> (ranks, global batch as a multiple of --batch)
@@ -99,13 +99,6 @@ def worker(rank: int, world: int, cfg: dict, global_batch: int) -> dict[str, Any
             "summary": model.runner.plan.summary()}
 
 
-def _load() -> str:
-    try:
-        return "load average " + " ".join(f"{v:.2f}" for v in os.getloadavg()) + f" on {os.cpu_count()} cores"
-    except OSError:
-        return "load average unavailable"
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=2, help="alternating rounds over the configurations")
@@ -123,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"hybrid throughput: {args.layers} x (Linear {args.width} + GELU), m = {args.microbatches} per replica, "
           f"1F1B, SGD, fp32, 1 thread per rank{', rank r on core r % cores' if args.pin else ''}; "
           f"{cores} usable cores")
-    print(f"{args.rounds} rounds x {args.steps} timed steps per configuration, alternating. Before: {_load()}")
+    print(f"{args.rounds} rounds x {args.steps} timed steps per configuration, alternating. Before: {load_average()}")
     began = time.perf_counter()
     wall: dict[str, list[float]] = {k: [] for k in CONFIGS}
     cpu: dict[str, list[float]] = {k: [] for k in CONFIGS}
@@ -160,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"NOTE: {cores} cores for 4 ranks: the hybrid runs oversubscribe the CPU {4 / cores:.0f}x, so "
               "data parallelism adds no compute here; these rows show what dp costs on this machine (extra "
               "ranks, gradient all-reduce, time slicing), not how pp x dp scales on 4 real devices.")
-    print(f"After: {_load()}; {time.perf_counter() - began:.0f} s")
+    print(f"After: {load_average()}; {time.perf_counter() - began:.0f} s")
     return 0
 
 

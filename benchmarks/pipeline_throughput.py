@@ -40,7 +40,6 @@ idle cores, longer on a busy machine (the load average is printed before and aft
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -53,7 +52,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import pin  # noqa: E402
+from benchmarks.common import load_average, pin  # noqa: E402
 from tests.spawn import run_ranks  # noqa: E402
 
 GOAL_BUBBLE_FRACTION = 0.97   # ours: efficiency >= 97% of the bubble bound m / (m + p - 1)
@@ -341,13 +340,6 @@ def _fb(t: Times) -> tuple[list[float], list[float]]:
     return t["F"], [b + w for b, w in zip(t["B"], t.get("W", [0.0] * len(t["B"])))]
 
 
-def _load() -> str:
-    try:
-        return "load average " + " ".join(f"{x:.2f}" for x in os.getloadavg()) + f" on {os.cpu_count()} cores"
-    except OSError:
-        return "load average unavailable"
-
-
 def _verdict(ok: bool) -> str:
     return "PASS" if ok else "MISS"
 
@@ -381,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     began = time.perf_counter()
     print(f"pipeline throughput: {args.layers} x (Linear {args.width} + GELU), batch {args.batch}, m = {m}, "
           f"p = {p} ranks (gloo), 1 thread per rank{', rank r on core r' if args.pin else ''}, fp32, MSE loss")
-    print(f"{args.rounds} rounds x {args.steps} steps per configuration, alternating. Before: {_load()}")
+    print(f"{args.rounds} rounds x {args.steps} steps per configuration, alternating. Before: {load_average()}")
     timeout = 600 + 8.0 * args.rounds * args.steps * args.layers * args.batch * args.width ** 2 / 2 ** 31
     res = run_ranks(pipelined_worker, p, cfg, timeout=timeout, pg_timeout=timeout)[0]
     model = build({**cfg, "width": 1, "batch": 1})[0]  # only its layer list, for the names
@@ -494,7 +486,7 @@ def main(argv: list[str] | None = None) -> int:
     worst = max(sim_err.values(), key=abs)
     print(f"  simulator within {GOAL_SIM_ERROR:.0%} of the measured step: " +
           ", ".join(f"{k} {e:+.1%}" for k, e in sim_err.items()) + f"  {_verdict(abs(worst) <= GOAL_SIM_ERROR)}")
-    print(f"\nAfter: {_load()}; total {time.perf_counter() - began:.0f} s")
+    print(f"\nAfter: {load_average()}; total {time.perf_counter() - began:.0f} s")
     return 0
 
 

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import pin  # noqa: E402
+from benchmarks.common import load_average, pin  # noqa: E402
 from tests.spawn import run_ranks  # noqa: E402
 
 GOAL_OVERHEAD = 0.03  # smp at most 3 % slower than the bare runner
@@ -116,13 +116,6 @@ def worker(rank: int, world: int, cfg: dict) -> dict[str, Any] | None:
     return {"wall": wall, "cpu": cpu_total, "ratios": ratios, "losses": losses, "summary": plan.summary()}
 
 
-def _load() -> str:
-    try:
-        return "load average " + " ".join(f"{v:.2f}" for v in os.getloadavg()) + f" on {os.cpu_count()} cores"
-    except OSError:
-        return "load average unavailable"
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=15)
@@ -136,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = {k: getattr(args, k) for k in ("rounds", "steps", "batch", "width", "layers", "microbatches", "pin")}
     print(f"smp overhead: {args.layers} x (Linear {args.width} + GELU), batch {args.batch}, m = {args.microbatches}, "
           f"2 ranks (gloo), 1F1B, 1 thread per rank{', rank r on core r' if args.pin else ''}, fp32, MSE loss")
-    print(f"{args.rounds} rounds x {args.steps} steps per configuration, alternating. Before: {_load()}")
+    print(f"{args.rounds} rounds x {args.steps} steps per configuration, alternating. Before: {load_average()}")
     began = time.perf_counter()
     res = run_ranks(worker, 2, cfg, timeout=900, pg_timeout=300)[0]
     print("plan (made by smp, used by both):")
@@ -167,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     if load > (os.cpu_count() or 1):
         print(f"NOTE: the host was busy (load {load:.1f} on {os.cpu_count()} cores): wall-clock medians are noisy; "
               "trust the fastest-step and CPU-time figures more.")
-    print(f"After: {_load()}; {time.perf_counter() - began:.0f} s")
+    print(f"After: {load_average()}; {time.perf_counter() - began:.0f} s")
     return 0
 
 

@@ -31,9 +31,10 @@ class GradScaler(torch.amp.GradScaler):
         if not self._enabled:
             return
         self._ensure_scale()
-        inner = getattr(optimizer, "optimizer", optimizer)
-        super().unscale_(inner)
-        found = self._per_optimizer_states[id(inner)]["found_inf_per_device"]
+        # The DistributedOptimizer itself (it shows the wrapped optimizer's param_groups), so that torch's
+        # step() calls its step: sharded state and lr schedulers' step counting go through there.
+        super().unscale_(optimizer)
+        found = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
         total = torch.zeros(1, device=self._scale.device if self._scale is not None else "cpu")
         for flag in found.values():
             total += flag.to(total.device)
@@ -43,12 +44,10 @@ class GradScaler(torch.amp.GradScaler):
         if not found:  # this rank holds no gradients: still vote, under the scale's device
             found[total.device] = total
 
+    def step(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        self._ensure_scale()  # torch's step checks for a scale, which a rank without the loss has not made yet
+        return super().step(optimizer, *args, **kwargs)
+
     def update(self, new_scale: Any = None) -> None:
         self._ensure_scale()
         super().update(new_scale)
-
-    def step(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
-        inner = getattr(optimizer, "optimizer", optimizer)
-        if self._enabled and self._per_optimizer_states[id(inner)]["stage"].name == "READY":
-            self.unscale_(optimizer)
-        return super().step(inner, *args, **kwargs)

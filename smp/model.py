@@ -265,7 +265,7 @@ class DistributedModel(torch.nn.Module):
             return self.module.state_dict(*args, **kwargs)
         st = state.get()
         parts: list[Any] = [None] * st.topology.pp
-        local = {k: v.cpu() for k, v in self.local_state_dict().items() if k != "_smp_partial"}
+        local = {k: v.cpu() for k, v in self.local_state_dict().items() if isinstance(v, torch.Tensor)}
         dist.all_gather_object(parts, local, group=st.mp_group)
         full: dict[str, Any] = {}
         for part in parts:

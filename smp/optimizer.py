@@ -77,18 +77,24 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return self.optimizer.state_dict()
 
     def state_dict(self) -> dict[str, Any]:
-        """The optimizer state of every stage of this replica, merged (on every mp rank)."""
-        if self._zero is not None:
-            self._zero.consolidate_state_dict(to=0)
-            return self._zero.state_dict() if dist.get_rank(state.get().dp_group) == 0 else {}
-        local = self.optimizer.state_dict()
+        """The optimizer state of every stage, merged (on every rank), keyed as the wrapped optimizer's own
+        ``state_dict()`` would be on one device. With sharded state the replicas hold disjoint parts of each
+        stage's state, so the parts are gathered over the whole world rather than the pipeline."""
         st = state.get()
-        parts: list[Any] = [None] * st.topology.pp
-        dist.all_gather_object(parts, {k: _cpu(v) for k, v in local["state"].items()}, group=st.mp_group)
+        wrapped = self.optimizer.state_dict()  # with sharded state: hyperparameters only
+        if self._zero is not None:
+            index = self._index()
+            mine = {index[id(p)]: _cpu(v) for p, v in self._zero.optim.state.items()}
+            group, size = None, dist.get_world_size()
+        else:
+            mine = {k: _cpu(v) for k, v in wrapped["state"].items()}
+            group, size = st.mp_group, st.topology.pp
+        parts: list[Any] = [None] * size
+        dist.all_gather_object(parts, mine, group=group)
         merged: dict[int, Any] = {}
         for part in parts:
             merged.update(part)
-        return {"state": merged, "param_groups": local["param_groups"]}
+        return {"state": dict(sorted(merged.items())), "param_groups": wrapped["param_groups"]}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if state_dict.get("_smp_zero"):
@@ -97,7 +103,23 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                    "the same config after the first step has partitioned the model")
             self._zero.optim.load_state_dict(state_dict["local"])
             return
-        self.optimizer.load_state_dict(state_dict)
+        if self._zero is None:
+            self.optimizer.load_state_dict(state_dict)
+            return
+        # A full dict into sharded state: the hyperparameters into the wrapped groups (ZeRO's follow them at
+        # each step), and to ZeRO's shard only the state of the parameters it holds.
+        for g, saved in zip(self.optimizer.param_groups, state_dict["param_groups"]):
+            g.update({k: v for k, v in saved.items() if k != "params"})
+        index = self._index()
+        shard = self._zero.optim.state_dict()
+        params = [p for g in self._zero.optim.param_groups for p in g["params"]]
+        shard["state"] = {i: state_dict["state"][index[id(p)]] for i, p in enumerate(params)
+                          if index[id(p)] in state_dict["state"]}
+        self._zero.optim.load_state_dict(shard)
+
+    def _index(self) -> dict[int, int]:
+        """Parameter (by id) -> its key in the wrapped optimizer's ``state_dict()``."""
+        return {id(p): i for i, p in enumerate(p for g in self.optimizer.param_groups for p in g["params"])}
 
     def __repr__(self) -> str:
         return f"DistributedOptimizer({self.optimizer!r})"

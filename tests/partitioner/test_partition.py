@@ -12,7 +12,6 @@ import subprocess
 import sys
 import textwrap
 
-import numpy as np
 import pytest
 import torch
 
@@ -61,7 +60,7 @@ def gpt2() -> Traced:
 
 @pytest.mark.parametrize("k", STAGES)
 def test_zoo_plan_is_complete_acyclic_and_exact(traced, k):
-    g, zm = traced.graph, traced.zm
+    g = traced.graph
     plan = partitioner.partition(g, k)
     stage = assert_complete_and_acyclic(plan, g)
     check_acyclic(g, stage)

@@ -41,8 +41,9 @@ def _compare(rank, runner, zm, res, ref, label):
         errors.append(f"{label}: losses {res.losses} != {losses}")
     names = {id(p): n for n, p in zm.model.named_parameters()}
     local = runner.local_parameters()
-    if not local:
-        errors.append(f"{label}: rank {rank} holds no parameters")
+    # A plan with more stages than parameterised ops may leave a rank with activations only.
+    if not local and any(runner.plan.stages[st.index].param_bytes for st in runner.local_stages):
+        errors.append(f"{label}: rank {rank} holds no parameters, but its plan stages own some")
     for p in local:
         n = names[id(p)]
         if p.grad is None or not torch.allclose(p.grad, grads[n], rtol=1e-4, atol=1e-6):

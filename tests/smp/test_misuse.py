@@ -7,7 +7,6 @@ import json
 import pytest
 import torch
 
-import smp
 from smp.config import ConfigError, load_config
 from tests.spawn import run_ranks
 
