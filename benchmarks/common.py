@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["pin"]
+__all__ = ["load_average", "pin"]
 
 
 def pin(rank: int, cfg: dict) -> None:
@@ -18,3 +18,11 @@ def pin(rank: int, cfg: dict) -> None:
             os.sched_setaffinity(int(tid), core)
         except OSError:
             pass
+
+
+def load_average() -> str:
+    """The host's load, printed before and after a run: a busy machine explains noisy timings."""
+    try:
+        return "load average " + " ".join(f"{v:.2f}" for v in os.getloadavg()) + f" on {os.cpu_count()} cores"
+    except OSError:
+        return "load average unavailable"

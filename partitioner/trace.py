@@ -84,10 +84,11 @@ def _export(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.export.E
         hint = ("the model branches on tensor values (data-dependent control flow); make the branch depend on "
                 "shapes or config, express it with torch.cond, or move it out of forward"
                 if data_dependent else
-                "simplify that module's forward for torch.export (see the torch.export docs on non-strict "
-                "tracing), or place it by hand with smp.set_partition")
+                "check that the example inputs are what forward expects (one microbatch, the right shapes, dtypes "
+                "and types); if they are, simplify that module's forward for torch.export (see the torch.export "
+                "docs on non-strict tracing)")
         raise TraceError(f"cannot trace {type(model).__name__}: {type(exc).__name__} in module {where}: "
-                         f"{first}. Fix: {hint}.") from exc
+                         f"{first.rstrip('.')}. Fix: {hint}.") from exc
 
 
 def trace(model: torch.nn.Module, args: tuple | list | Any = (), kwargs: dict | None = None) -> OpGraph:

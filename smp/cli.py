@@ -16,8 +16,11 @@ imported inside the commands that need them. User errors print one line,
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
+import io
 import json
+import logging
 import math
 import os
 import re
@@ -253,7 +256,17 @@ def trace_target(target: Target, progress: Callable[[str], None]):
     import partitioner
 
     progress(f"tracing {target.spec} with torch.export")
-    graph = partitioner.trace(target.model, target.args, target.kwargs)
+    # torch.export logs pages of warnings and graph dumps before it raises; the one-line error below says
+    # what went wrong and how to fix it (SMP_TRACEBACK=1 keeps the logs and shows the traceback).
+    if os.environ.get("SMP_TRACEBACK"):
+        graph = partitioner.trace(target.model, target.args, target.kwargs)
+    else:
+        logging.disable(logging.CRITICAL)
+        try:
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+                graph = partitioner.trace(target.model, target.args, target.kwargs)
+        finally:
+            logging.disable(logging.NOTSET)
     progress(f"traced {graph.describe()}")
     return graph
 
