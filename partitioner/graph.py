@@ -128,6 +128,5 @@ class OpGraph:
         return out
 
     def describe(self) -> str:
-        ops = sum(k != "output" for k in self.kinds)  # the output node is bookkeeping, not an op to place
-        return (f"OpGraph({ops} ops, {self.num_edges} edges, {len(self.param_names)} parameters, "
+        return (f"OpGraph({self.num_nodes} ops, {self.num_edges} edges, {len(self.param_names)} parameters, "
                 f"{float(self.flops.sum()) / 1e9:.3g} GFLOP forward)")

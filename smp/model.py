@@ -35,15 +35,20 @@ def partition(index: int) -> Iterator[None]:
     st = state.get()
     _check_index(index, st.config.pipeline_parallel_degree)
 
+    block = object()
+
     def hook(parent: torch.nn.Module, name: str, sub: torch.nn.Module | None) -> None:
-        if sub is not None:
+        # Every open block's hook sees the registration; the innermost block places the module.
+        if sub is not None and st.partition_blocks[-1] is block:
             st.placement.setdefault(sub, index)
 
+    st.partition_blocks.append(block)
     handle = torch.nn.modules.module.register_module_module_registration_hook(hook)
     try:
         yield
     finally:
         handle.remove()
+        st.partition_blocks.remove(block)
 
 
 def set_partition(module: torch.nn.Module, index: int) -> None:
@@ -64,8 +69,9 @@ def _check_index(index: int, pp: int) -> None:
 
 
 class DistributedModel(torch.nn.Module):
+    # SMP v1 arguments that tune its own gradient reduction or profiling; here they change nothing.
     _SMP_IGNORED = {"backward_passes_per_step", "gradient_as_bucket_view", "broadcast_buffers",
-                    "bucket_cap_mb", "find_unused_parameters"}
+                    "bucket_cap_mb", "find_unused_parameters", "overlapping_allreduce", "trace_memory_usage"}
 
     def __init__(self, module: torch.nn.Module, trace_device: str = "cpu", trace_execution_times: bool = False,
                  average_grads_across_microbatches: bool = True, **kwargs: Any):
@@ -77,7 +83,8 @@ class DistributedModel(torch.nn.Module):
         if unknown:
             raise TypeError(f"DistributedModel got unknown argument(s) {sorted(unknown)}")
         if kwargs:
-            warnings.warn(f"DistributedModel ignores {sorted(kwargs)}: this engine reduces gradients itself")
+            warnings.warn(f"DistributedModel ignores {sorted(kwargs)}: this engine reduces gradients itself and "
+                          "prices memory from the trace")
         super().__init__()
         self.module = module
         self.trace_device = trace_device
@@ -105,7 +112,8 @@ class DistributedModel(torch.nn.Module):
         return self.runner.split_model.program.out_spec
 
     def register_post_partition_hook(self, fn: Callable[["DistributedModel", Any], None]) -> None:
-        """``fn(model, optimizer_or_None)`` runs once, right after partitioning."""
+        """``fn(model, optimizer)`` runs once, right after partitioning; ``optimizer`` is the
+        DistributedOptimizer (None when there is none yet), as SMP passes it."""
         self._post_partition_hooks.append(fn)
 
     def run_step(self, run: "step_mod._StepRun") -> list[Any]:
@@ -176,7 +184,7 @@ class DistributedModel(torch.nn.Module):
             checkpoint_modules=self._checkpointed_paths())
         self.partitioned = True
         for fn in self._post_partition_hooks:
-            fn(self, None)
+            fn(self, state.get().optimizer)
 
     def _make_plan(self, call: "step_mod._Call", pp: int) -> PartitionPlan:
         cfg = state.get().config

@@ -28,6 +28,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.optimizer = optimizer
         self._zero: Any = None
         st = state.get()
+        st.optimizer = self
         if st.config.shard_optimizer_state and st.topology.dp > 1:
             if st.model is None:
                 raise RuntimeError("create the smp.DistributedModel before a DistributedOptimizer with "

@@ -25,8 +25,10 @@ class State:
     dp_group: Any
     device: torch.device
     model: Any = None          # the DistributedModel, once created
+    optimizer: Any = None      # the DistributedOptimizer, once created (handed to post-partition hooks)
     in_step: Any = field(default=None, repr=False)  # the running step (smp.step), if any
     placement: dict = field(default_factory=dict)    # module -> partition, from smp.partition / set_partition
+    partition_blocks: list = field(default_factory=list)  # open smp.partition(i) blocks, innermost last
     checkpointed: set = field(default_factory=set)   # modules marked by smp.set_activation_checkpointing
 
 

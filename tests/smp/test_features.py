@@ -26,9 +26,10 @@ PARAM_TOL = 1e-4
 
 
 class Net(nn.Module):
-    """embed -> block1 -> block2 -> head; ``placed`` builds it under smp.partition contexts."""
+    """embed -> block1 -> block2 -> head; ``placed`` builds it under smp.partition contexts (``"nested"``:
+    the first half's block inside the second's, where the inner one must win)."""
 
-    def __init__(self, placed: bool = False, dropout: float = 0.0) -> None:
+    def __init__(self, placed: bool | str = False, dropout: float = 0.0) -> None:
         super().__init__()
         import contextlib
 
@@ -37,12 +38,14 @@ class Net(nn.Module):
             first, second = smp.partition(0), smp.partition(1)
         else:
             first = second = contextlib.nullcontext()
-        with first:
-            self.embed = nn.Linear(16, 32)
-            self.block1 = nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.Dropout(dropout))
-        with second:
-            self.block2 = nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.Dropout(dropout))
-            self.head = nn.Linear(32, 4)
+        nested = placed == "nested"
+        with second if nested else contextlib.nullcontext():
+            with first:
+                self.embed = nn.Linear(16, 32)
+                self.block1 = nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.Dropout(dropout))
+            with contextlib.nullcontext() if nested else second:
+                self.block2 = nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.Dropout(dropout))
+                self.head = nn.Linear(32, 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.block2(self.block1(torch.relu(self.embed(x)))))
@@ -123,7 +126,8 @@ def _checkpointing(rank: int, world: int):
 
     calls: Counter = Counter()
 
-    def count_forwards(model, _optimizer) -> None:  # the stage modules exist once partitioned
+    def count_forwards(model, optimizer) -> None:  # the stage modules exist once partitioned
+        calls.update([type(optimizer).__name__])  # SMP hands hooks the DistributedOptimizer
         for st in model.runner.local_stages:
             st.module.register_forward_pre_hook(lambda mod, args, s=st.index: calls.update([s]))
 
@@ -142,6 +146,7 @@ def test_activation_checkpointing_recomputes_and_stays_exact():
     for r in results:
         _assert_exact(r)
         assert r["checkpointed"] == r["block1_stages"] and r["checkpointed"], r
+        assert r["calls"]["DistributedOptimizer"] == 1, r["calls"]
         for s in r["local"]:  # a checkpointed stage runs its forward again in backward
             want = (2 if s in r["checkpointed"] else 1) * m * steps
             assert r["calls"][s] == want, (s, r["calls"], r["checkpointed"])
@@ -406,9 +411,9 @@ def _manual(rank: int, world: int, case: str):
     import smp
 
     config = {"pipeline_parallel_degree": 2, "microbatches": 2, "auto_partition": False, "default_partition": 0}
-    if case == "contexts":  # smp.partition(i) around the construction of the submodules
+    if case in ("contexts", "nested"):  # smp.partition(i) around the construction of the submodules
         smp.init(config)
-        net = _net(placed=True)
+        net = _net(placed=True if case == "contexts" else case)
     elif case == "default":  # only embed placed (on 0): everything unplaced goes to default_partition=1
         smp.init({**config, "default_partition": 1})
         net = _net()
@@ -430,6 +435,7 @@ def _manual(rank: int, world: int, case: str):
 
 @pytest.mark.parametrize("case,want", [
     ("contexts", {"embed": [0], "block1": [0], "block2": [1], "head": [1]}),
+    ("nested", {"embed": [0], "block1": [0], "block2": [1], "head": [1]}),
     ("default", {"embed": [0], "block1": [1], "block2": [1], "head": [1]}),
 ])
 def test_manual_placement_is_followed_and_exact(case, want):
