@@ -149,15 +149,15 @@ def budget_error(p: Problem, ev: Evaluation) -> MemoryBudgetError:
     big = int(np.argmax(op_mem))
     if need > p.graph.num_nodes or op_mem[big] > p.device_memory:
         # More stages cannot help when a single op does not fit, or when it would take more stages than ops.
-        more = (f"no number of stages fits it: op {p.graph.names[big]} ({p.graph.modules[big] or 'the model root'}) "
-                f"alone needs {_gib(op_mem[big])}, and there are {p.graph.num_nodes} ops. Fix: a larger device")
+        more = (f"No number of stages can fit it: op {p.graph.names[big]} ({p.graph.modules[big] or 'the model root'}) "
+                f"alone needs {_gib(op_mem[big])}, and the model has {p.graph.num_nodes} ops. Fix: a larger device")
     else:
         more = f"Fix: use at least {max(need, p.num_stages + 1)} stages, a larger device"
     return MemoryBudgetError(
         f"no {p.num_stages}-stage plan fits device_memory={_gib(p.device_memory)}: the most memory-balanced plan's stage "
         f"{worst} needs {_gib(ev.memory[worst])} (parameters, gradients and {p.optimizer} state, plus "
         f"activations for {int(p.inflight[worst])} microbatch(es) in flight); the whole model needs "
-        f"{_gib(total)} with one microbatch in flight; {more}, a cheaper optimizer (optimizer='sgd', "
+        f"{_gib(total)} with one microbatch in flight. {more}, a cheaper optimizer (optimizer='sgd', "
         f"smp inspect --optimizer sgd), or fewer microbatches in flight.")
 
 

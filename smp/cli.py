@@ -484,7 +484,7 @@ def format_report(plan: Any, graph: Any = None) -> str:
     lines.insert(len(lines) - 1, lines[1])
     worst = max(plan.stages, key=lambda s: s.cost_s).index
     lines.append("")
-    lines.append(f"lower bound {_ms(plan.lower_bound)} ms per microbatch (max of total/{plan.num_stages} and the "
+    lines.append(f"lower bound {_ms(plan.lower_bound)} ms per microbatch (max of total compute/{plan.num_stages} and the "
                  f"largest op); bottleneck {_ms(plan.bottleneck)} ms (stage {worst}); balance {plan.balance:.3f}")
     mw = plan.options.get("memory_weight", 0.2)
     lines.append(f"cut {_size(plan.cut_bytes)} per microbatch; largest stage memory "
@@ -1333,8 +1333,10 @@ def _demo_schedule(run: DemoRun) -> int:
     text = ascii_schedule(run.sim, run.plan.num_stages)
     if text:
         print()
+        m = run.plan.extra["schedule"]["microbatches"]
+        letters = "a" if m == 1 else f"a-{chr(ord('a') + min(m, 10) - 1)}"
         print(f"simulated schedule, {_time(run.sim.step_s)} per step (digits: forward of microbatch k, letters "
-              "a-j: its backward, '.': idle):")
+              f"{letters}: its backward, '.': idle):")
         print(text)
     return 0
 

@@ -121,8 +121,16 @@ def test_memory_budget_too_small_gives_the_numbers(graph):
     whole = re.search(r"the whole model needs ([\d.]+) KiB", msg)
     assert needs and whole, msg
     assert 1.0 < float(needs.group(1)) <= float(whole.group(1))
-    assert "adam state" in msg and re.search(r"use at least \d+ stages", msg)
-    assert isinstance(info.value, ValueError)
+    assert "adam state" in msg and isinstance(info.value, ValueError)
+    # 1 KiB is less than one Linear needs: no stage count helps, and the message names that op.
+    assert re.search(r"No number of stages can fit it: op \w+ \(\d\) alone needs 4\.500 KiB", msg), msg
+
+
+def test_memory_budget_error_suggests_a_stage_count_that_fits(graph):
+    with pytest.raises(MemoryBudgetError, match=r"Fix: use at least 3 stages"):
+        partitioner.partition(graph, 2, device_memory="5KiB")
+    plan = partitioner.partition(graph, 3, device_memory="5KiB")  # and the suggestion holds
+    assert max(s.memory_bytes for s in plan.stages) <= 5 * 1024
 
 
 def test_memory_budget_error_in_gib_for_big_numbers(graph):
