@@ -41,6 +41,7 @@ class Problem:
     time: np.ndarray = field(init=False, repr=False)
     param_mem: np.ndarray = field(init=False, repr=False)
     inflight: np.ndarray = field(init=False, repr=False)
+    placeable: np.ndarray = field(init=False, repr=False)  # False for output nodes: they do no work
     norm_time: float = field(init=False)
     norm_mem: float = field(init=False)
 
@@ -53,6 +54,7 @@ class Problem:
         self.param_mem = g.param_bytes * factor  # weights (+ gradient + optimizer state when trainable)
         self.inflight = np.array([in_flight(s, self.num_stages, self.microbatches, self.pipeline)
                                   for s in range(self.num_stages)], np.float64)
+        self.placeable = np.fromiter((kind != "output" for kind in g.kinds), bool, count=g.num_nodes)
         k = self.num_stages
         self.norm_time = max(float(self.time.sum()) / k, 1e-30)
         self.norm_mem = max((float(self.param_mem.sum()) + float(g.act_bytes.sum())) / k, 1.0)
@@ -110,7 +112,7 @@ def _crossings(g: OpGraph, stage: np.ndarray, k: int) -> tuple[np.ndarray, np.nd
 def evaluate(p: Problem, stage: np.ndarray) -> Evaluation:
     g, k, r = p.graph, p.num_stages, p.rates
     stage = np.asarray(stage, np.int64)
-    counts = np.bincount(stage, minlength=k)
+    counts = np.bincount(stage[p.placeable], minlength=k)  # a stage with only the output idles a device
     compute = np.bincount(stage, weights=p.time, minlength=k)
     prod, cons, nbytes = _crossings(g, stage, k)
     b_in = np.bincount(cons, weights=nbytes, minlength=k)

@@ -269,6 +269,8 @@ def dp_partition(p: Problem) -> np.ndarray:
     k, n = p.num_stages, p.graph.num_nodes
     sc = _Scorer(p)
     cand = _candidates(sc.T, sc.cut)
+    if n > 1 and not p.placeable[n - 1]:  # no stage of the output node alone: it would do no work
+        cand = cand[cand != n - 1]
     N = len(cand)
     comm, recv = _grid_comm(p, cand)
     mats = [sc.grid(s, cand, comm) for s in range(k)] if _stage_dependent(p) else [sc.grid(0, cand, comm)] * k

@@ -42,7 +42,10 @@ def test_more_stages_than_ops(graph):
     with pytest.raises(ValueError, match=rf"num_stages={ops + 1} but the model has only {ops} ops to place; "
                                          rf"use at most {ops} stages"):
         partitioner.partition(graph, ops + 1)
-    assert partitioner.partition(graph, ops).num_stages == ops  # the limit itself is fine
+    plan = partitioner.partition(graph, ops)  # the limit itself is fine: one op per stage, none left idle
+    assert plan.num_stages == ops
+    real = [n for n, kind in zip(graph.names, graph.kinds) if kind != "output"]
+    assert sorted(plan.assignment[n] for n in real) == list(range(ops))
 
 
 def test_more_stages_than_ops_from_a_model():
