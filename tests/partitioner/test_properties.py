@@ -248,8 +248,9 @@ def test_dp_is_optimal_among_contiguous_partitions_of_a_chain(n, seed, data):
     g = chain_graph(n, np.random.default_rng(seed))
     k = data.draw(st.integers(2, min(4, n - 1)), label="num_stages")
     p = make_problem(g, k, memory_weight=0.0, rates=RATES)
-    best = min(evaluate(p, np.searchsorted((0,) + cuts, np.arange(n), side="right") - 1).bottleneck
-               for cuts in itertools.combinations(range(1, n), k - 1))
+    plans = (evaluate(p, np.searchsorted((0,) + cuts, np.arange(n), side="right") - 1)
+             for cuts in itertools.combinations(range(1, n), k - 1))
+    best = min(ev.bottleneck for ev in plans if not ev.empty)  # a stage of the output alone idles a device
     for method in ("dp", "auto"):
         plan = partitioner.partition(g, k, method=method, memory_weight=0.0, rates=RATES)
         assert plan.bottleneck <= best * (1 + 1e-9)
