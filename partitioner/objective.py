@@ -149,10 +149,11 @@ def budget_error(p: Problem, ev: Evaluation) -> MemoryBudgetError:
     need = int(np.ceil(total / p.device_memory))
     op_mem = p.node_param_mem() + p.graph.act_bytes  # one op alone, one microbatch in flight
     big = int(np.argmax(op_mem))
-    if need > p.graph.num_nodes or op_mem[big] > p.device_memory:
+    ops = int(p.placeable.sum())  # the most stages any plan can have (partition's own limit)
+    if need > ops or op_mem[big] > p.device_memory:
         # More stages cannot help when a single op does not fit, or when it would take more stages than ops.
         more = (f"No number of stages can fit it: op {p.graph.names[big]} ({p.graph.modules[big] or 'the model root'}) "
-                f"alone needs {_gib(op_mem[big])}, and the model has {p.graph.num_nodes} ops. Fix: a larger device")
+                f"alone needs {_gib(op_mem[big])}, and the model has {ops} ops to place. Fix: a larger device")
     else:
         more = f"Fix: use at least {max(need, p.num_stages + 1)} stages, a larger device"
     return MemoryBudgetError(
