@@ -29,10 +29,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import statistics
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -40,12 +38,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import partitioner  # noqa: E402
-from partitioner import zoo  # noqa: E402
 from partitioner.baselines import BASELINES, all_baselines  # noqa: E402
+from partitioner.dp import dp_partition  # noqa: E402
 from partitioner.objective import Problem, evaluate  # noqa: E402
-from partitioner.partition import dp_partition, make_problem  # noqa: E402
-from partitioner.split import MODEL_INPUT, split  # noqa: E402
-from partitioner.trace import flatten_inputs  # noqa: E402
+from partitioner.partition import make_problem  # noqa: E402
+from partitioner.split import split  # noqa: E402
+from smp import zoo  # noqa: E402
 
 # Predicted-balance goal applies where every stage gets at least two repeated blocks.
 BALANCE_GOAL_MODELS = ("gpt2", "bert", "vit")
@@ -53,99 +51,15 @@ BALANCE_GOAL = 1.05
 MEASURED_GOAL = 1.15
 
 
-@dataclass
-class StageTimes:
-    forward_s: list[float]            # medians
-    backward_s: list[float]
-    best_s: list[float]               # fastest repeat of forward + backward, per stage
-
-    @property
-    def total_s(self) -> list[float]:
-        return [f + b for f, b in zip(self.forward_s, self.backward_s)]
-
-    @property
-    def balance(self) -> float:
-        """max / mean of the per-stage medians (forward median + backward median)."""
-        tot = self.total_s
-        return max(tot) / (sum(tot) / len(tot))
-
-    @property
-    def best_balance(self) -> float:
-        """max / mean of each stage's fastest repeat (other load only ever adds time)."""
-        return max(self.best_s) / (sum(self.best_s) / len(self.best_s))
-
-
-def _is_grad_tensor(v) -> bool:
-    return isinstance(v, torch.Tensor) and v.requires_grad
-
-
-CLOCKS = {"cpu": time.thread_time, "wall": time.perf_counter}
+def balance(times: list[float]) -> float:
+    """max / mean of per-stage seconds."""
+    return max(times) / (sum(times) / len(times))
 
 
 def time_stages(graph: partitioner.OpGraph, assignment: dict[str, int], num_stages: int, args: tuple,
-                kwargs: dict, repeats: int, clock: str = "cpu") -> StageTimes:
-    """Median forward and backward seconds of every stage, each stage timed on its own (see module doc).
-
-    ``clock="cpu"`` reads this thread's CPU time (one intra-op thread: the ops and the autograd engine's
-    CPU work all run on it), which a shared, busy machine does not inflate; ``"wall"`` reads wall time."""
-    now = CLOCKS[clock]
-    sm = split(graph, assignment, num_stages)
-    flat = flatten_inputs(sm.program, args, kwargs)
-    params = [p for s in sm.stages for p in s.module.parameters()]
-    fwd: list[list[float]] = [[] for _ in sm.stages]
-    bwd: list[list[float]] = [[] for _ in sm.stages]
-    gen = torch.Generator().manual_seed(0)
-    out_grads: list | None = None
-    for rep in range(repeats + 1):  # the first pass warms up and is not counted
-        for p in params:
-            p.grad = None
-        values = dict(zip(sm.program.input_names, flat))
-        leaves: list[dict[str, torch.Tensor]] = []
-        outs_of: list[tuple] = []
-        for st in sm.stages:
-            ins, mine = [], {}
-            for name in st.inputs:
-                v = values[name]
-                if st.sources[name] != MODEL_INPUT and _is_grad_tensor(v):
-                    v = v.detach().requires_grad_(True)
-                    mine[name] = v
-                ins.append(v)
-            t0 = now()
-            outs = st.module(*ins)
-            t1 = now()
-            if rep:
-                fwd[st.index].append(t1 - t0)
-            values.update(zip(st.outputs, outs))
-            leaves.append(mine)
-            outs_of.append(tuple(outs))
-        if out_grads is None:
-            out_grads = [torch.randn(o.shape, generator=gen, dtype=o.dtype) if _is_grad_tensor(o) else None
-                         for o in outs_of[-1]]
-        for st in reversed(sm.stages):
-            tensors, grads = [], []
-            for i, (name, o) in enumerate(zip(st.outputs, outs_of[st.index])):
-                if not _is_grad_tensor(o):
-                    continue
-                if st.index == num_stages - 1:
-                    g = out_grads[i]
-                else:
-                    parts = [leaves[c][name].grad for c in st.consumers.get(name, [])
-                             if name in leaves[c] and leaves[c][name].grad is not None]
-                    if not parts:
-                        continue
-                    g = parts[0] if len(parts) == 1 else torch.stack(parts).sum(0)
-                tensors.append(o)
-                grads.append(g)
-            t0 = now()
-            if tensors:
-                torch.autograd.backward(tensors, grads)
-            t1 = now()
-            if rep:
-                bwd[st.index].append(t1 - t0)
-    for p in params:
-        p.grad = None
-    return StageTimes([statistics.median(t) for t in fwd], [statistics.median(t) for t in bwd],
-                      [min(f + b for f, b in zip(tf, tb)) for tf, tb in zip(fwd, bwd)])
+                kwargs: dict, repeats: int) -> partitioner.StageTimes:
+    """Every stage's forward and backward timed on this thread's CPU time (see the module docstring)."""
+    return partitioner.measure_stages(split(graph, assignment, num_stages), args, kwargs, repeats=repeats)
 
 
 def _dominates(b, ours, rel: float = 1e-9) -> bool:
@@ -164,7 +78,7 @@ def granularity_floor(graph: partitioner.OpGraph, costs, k: int) -> float:
     """The smallest max/mean stage time any contiguous plan reaches with these per-op costs and free
     communication: how far balance is limited by the size of the ops themselves."""
     free = dataclasses.replace(partitioner.DeviceRates(), link_bytes_per_s=1e30, link_latency_s=0.0)
-    p = Problem(graph=graph, costs=costs, num_stages=k, rates=free, memory_weight=0.0)
+    p = Problem(graph=graph, costs=costs, num_stages=k, rates=free, options=partitioner.PartitionOptions(memory_weight=0.0))
     ev = evaluate(p, dp_partition(p))
     return float(ev.compute_s.max() / (ev.compute_s.sum() / k))
 
@@ -182,8 +96,6 @@ def main(argv: list[str] | None = None) -> int:
                     help="skip the floor and the measure=True plan (the slowest columns)")
     ap.add_argument("--measure-baselines", action="store_true",
                     help="also time the baselines' stages (measured balance per baseline)")
-    ap.add_argument("--clock", default="cpu", choices=sorted(CLOCKS),
-                    help="cpu: this thread's CPU time (robust on a busy machine); wall: wall-clock time")
     ap.add_argument("--verbose", action="store_true", help="per-stage predicted vs measured milliseconds")
     opts = ap.parse_args(argv)
 
@@ -200,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     print("# ours/baselines = predicted balance (bottleneck / lower bound, comm included); cut = bytes crossing "
           "stages per microbatch;\n# dominated = a baseline as good in bottleneck and cut and better in one; "
           "p.comp = predicted max/mean stage compute (no comm: what 'measured' checks);\n# "
-          f"measured = max/mean stage time (fwd+bwd {opts.clock} time, median of {opts.repeats}; m.best: fastest repeat);\n"
+          f"measured = max/mean stage time (fwd+bwd CPU time, median of {opts.repeats}; m.best: fastest repeat);\n"
           "# floor = best max/mean any contiguous plan reaches with per-op measured costs (op granularity); "
           "m.pred / m.meas = the plan of partition(measure=True)")
     bl_cols = "".join(f" {b:>8}" for b in BASELINES)
@@ -228,19 +140,19 @@ def main(argv: list[str] | None = None) -> int:
             measured = f"{'-':>8} {'-':>7}"
             times = None
             if not opts.no_measure:
-                times = time_stages(g, plan.assignment, k, zm.args, zm.kwargs, opts.repeats, opts.clock)
-                measured = f"{times.balance:>8.3f} {times.best_balance:>7.3f}"
+                times = time_stages(g, plan.assignment, k, zm.args, zm.kwargs, opts.repeats)
+                measured = f"{balance(times.total_s):>8.3f} {balance(times.best_s):>7.3f}"
             cc = ""
             floor = None
             if with_costs:
                 floor = granularity_floor(g, op_costs, k)
                 mplan = partitioner.partition(g, k, memory_weight=opts.memory_weight, rates=rates, measure=True,
                                               example_inputs=zm.args, example_kwargs=zm.kwargs)
-                mtimes = time_stages(g, mplan.assignment, k, zm.args, zm.kwargs, opts.repeats, opts.clock)
-                cc = f" {floor:>6.3f} {mplan.balance:>6.3f} {mtimes.balance:>6.3f}"
+                mtimes = time_stages(g, mplan.assignment, k, zm.args, zm.kwargs, opts.repeats)
+                cc = f" {floor:>6.3f} {mplan.balance:>6.3f} {balance(mtimes.total_s):>6.3f}"
             mb = ""
             if opts.measure_baselines and not opts.no_measure:
-                mb = "".join(f" {time_stages(g, bp.assignment, k, zm.args, zm.kwargs, opts.repeats, opts.clock).balance:>8.3f}"
+                mb = "".join(f" {balance(time_stages(g, bp.assignment, k, zm.args, zm.kwargs, opts.repeats).total_s):>8.3f}"
                              for bp in base.values())
             blk = n_blocks / k
             comp = [st.forward_s + st.backward_s for st in plan.stages]
@@ -259,10 +171,10 @@ def main(argv: list[str] | None = None) -> int:
                 failures.append(f"{name} k={k}: predicted balance {plan.balance:.3f} > {BALANCE_GOAL}")
             if dominated:
                 failures.append(f"{name} k={k}: dominated by {', '.join(dominated)}")
-            if times is not None and times.balance > MEASURED_GOAL:
+            if times is not None and balance(times.total_s) > MEASURED_GOAL:
                 why = (f" (op granularity: no contiguous plan beats {floor:.3f})"
                        if floor is not None and floor > MEASURED_GOAL else "")
-                failures.append(f"{name} k={k}: measured balance {times.balance:.3f} > {MEASURED_GOAL}{why}")
+                failures.append(f"{name} k={k}: measured balance {balance(times.total_s):.3f} > {MEASURED_GOAL}{why}")
     print(f"# total {time.perf_counter() - t_start:.0f} s")
     print(f"# goals: predicted balance <= {BALANCE_GOAL} on {', '.join(BALANCE_GOAL_MODELS)} with >= 2 blocks "
           f"per stage; no baseline dominates; measured balance <= {MEASURED_GOAL}")

@@ -74,7 +74,7 @@ def build(cfg: dict) -> tuple[torch.nn.Sequential, torch.Tensor, torch.Tensor]:
 
 def make_plan(model: torch.nn.Module, x: torch.Tensor, stages: int, m: int):
     import partitioner
-    from partitioner.cost import DeviceRates
+    from partitioner import DeviceRates
 
     graph = partitioner.trace(model, (x[: x.shape[0] // m],))
     # Fixed rates (not a per-process calibration) so that every rank makes the same plan.

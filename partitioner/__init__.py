@@ -1,20 +1,32 @@
 """Partitioner: trace a torch model into an op graph and cut it into balanced, acyclic, executable stages.
 
     graph = partitioner.trace(model, args, kwargs)
-    plan = partitioner.partition(graph, num_stages=4)
+    plan = partitioner.partition(graph, num_stages=4, microbatches=8)
     print(plan.summary())
     staged = plan.as_module()          # same outputs and gradients as ``model``
+
+One concept per file: ``trace`` (torch.export -> :class:`OpGraph`, in ``graph``), ``mutation`` (in-place
+updates as dependencies), ``flops``, ``devices`` and ``calibrate`` (device rates), ``cost`` (the roofline
+cost model), ``measure`` (timing ops and stages for real), ``options``, ``objective`` (scoring a plan),
+``dp``, ``metis``, ``refine`` and ``partition`` (the portfolio), ``baselines``, ``plan`` (the JSON-ready
+plan), ``split`` (executable stage modules), ``units``, ``errors``.
 """
-from .cost import DeviceRates, NodeCosts, calibrate, estimate, measure
+from .calibrate import calibrate
+from .cost import NodeCosts, estimate
+from .devices import DeviceRates
+from .errors import EngineError
 from .graph import GraphError, OpGraph
+from .measure import StageTimes, measure, measure_stages
 from .objective import MemoryBudgetError
-from .partition import METHODS, parse_size, partition
+from .options import METHODS, PartitionOptions
+from .partition import partition
 from .plan import PartitionPlan, StageSummary
 from .split import SplitModel, Stage, split
 from .trace import TraceError, trace
+from .units import format_bytes, parse_size
 
 __all__ = [
-    "trace", "TraceError", "OpGraph", "GraphError", "partition", "METHODS", "PartitionPlan", "StageSummary",
-    "DeviceRates", "NodeCosts", "calibrate", "estimate", "measure", "MemoryBudgetError", "parse_size",
-    "split", "Stage", "SplitModel",
+    "trace", "TraceError", "OpGraph", "GraphError", "partition", "PartitionOptions", "METHODS", "PartitionPlan",
+    "StageSummary", "DeviceRates", "NodeCosts", "calibrate", "estimate", "measure", "measure_stages",
+    "StageTimes", "MemoryBudgetError", "EngineError", "parse_size", "format_bytes", "split", "Stage", "SplitModel",
 ]

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from typing import Any
 
 import numpy as np
 
-from .objective import Problem, evaluate, make_plan
-from .plan import PartitionPlan
+from .objective import Problem, evaluate
+from .plan import PartitionPlan, make_plan
 
-__all__ = ["BASELINES", "baseline", "all_baselines", "block_index", "compare"]
+__all__ = ["BASELINES", "baseline", "all_baselines", "block_index"]
 
 BASELINES = ("uniform", "params", "layers")
 _BLOCK = re.compile(r"^(.*?)\.(\d+)(?:\.|$)")
@@ -74,6 +73,7 @@ def _layers(p: Problem) -> np.ndarray:
 
 
 def baseline(p: Problem, name: str) -> PartitionPlan:
+    """The named baseline's plan for ``p``, scored by the same objective as ours."""
     if name == "uniform":
         stage = _by_weight(np.ones(p.graph.num_nodes), p.num_stages)
     elif name == "params":
@@ -86,10 +86,5 @@ def baseline(p: Problem, name: str) -> PartitionPlan:
 
 
 def all_baselines(p: Problem) -> dict[str, PartitionPlan]:
+    """Every baseline's plan, by name."""
     return {name: baseline(p, name) for name in BASELINES}
-
-
-def compare(plan: PartitionPlan, others: dict[str, PartitionPlan]) -> dict[str, Any]:
-    """JSON-ready summary of the baselines next to a plan."""
-    return {name: {"balance": o.balance, "bottleneck_s": o.bottleneck, "cut_bytes": o.cut_bytes}
-            for name, o in others.items()}

@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from .errors import EngineError
+
 __all__ = ["OpGraph", "GraphError", "unique_ints"]
 
 
@@ -32,7 +34,7 @@ def unique_ints(a: np.ndarray) -> np.ndarray:
     return s[keep]
 
 
-class GraphError(ValueError):
+class GraphError(EngineError, ValueError):
     """An op graph that breaks its own invariants (edges that go backwards, mismatched array lengths)."""
 
 
@@ -87,14 +89,17 @@ class OpGraph:
 
     @property
     def num_nodes(self) -> int:
+        """Number of ops (the output node included)."""
         return len(self.names)
 
     @property
     def num_edges(self) -> int:
+        """Number of (producer, consumer, value) edges."""
         return len(self.src)
 
     @property
     def edge_bytes(self) -> np.ndarray:
+        """Bytes of the value each edge carries."""
         return self.value_bytes[self.value]
 
     def by_first_user(self, per_param: np.ndarray) -> np.ndarray:
@@ -112,9 +117,6 @@ class OpGraph:
         """Parameter bytes per node, each parameter attributed to its first user."""
         return self.by_first_user(self.param_bytes)
 
-    def index(self) -> dict[str, int]:
-        return {name: i for i, name in enumerate(self.names)}
-
     def predecessors_max(self, stage: np.ndarray) -> np.ndarray:
         """Per node, the largest stage among its producers (-1 where it has none)."""
         out = np.full(self.num_nodes, -1, np.int64)
@@ -128,5 +130,6 @@ class OpGraph:
         return out
 
     def describe(self) -> str:
+        """One line: ops, edges, parameters and forward GFLOPs."""
         return (f"OpGraph({self.num_nodes} ops, {self.num_edges} edges, {len(self.param_names)} parameters, "
                 f"{float(self.flops.sum()) / 1e9:.3g} GFLOP forward)")

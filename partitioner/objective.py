@@ -14,29 +14,31 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .cost import OPTIMIZER_STATE_FACTOR, DeviceRates, NodeCosts, in_flight
+from .cost import OPTIMIZER_STATE_FACTOR, NodeCosts, in_flight
+from .devices import DeviceRates
+from .errors import EngineError
 from .graph import OpGraph, unique_ints
-from .plan import PartitionPlan, StageSummary
+from .options import PartitionOptions
+from .units import format_bytes
 
-__all__ = ["Problem", "Evaluation", "evaluate", "make_plan", "MemoryBudgetError"]
+__all__ = ["Problem", "Evaluation", "evaluate", "crossings", "stage_crossings", "check_acyclic", "budget_error",
+           "MemoryBudgetError"]
 
 
-class MemoryBudgetError(ValueError):
+class MemoryBudgetError(EngineError, ValueError):
     """No plan fits the per-device memory budget; the message carries the numbers."""
 
 
 @dataclass
 class Problem:
+    """A graph priced under some rates, to be cut into ``num_stages`` stages under ``options``; the per-node
+    quantities every method and :func:`evaluate` read are derived once here."""
+
     graph: OpGraph
     costs: NodeCosts
     num_stages: int
     rates: DeviceRates
-    memory_weight: float = 0.2
-    device_memory: float | None = None
-    microbatches: int = 1
-    pipeline: str = "1f1b"
-    optimizer: str = "adam"
-    seed: int = 0
+    options: PartitionOptions
     # Derived per-node quantities (filled in __post_init__).
     time: np.ndarray = field(init=False, repr=False)
     param_mem: np.ndarray = field(init=False, repr=False)
@@ -44,15 +46,15 @@ class Problem:
     placeable: np.ndarray = field(init=False, repr=False)  # False for output nodes: they do no work
     norm_time: float = field(init=False)
     norm_mem: float = field(init=False)
+    budget: float | None = field(init=False)  # options.device_memory in bytes
 
     def __post_init__(self) -> None:
-        if self.optimizer not in OPTIMIZER_STATE_FACTOR:
-            raise ValueError(f"optimizer={self.optimizer!r} is not known; use one of {sorted(OPTIMIZER_STATE_FACTOR)}")
-        g = self.graph
+        g, o = self.graph, self.options
+        self.budget = None if o.device_memory is None else float(o.device_memory)
         self.time = self.costs.total_s
-        factor = np.where(g.param_trainable, 2.0 + OPTIMIZER_STATE_FACTOR[self.optimizer], 1.0)
+        factor = np.where(g.param_trainable, 2.0 + OPTIMIZER_STATE_FACTOR[o.optimizer], 1.0)
         self.param_mem = g.param_bytes * factor  # weights (+ gradient + optimizer state when trainable)
-        self.inflight = np.array([in_flight(s, self.num_stages, self.microbatches, self.pipeline)
+        self.inflight = np.array([in_flight(s, self.num_stages, o.microbatches, o.pipeline)
                                   for s in range(self.num_stages)], np.float64)
         self.placeable = np.fromiter((kind != "output" for kind in g.kinds), bool, count=g.num_nodes)
         k = self.num_stages
@@ -65,11 +67,14 @@ class Problem:
 
     @property
     def lower_bound(self) -> float:
+        """max(total cost / stages, largest op): no plan's bottleneck is lower."""
         return max(float(self.time.sum()) / self.num_stages, float(self.time.max(initial=0.0)))
 
 
 @dataclass
 class Evaluation:
+    """The numbers of one assignment of ops to stages (per stage unless said otherwise)."""
+
     stage: np.ndarray
     compute_s: np.ndarray
     comm_s: np.ndarray
@@ -83,10 +88,12 @@ class Evaluation:
 
     @property
     def cost_s(self) -> np.ndarray:
+        """Compute plus communication per stage."""
         return self.compute_s + self.comm_s
 
     @property
     def bottleneck(self) -> float:
+        """The slowest stage's cost."""
         return float(self.cost_s.max())
 
     def key(self, budget: float | None) -> tuple[int, float, int]:
@@ -95,7 +102,7 @@ class Evaluation:
         return (0 if fits and not self.empty else 1, round(float(self.score.max()), 12), self.cut_bytes)
 
 
-def _crossings(g: OpGraph, stage: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def crossings(g: OpGraph, stage: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Unique (value, consumer stage) pairs that cross stages: producer stage, consumer stage, bytes."""
     if not g.num_edges:
         z = np.zeros(0, np.int64)
@@ -109,24 +116,36 @@ def _crossings(g: OpGraph, stage: np.ndarray, k: int) -> tuple[np.ndarray, np.nd
     return producer_of_value[val], consumer, g.value_bytes[val]
 
 
+def stage_crossings(g: OpGraph, stage: np.ndarray, k: int) -> dict[tuple[int, int], tuple[int, int]]:
+    """(producer stage, consumer stage) -> (bytes, tensors) crossing per microbatch, as :func:`evaluate`
+    counts them (a value read by several ops of one stage is sent to it once)."""
+    out: dict[tuple[int, int], tuple[int, int]] = {}
+    for s, t, b in zip(*(x.tolist() for x in crossings(g, np.asarray(stage, np.int64), k))):
+        nbytes, count = out.get((s, t), (0, 0))
+        out[(s, t)] = (nbytes + b, count + 1)
+    return dict(sorted(out.items()))
+
+
 def evaluate(p: Problem, stage: np.ndarray) -> Evaluation:
+    """Score an assignment: per-stage compute, communication, memory and blended score, and the cut bytes."""
     g, k, r = p.graph, p.num_stages, p.rates
     stage = np.asarray(stage, np.int64)
     counts = np.bincount(stage[p.placeable], minlength=k)  # a stage with only the output idles a device
     compute = np.bincount(stage, weights=p.time, minlength=k)
-    prod, cons, nbytes = _crossings(g, stage, k)
+    prod, cons, nbytes = crossings(g, stage, k)
     b_in = np.bincount(cons, weights=nbytes, minlength=k)
     b_out = np.bincount(prod, weights=nbytes, minlength=k)
     msgs = np.bincount(cons, minlength=k) + np.bincount(prod, minlength=k)
     # Activations forward and gradients back: the same bytes twice.
     comm = 2.0 * ((b_in + b_out) / r.link_bytes_per_s + msgs * r.link_latency_s)
-    pairs = unique_ints(stage[g.use_node] * max(len(g.param_names), 1) + g.use_param) if len(g.use_node) else np.zeros(0, np.int64)
-    p_stage, p_idx = pairs // max(len(g.param_names), 1), pairs % max(len(g.param_names), 1)
+    n_params = max(len(g.param_names), 1)
+    pairs = unique_ints(stage[g.use_node] * n_params + g.use_param) if len(g.use_node) else np.zeros(0, np.int64)
+    p_stage, p_idx = pairs // n_params, pairs % n_params
     param_bytes = np.bincount(p_stage, weights=g.param_bytes[p_idx], minlength=k)
     param_mem = np.bincount(p_stage, weights=p.param_mem[p_idx], minlength=k)
     act = np.bincount(stage, weights=g.act_bytes, minlength=k)
     memory = param_mem + act * p.inflight
-    w = p.memory_weight
+    w = p.options.memory_weight
     score = (1 - w) * (compute + comm) / p.norm_time + w * memory / p.norm_mem
     return Evaluation(stage=stage, compute_s=compute, comm_s=comm, bytes_in=b_in, bytes_out=b_out,
                       param_bytes=param_bytes, memory=memory, score=score, cut_bytes=int(nbytes.sum()),
@@ -144,84 +163,26 @@ def check_acyclic(g: OpGraph, stage: np.ndarray) -> None:
 
 
 def budget_error(p: Problem, ev: Evaluation) -> MemoryBudgetError:
+    """The error for a budget no plan fits, with the numbers of ``ev`` (the most memory-balanced plan)."""
     worst = int(np.argmax(ev.memory))
     total = float(p.param_mem.sum() + p.graph.act_bytes.sum())
-    need = int(np.ceil(total / p.device_memory))
+    need = int(np.ceil(total / p.budget))
     op_mem = p.node_param_mem() + p.graph.act_bytes  # one op alone, one microbatch in flight
     big = int(np.argmax(op_mem))
     ops = int(p.placeable.sum())  # the most stages any plan can have (partition's own limit)
-    if need > ops or op_mem[big] > p.device_memory:
+    if need > ops or op_mem[big] > p.budget:
         # More stages cannot help when a single op does not fit, or when it would take more stages than ops.
         more = (f"No number of stages can fit it: op {p.graph.names[big]} ({p.graph.modules[big] or 'the model root'}) "
-                f"alone needs {_gib(op_mem[big])}, and the model has {ops} ops to place. Fix: a larger device")
+                f"alone needs {_size(op_mem[big])}, and the model has {ops} ops to place. Fix: a larger device")
     else:
         more = f"Fix: use at least {max(need, p.num_stages + 1)} stages, a larger device"
     return MemoryBudgetError(
-        f"no {p.num_stages}-stage plan fits device_memory={_gib(p.device_memory)}: the most memory-balanced plan's stage "
-        f"{worst} needs {_gib(ev.memory[worst])} (parameters, gradients and {p.optimizer} state, plus "
+        f"no {p.num_stages}-stage plan fits device_memory={_size(p.budget)}: the most memory-balanced plan's stage "
+        f"{worst} needs {_size(ev.memory[worst])} (parameters, gradients and {p.options.optimizer} state, plus "
         f"activations for {int(p.inflight[worst])} microbatch(es) in flight); the whole model needs "
-        f"{_gib(total)} with one microbatch in flight. {more}, a cheaper optimizer (optimizer='sgd', "
+        f"{_size(total)} with one microbatch in flight. {more}, a cheaper optimizer (optimizer='sgd', "
         f"smp inspect --optimizer sgd), or fewer microbatches in flight.")
 
 
-def _stage_modules(g: OpGraph, stage: np.ndarray, k: int) -> list[list[str]]:
-    """Per stage, the module paths of its ops in order of first appearance (vectorised for big graphs)."""
-    ids: dict[str, int] = {}
-    mid = np.fromiter((ids.setdefault(m, len(ids)) for m in g.modules), np.int64, count=g.num_nodes)
-    names = list(ids)
-    key = stage * max(len(names), 1) + mid
-    order = np.argsort(key, kind="stable")
-    sk = key[order]
-    first = order[np.concatenate([[True], sk[1:] != sk[:-1]])] if len(sk) else order
-    first.sort()
-    out: list[list[str]] = [[] for _ in range(k)]
-    for i in first.tolist():
-        out[int(stage[i])].append(names[int(mid[i])])
-    return out
-
-
-def _gib(x: float) -> str:
-    """Bytes in the largest binary unit that keeps them >= 1 (small models must not print "0.000 GiB")."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(x) >= scale:
-            return f"{x / scale:.3f} {unit}"
-    return f"{x:.0f} B"
-
-
-def make_plan(p: Problem, ev: Evaluation, method: str) -> PartitionPlan:
-    g, k = p.graph, p.num_stages
-    check_acyclic(g, ev.stage)
-    prod, cons, _ = _crossings(g, ev.stage, k)
-    stage_list = ev.stage.tolist()
-    modules = _stage_modules(g, ev.stage, k)
-    fwd = np.bincount(ev.stage, weights=p.costs.forward_s, minlength=k)
-    bwd = np.bincount(ev.stage, weights=p.costs.backward_s, minlength=k)
-    flops = np.bincount(ev.stage, weights=g.flops, minlength=k)
-    counts = np.bincount(ev.stage, minlength=k)
-    stages = [StageSummary(
-        index=s, nodes=int(counts[s]), flops=float(flops[s]), param_bytes=int(ev.param_bytes[s]),
-        memory_bytes=int(ev.memory[s]), forward_s=float(fwd[s]), backward_s=float(bwd[s]),
-        comm_s=float(ev.comm_s[s]), cost_s=float(ev.cost_s[s]), bytes_in=int(ev.bytes_in[s]),
-        bytes_out=int(ev.bytes_out[s]), modules=[m for m in modules[s] if m] or [""],
-        inputs_from=sorted(set(prod[cons == s].tolist())), outputs_to=sorted(set(cons[prod == s].tolist())),
-    ) for s in range(k)]
-    shared: dict[str, list[int]] = {}
-    if len(g.use_node):
-        # (parameter, stage) pairs, sorted by parameter then stage; keep parameters held by several stages.
-        pairs = unique_ints(g.use_param * k + ev.stage[g.use_node])
-        q, s_of = pairs // k, pairs % k
-        many = np.flatnonzero(np.bincount(q, minlength=len(g.param_names)) > 1)
-        in_many = np.isin(q, many)
-        starts = np.searchsorted(q[in_many], many)
-        held = np.split(s_of[in_many], starts[1:]) if len(many) else []
-        shared = {g.param_names[int(qq)]: h.tolist() for qq, h in zip(many, held)}
-    lb = p.lower_bound
-    return PartitionPlan(
-        num_stages=k, method=method, assignment=dict(zip(g.names, stage_list)), stages=stages,
-        cut_bytes=ev.cut_bytes, lower_bound=lb, bottleneck=ev.bottleneck,
-        balance=ev.bottleneck / lb if lb > 0 else 1.0, shared_params=shared,
-        options={"memory_weight": p.memory_weight, "device_memory": p.device_memory,
-                 "microbatches": p.microbatches, "pipeline": p.pipeline, "optimizer": p.optimizer,
-                 "seed": p.seed, "measured": p.costs.measured},
-        rates=p.rates.to_dict(), graph=g,
-    )
+def _size(x: float) -> str:
+    return format_bytes(x, digits=3)

@@ -10,7 +10,14 @@ import json
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-__all__ = ["StageSummary", "PartitionPlan"]
+import numpy as np
+
+from .graph import OpGraph, unique_ints
+from .objective import Evaluation, Problem, check_acyclic, crossings
+from .split import split
+from .units import format_bytes
+
+__all__ = ["StageSummary", "PartitionPlan", "make_plan"]
 
 
 @dataclass
@@ -62,6 +69,7 @@ class PartitionPlan:
     _RENAMED = {"lower_bound": "lower_bound_s", "bottleneck": "bottleneck_s"}
 
     def to_dict(self) -> dict[str, Any]:
+        """The plan as JSON-ready data (the op graph is not included; ``extra`` keys sit at the top level)."""
         out: dict[str, Any] = {}
         for f in fields(self):
             if f.name == "graph":
@@ -76,6 +84,7 @@ class PartitionPlan:
         return out
 
     def to_json(self, path: str | None = None) -> str:
+        """The plan as JSON text (sorted keys, so equal plans give equal bytes), also written to ``path``."""
         text = json.dumps(self.to_dict(), indent=1, sort_keys=True)
         if path is not None:
             with open(path, "w") as fh:
@@ -84,6 +93,7 @@ class PartitionPlan:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "PartitionPlan":
+        """The plan of :meth:`to_dict`'s data; unknown keys go to ``extra``."""
         back = {v: k for k, v in cls._RENAMED.items()}
         known = {f.name for f in fields(cls)}
         kwargs: dict[str, Any] = {}
@@ -104,6 +114,7 @@ class PartitionPlan:
 
     @classmethod
     def from_json(cls, text_or_path: str) -> "PartitionPlan":
+        """The plan of :meth:`to_json`'s text, or of the JSON file at that path."""
         text = text_or_path
         if not text_or_path.lstrip().startswith("{"):
             with open(text_or_path) as fh:
@@ -112,14 +123,10 @@ class PartitionPlan:
 
     def stage_modules(self, graph: Any = None) -> list:
         """One executable ``nn.Module`` per stage (see :mod:`partitioner.split`)."""
-        from .split import split
-
         return split(self._bound(graph), self.assignment, self.num_stages).stages
 
     def as_module(self, graph: Any = None):
         """An ``nn.Module`` that runs every stage in order in this process, with the model's signature."""
-        from .split import split
-
         return split(self._bound(graph), self.assignment, self.num_stages).as_module()
 
     def _bound(self, graph: Any) -> Any:
@@ -144,12 +151,12 @@ class PartitionPlan:
                 f"{'comm ms':>8} {'cost ms':>8} {'memory':>10} {'in':>9} {'out':>9}  modules")
         rows = [head, "-" * len(head)]
         for s in self.stages:
-            rows.append(f"{s.index:>5} {s.nodes:>6} {_size(s.param_bytes):>10} {s.flops / 1e9:>9.3f} "
+            rows.append(f"{s.index:>5} {s.nodes:>6} {format_bytes(s.param_bytes):>10} {s.flops / 1e9:>9.3f} "
                         f"{s.forward_s * 1e3:>8.3f} {s.backward_s * 1e3:>8.3f} {s.comm_s * 1e3:>8.3f} "
-                        f"{s.cost_s * 1e3:>8.3f} {_size(s.memory_bytes):>10} {_size(s.bytes_in):>9} "
-                        f"{_size(s.bytes_out):>9}  {_module_range(s.modules)}")
+                        f"{s.cost_s * 1e3:>8.3f} {format_bytes(s.memory_bytes):>10} {format_bytes(s.bytes_in):>9} "
+                        f"{format_bytes(s.bytes_out):>9}  {_module_range(s.modules)}")
         rows.append(f"method {self.method}: bottleneck {self.bottleneck * 1e3:.3f} ms, lower bound "
-                    f"{self.lower_bound * 1e3:.3f} ms, balance {self.balance:.3f}, cut {_size(self.cut_bytes)} "
+                    f"{self.lower_bound * 1e3:.3f} ms, balance {self.balance:.3f}, cut {format_bytes(self.cut_bytes)} "
                     "per microbatch")
         if self.shared_params:
             rows.append("shared parameters (replicated, gradients summed): " +
@@ -157,15 +164,63 @@ class PartitionPlan:
         return "\n".join(rows)
 
 
-def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
-
-
 def _module_range(modules: list[str]) -> str:
     if not modules:
         return ""
     return modules[0] if len(modules) == 1 else f"{modules[0]} .. {modules[-1]}"
+
+
+def _stage_modules(g: OpGraph, stage: np.ndarray, k: int) -> list[list[str]]:
+    """Per stage, the module paths of its ops in order of first appearance (vectorised for big graphs)."""
+    ids: dict[str, int] = {}
+    mid = np.fromiter((ids.setdefault(m, len(ids)) for m in g.modules), np.int64, count=g.num_nodes)
+    names = list(ids)
+    key = stage * max(len(names), 1) + mid
+    order = np.argsort(key, kind="stable")
+    sk = key[order]
+    first = order[np.concatenate([[True], sk[1:] != sk[:-1]])] if len(sk) else order
+    first.sort()
+    out: list[list[str]] = [[] for _ in range(k)]
+    for i in first.tolist():
+        out[int(stage[i])].append(names[int(mid[i])])
+    return out
+
+
+
+
+def make_plan(p: Problem, ev: Evaluation, method: str) -> PartitionPlan:
+    """The plan of an evaluated assignment: per-stage summaries, shared parameters, options and rates."""
+    g, k = p.graph, p.num_stages
+    check_acyclic(g, ev.stage)
+    prod, cons, _ = crossings(g, ev.stage, k)
+    stage_list = ev.stage.tolist()
+    modules = _stage_modules(g, ev.stage, k)
+    fwd = np.bincount(ev.stage, weights=p.costs.forward_s, minlength=k)
+    bwd = np.bincount(ev.stage, weights=p.costs.backward_s, minlength=k)
+    flops = np.bincount(ev.stage, weights=g.flops, minlength=k)
+    counts = np.bincount(ev.stage, minlength=k)
+    stages = [StageSummary(
+        index=s, nodes=int(counts[s]), flops=float(flops[s]), param_bytes=int(ev.param_bytes[s]),
+        memory_bytes=int(ev.memory[s]), forward_s=float(fwd[s]), backward_s=float(bwd[s]),
+        comm_s=float(ev.comm_s[s]), cost_s=float(ev.cost_s[s]), bytes_in=int(ev.bytes_in[s]),
+        bytes_out=int(ev.bytes_out[s]), modules=[m for m in modules[s] if m] or [""],
+        inputs_from=sorted(set(prod[cons == s].tolist())), outputs_to=sorted(set(cons[prod == s].tolist())),
+    ) for s in range(k)]
+    shared: dict[str, list[int]] = {}
+    if len(g.use_node):
+        # (parameter, stage) pairs, sorted by parameter then stage; keep parameters held by several stages.
+        pairs = unique_ints(g.use_param * k + ev.stage[g.use_node])
+        q, s_of = pairs // k, pairs % k
+        many = np.flatnonzero(np.bincount(q, minlength=len(g.param_names)) > 1)
+        in_many = np.isin(q, many)
+        starts = np.searchsorted(q[in_many], many)
+        held = np.split(s_of[in_many], starts[1:]) if len(many) else []
+        shared = {g.param_names[int(qq)]: h.tolist() for qq, h in zip(many, held)}
+    lb = p.lower_bound
+    return PartitionPlan(
+        num_stages=k, method=method, assignment=dict(zip(g.names, stage_list)), stages=stages,
+        cut_bytes=ev.cut_bytes, lower_bound=lb, bottleneck=ev.bottleneck,
+        balance=ev.bottleneck / lb if lb > 0 else 1.0, shared_params=shared,
+        options={**p.options.to_dict(), "measured": p.costs.measured},
+        rates=p.rates.to_dict(), graph=g,
+    )

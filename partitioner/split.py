@@ -27,7 +27,8 @@ import torch.fx
 import torch.utils._pytree as pytree
 
 from .graph import OpGraph
-from .trace import TracedProgram, flatten_inputs
+from .mutation import written_inputs
+from .trace import TracedProgram, flatten_inputs, tensor_aliases
 
 __all__ = ["Stage", "SplitModel", "split", "MODEL_INPUT"]
 
@@ -49,11 +50,15 @@ class Stage:
 
 @dataclass
 class SplitModel:
+    """The stages of a plan, the traced program they came from, and the example value of every value that
+    crosses stages (its shape and dtype size the receive buffers)."""
+
     stages: list[Stage]
     program: TracedProgram
     value_meta: dict[str, Any]           # value name -> example value (shape/dtype of what crosses stages)
 
     def as_module(self) -> "StagedModule":
+        """All stages as one module with the model's signature (see :class:`StagedModule`)."""
         return StagedModule(self)
 
     def check_inputs(self, flat: list[Any]) -> None:
@@ -91,6 +96,7 @@ class StagedModule(torch.nn.Module):
         self.train(split_model.program.training)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run every stage in order on the model's inputs; return the model's output object."""
         sm = self.split_model
         flat = flatten_inputs(sm.program, args, kwargs)
         sm.check_inputs(flat)
@@ -130,7 +136,7 @@ def split(graph: OpGraph, assignment: dict[str, int], num_stages: int) -> SplitM
     # Pass 2: build each stage graph. A value received from another stage that this stage mutates in place
     # (HF ResNet's ``hidden += residual`` is ``aten.add_``) is cloned first: a pipeline stage gets its
     # inputs as fresh autograd leaves, and an in-place op on a leaf that requires grad is an error.
-    mutated = [{n.name for n in _written_inputs(node) if n.name in needed[stage_of[node.name]]
+    mutated = [{n.name for n in written_inputs(node) if n.name in needed[stage_of[node.name]]
                 and n.op != "placeholder"} for node in nodes]
     graphs = [torch.fx.Graph() for _ in range(num_stages)]
     envs: list[dict[str, torch.fx.Node]] = [{} for _ in range(num_stages)]
@@ -160,7 +166,7 @@ def split(graph: OpGraph, assignment: dict[str, int], num_stages: int) -> SplitM
         else:
             env[node.name] = _follow_module_mode(g.node_copy(node, lookup), g)
 
-    alias = _param_aliases(gm)
+    alias = tensor_aliases(gm)
     stages: list[Stage] = []
     value_meta: dict[str, Any] = {}
     for s in range(num_stages):
@@ -228,26 +234,3 @@ def _training(g: torch.fx.Graph, user: torch.fx.Node) -> torch.fx.Node:
         with g.inserting_before(user):
             found = g.get_attr("training")
     return found
-
-
-def _written_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
-    """The input nodes that ``node`` writes to in place (by its ATen schema's alias annotations)."""
-    schema = getattr(node.target, "_schema", None)
-    if schema is None or not schema.is_mutable:
-        return []
-    out = []
-    for i, arg in enumerate(schema.arguments):
-        if arg.alias_info is None or not arg.alias_info.is_write:
-            continue
-        val = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
-        out.extend(v for v in (val if isinstance(val, (list, tuple)) else [val]) if isinstance(v, torch.fx.Node))
-    return out
-
-
-def _param_aliases(gm: torch.nn.Module) -> dict[str, str]:
-    """Every attribute path of a parameter or buffer -> the first path of the same tensor."""
-    first: dict[int, str] = {}
-    out: dict[str, str] = {}
-    for name, t in list(gm.named_parameters(remove_duplicate=False)) + list(gm.named_buffers(remove_duplicate=False)):
-        out[name] = first.setdefault(id(t), name)
-    return out

@@ -13,6 +13,7 @@ state stays on one stage.
 """
 from __future__ import annotations
 
+import heapq
 import operator
 import traceback
 from dataclasses import dataclass
@@ -23,13 +24,15 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
-from .cost import op_flops_and_bytes, tensor_bytes
+from .errors import EngineError
+from .flops import op_flops_and_bytes, tensor_bytes
 from .graph import OpGraph
+from .mutation import colocated_groups
 
-__all__ = ["trace", "TraceError", "TracedProgram", "flatten_inputs"]
+__all__ = ["trace", "TraceError", "TracedProgram", "flatten_inputs", "tensor_aliases"]
 
 
-class TraceError(RuntimeError):
+class TraceError(EngineError, RuntimeError):
     """The model could not be traced into a static op graph; the message names the module and the fix."""
 
 
@@ -103,49 +106,53 @@ def trace(model: torch.nn.Module, args: tuple | list | Any = (), kwargs: dict | 
     return _build(gm, ep.call_spec.in_spec, ep.call_spec.out_spec, model.training)
 
 
+@dataclass
+class _Op:
+    """An op being built: one or more fx nodes (its members) that the partitioner places as one."""
+
+    name: str
+    kind: str
+    module: str
+    flops: float
+    out_bytes: int
+    act_bytes: int
+    move_bytes: int
+    members: list[str]
+    uses: set[int]
+
+
+def tensor_aliases(module: torch.nn.Module) -> dict[str, str]:
+    """Every attribute path of a parameter or buffer -> the first path of the same tensor, so that a weight
+    reached under two names (GPT-2's tied input and output embedding) has one canonical name."""
+    first: dict[int, str] = {}
+    named = list(module.named_parameters(remove_duplicate=False)) + list(module.named_buffers(remove_duplicate=False))
+    return {name: first.setdefault(id(t), name) for name, t in named}
+
+
 def _build(gm: torch.fx.GraphModule, in_spec: pytree.TreeSpec, out_spec: pytree.TreeSpec,
            training: bool) -> OpGraph:
-    # Parameters and buffers, keyed by the tensor object: tied weights reached by two names are one key.
-    key_of: dict[int, int] = {}
-    param_names: list[str] = []
-    param_bytes: list[int] = []
-    trainable: list[bool] = []
-    attr_param: dict[str, int] = {}
-    for name, tensor in list(gm.named_parameters(remove_duplicate=False)) + list(gm.named_buffers(remove_duplicate=False)):
-        if id(tensor) not in key_of:
-            key_of[id(tensor)] = len(param_names)
-            param_names.append(name)
-            param_bytes.append(tensor.numel() * tensor.element_size())
-            trainable.append(isinstance(tensor, torch.nn.Parameter) and tensor.requires_grad)
-        attr_param[name] = key_of[id(tensor)]
+    alias = tensor_aliases(gm)
+    param_names = list(dict.fromkeys(alias.values()))
+    key = {name: i for i, name in enumerate(param_names)}
+    attr_param = {path: key[canonical] for path, canonical in alias.items()}
+    tensors = {name: gm.get_parameter(name) if name in dict(gm.named_parameters(remove_duplicate=False))
+               else gm.get_buffer(name) for name in param_names}
+    param_bytes = [t.numel() * t.element_size() for t in tensors.values()]
+    trainable = [isinstance(t, torch.nn.Parameter) and t.requires_grad for t in tensors.values()]
 
-    names: list[str] = []
-    kinds: list[str] = []
-    modules: list[str] = []
-    flops: list[float] = []
-    out_b: list[int] = []
-    act_b: list[int] = []
-    move_b: list[int] = []
-    members: list[list[str]] = []
-    uses: list[set[int]] = []
+    ops: list[_Op] = []
     op_of: dict[str, int] = {}
     pending_buffer_ops: dict[str, list[torch.fx.Node]] = {}  # module path -> result-less updates waiting
     inputs: list[torch.fx.Node] = []
 
+    def params_of(node: torch.fx.Node) -> set[int]:
+        return {attr_param[n.target] for n in _input_nodes(node) if n.op == "get_attr" and n.target in attr_param}
+
     def new_op(node: torch.fx.Node, kind: str, f: float, moved: int, is_view: bool) -> int:
-        idx = len(names)
-        names.append(node.name)
-        kinds.append(kind)
-        modules.append(_module_path(node))
-        flops.append(f)
         ob = tensor_bytes(node.meta.get("val"))
-        out_b.append(ob)
-        act_b.append(0 if is_view else ob)
-        move_b.append(moved)
-        members.append([node.name])
-        uses.append(set())
-        op_of[node.name] = idx
-        return idx
+        ops.append(_Op(node.name, kind, _module_path(node), f, ob, 0 if is_view else ob, moved, [node.name], set()))
+        op_of[node.name] = len(ops) - 1
+        return len(ops) - 1
 
     for node in gm.graph.nodes:
         if node.op == "placeholder":
@@ -154,11 +161,10 @@ def _build(gm: torch.fx.GraphModule, in_spec: pytree.TreeSpec, out_spec: pytree.
         if node.op in ("get_attr", "call_module"):  # call_module: export's input guard, not part of the model
             continue
         if node.op == "output":
-            idx = new_op(node, "output", 0.0, 0, True)
+            new_op(node, "output", 0.0, 0, True)
             continue
-        ins = _input_nodes(node)
-        op_ins = [n for n in ins if n.name in op_of]
-        params_used = {attr_param[n.target] for n in ins if n.op == "get_attr" and n.target in attr_param}
+        op_ins = [n for n in _input_nodes(node) if n.name in op_of]
+        params_used = params_of(node)
         if node.target is operator.getitem and op_ins:
             idx = op_of[op_ins[0].name]
         elif not node.users and op_ins:
@@ -169,24 +175,26 @@ def _build(gm: torch.fx.GraphModule, in_spec: pytree.TreeSpec, out_spec: pytree.
         else:
             f, moved, is_view = op_flops_and_bytes(node)
             idx = new_op(node, _kind(node), f, moved, is_view)
-            for waiting in pending_buffer_ops.pop(modules[idx], []):
-                members[idx].insert(0, waiting.name)
+            for waiting in pending_buffer_ops.pop(ops[idx].module, []):
+                ops[idx].members.insert(0, waiting.name)
                 op_of[waiting.name] = idx
-                params_used |= {attr_param[n.target] for n in _input_nodes(waiting) if n.op == "get_attr"}
+                params_used |= params_of(waiting)
         if node.name not in op_of:
             op_of[node.name] = idx
-            members[idx].append(node.name)
-        uses[idx].update(params_used)
+            ops[idx].members.append(node.name)
+        ops[idx].uses.update(params_used)
 
     for waiting in {n.name: n for ns in pending_buffer_ops.values() for n in ns}.values():
-        idx = new_op(waiting, _kind(waiting), 0.0, 0, True)
-        uses[idx].update(attr_param[n.target] for n in _input_nodes(waiting) if n.op == "get_attr")
+        ops[new_op(waiting, _kind(waiting), 0.0, 0, True)].uses.update(params_of(waiting))
+
+    nodes = list(gm.graph.nodes)
+    succ = _op_successors(nodes, op_of, len(ops))
+    ops, op_of = _fuse(ops, op_of, colocated_groups(nodes, op_of, succ), succ)
 
     # Values: every fx node read by an op other than its own; edges deduplicated per (src, dst, value).
     value_id: dict[str, int] = {}
     value_bytes: list[int] = []
     edges: set[tuple[int, int, int]] = set()
-    by_name = {n.name: n for n in gm.graph.nodes}
     for node in gm.graph.nodes:
         if node.name not in op_of or node.op == "placeholder":
             continue
@@ -197,24 +205,78 @@ def _build(gm: torch.fx.GraphModule, in_spec: pytree.TreeSpec, out_spec: pytree.
                 continue
             if inp.name not in value_id:
                 value_id[inp.name] = len(value_bytes)
-                value_bytes.append(tensor_bytes(by_name[inp.name].meta.get("val")))
+                value_bytes.append(tensor_bytes(inp.meta.get("val")))
             edges.add((producer, consumer, value_id[inp.name]))
     e = np.array(sorted(edges), dtype=np.int64).reshape(-1, 3)
-    use_pairs = np.array([(i, p) for i, ps in enumerate(uses) for p in sorted(ps)], np.int64).reshape(-1, 2)
+    use_pairs = np.array([(i, p) for i, op in enumerate(ops) for p in sorted(op.uses)], np.int64).reshape(-1, 2)
     fx = TracedProgram(module=gm, in_spec=in_spec, out_spec=out_spec, op_of=op_of,
                        input_names=[n.name for n in inputs], input_meta=[n.meta.get("val") for n in inputs],
                        training=training)
     return OpGraph(
-        names=names, kinds=kinds, modules=modules,
-        flops=np.asarray(flops, np.float64), out_bytes=np.asarray(out_b, np.int64),
-        act_bytes=np.asarray(act_b, np.int64), move_bytes=np.asarray(move_b, np.int64),
+        names=[o.name for o in ops], kinds=[o.kind for o in ops], modules=[o.module for o in ops],
+        flops=np.array([o.flops for o in ops], np.float64),
+        out_bytes=np.array([o.out_bytes for o in ops], np.int64),
+        act_bytes=np.array([o.act_bytes for o in ops], np.int64),
+        move_bytes=np.array([o.move_bytes for o in ops], np.int64),
         src=e[:, 0].copy(), dst=e[:, 1].copy(), value=e[:, 2].copy(),
         value_bytes=np.asarray(value_bytes, np.int64),
         param_names=param_names, param_bytes=np.asarray(param_bytes, np.int64),
         param_trainable=np.asarray(trainable, bool),
         use_node=use_pairs[:, 0].copy(), use_param=use_pairs[:, 1].copy(),
-        members=[tuple(m) for m in members], fx=fx,
+        members=[tuple(o.members) for o in ops], fx=fx,
     )
+
+
+def _op_successors(nodes: list[torch.fx.Node], op_of: dict[str, int], num_ops: int) -> list[set[int]]:
+    """Per op, the ops that read one of its values."""
+    succ: list[set[int]] = [set() for _ in range(num_ops)]
+    for node in nodes:
+        b = op_of.get(node.name)
+        if b is None or node.op == "placeholder":
+            continue
+        for inp in _input_nodes(node):
+            a = op_of.get(inp.name)
+            if a is not None and a != b:
+                succ[a].add(b)
+    return succ
+
+
+def _fuse(ops: list[_Op], op_of: dict[str, int], groups: list[list[int]],
+          succ: list[set[int]]) -> tuple[list[_Op], dict[str, int]]:
+    """Contract each co-located group (:mod:`partitioner.mutation`) into one op named after its first member,
+    then number the ops in a topological order again (Kahn's algorithm, earliest original index first, so
+    the order moves no more than the contraction forces: an op that reads a member early may have to wait
+    for the whole group)."""
+    if not groups:
+        return ops, op_of
+    rep = list(range(len(ops)))
+    for g in groups:
+        for i in g:
+            rep[i] = g[0]
+    merged = {g[0]: _Op(ops[g[0]].name, ops[g[0]].kind, ops[g[0]].module, sum(ops[i].flops for i in g),
+                        sum(ops[i].out_bytes for i in g), sum(ops[i].act_bytes for i in g),
+                        sum(ops[i].move_bytes for i in g), [m for i in g for m in ops[i].members],
+                        set().union(*(ops[i].uses for i in g))) for g in groups}
+    out_edges: dict[int, set[int]] = {}
+    waiting: dict[int, int] = {r: 0 for r in set(rep)}
+    for a, bs in enumerate(succ):
+        for b in bs:
+            ra, rb = rep[a], rep[b]
+            if ra != rb and rb not in out_edges.setdefault(ra, set()):
+                out_edges[ra].add(rb)
+                waiting[rb] += 1
+    ready = [r for r, w in waiting.items() if w == 0]
+    heapq.heapify(ready)
+    order: list[int] = []
+    while ready:
+        r = heapq.heappop(ready)
+        order.append(r)
+        for b in out_edges.get(r, ()):
+            waiting[b] -= 1
+            if waiting[b] == 0:
+                heapq.heappush(ready, b)
+    new_index = {r: i for i, r in enumerate(order)}
+    return [merged.get(r, ops[r]) for r in order], {name: new_index[rep[i]] for name, i in op_of.items()}
 
 
 def _kind(node: torch.fx.Node) -> str:

@@ -1,6 +1,7 @@
 """The low-level pipeline API for users who bring their own training loop.
 
-    runner = PipelineRunner.from_model(model, (x,), num_stages=2, schedule="1f1b", microbatches=8)
+    plan = partitioner.partition(model, 2, example_inputs=(x_microbatch,), microbatches=8)
+    runner = PipelineRunner(plan, schedule="1f1b", microbatches=8)
     result = runner.step((x,), target=y, loss_fn=F.cross_entropy)   # on every rank, same batch
     optimizer.step()   # over model.parameters(); each rank's stages have their .grad filled
 
@@ -22,7 +23,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from partitioner import PartitionPlan, partition, trace
+from partitioner import PartitionPlan
 from partitioner.split import MODEL_INPUT, SplitModel, split
 from partitioner.trace import flatten_inputs
 
@@ -32,7 +33,7 @@ from .p2p import Transport
 from .schedule import make_schedule, validate
 from .timeline import Recorder
 
-__all__ = ["PipelineRunner", "StepResult", "boundary_requires_grad", "stage_deps", "shared_plan"]
+__all__ = ["PipelineRunner", "StepResult", "boundary_requires_grad", "stage_deps"]
 
 
 @dataclass
@@ -55,7 +56,7 @@ def boundary_requires_grad(sm: SplitModel) -> dict[str, bool]:
     (no memory, no compute) so every rank agrees without exchanging metadata."""
     flags: dict[str, bool] = {}
     with FakeTensorMode() as mode:
-        values = {n: (mode.from_tensor(torch.empty(tuple(m.shape), dtype=m.dtype)) if isinstance(m, torch.Tensor) else m)
+        values = {n: mode.from_tensor(torch.empty(tuple(m.shape), dtype=m.dtype)) if isinstance(m, torch.Tensor) else m
                   for n, m in zip(sm.program.input_names, sm.program.input_meta)}
         for stage in sm.stages:
             # Fake copies of the weights: in-place updates (BatchNorm statistics) must not touch real ones.
@@ -67,16 +68,6 @@ def boundary_requires_grad(sm: SplitModel) -> dict[str, bool]:
             for n, t in zip(stage.outputs, outs):
                 flags[n] = isinstance(t, torch.Tensor) and t.requires_grad
     return flags
-
-
-def shared_plan(model: torch.nn.Module, args: tuple, kwargs: dict, num_stages: int, options: dict) -> PartitionPlan:
-    """Every rank traces (stages are built from its own model); global rank 0 partitions and sends the plan."""
-    graph = trace(model, args, kwargs)
-    text = [partition(graph, num_stages, **options).to_json() if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(text, src=0)
-    plan = PartitionPlan.from_json(text[0])
-    plan.graph = graph
-    return plan
 
 
 class PipelineRunner:
@@ -125,18 +116,6 @@ class PipelineRunner:
                                  boundary_requires_grad(self.split_model), self.device, self.recorder,
                                  checkpointed=_stages_running(plan, checkpoint_modules))
         self._shared = self._shared_groups()
-
-    @classmethod
-    def from_model(cls, model: torch.nn.Module, args: tuple = (), kwargs: dict | None = None, *,
-                   num_stages: int | None = None, microbatches: int = 1, virtual_stages: int = 1,
-                   partition_options: dict | None = None, **runner_kwargs: Any) -> "PipelineRunner":
-        """Trace ``model`` on one microbatch of the batch ``(args, kwargs)``, partition on global rank 0 and
-        share the plan with every rank (so all agree even if their cost calibrations differ)."""
-        pipelines = runner_kwargs.get("pipelines") or [runner_kwargs.get("ranks") or range(dist.get_world_size())]
-        mb_args, mb_kwargs = microbatch.split(tuple(args), dict(kwargs or {}), microbatches)[0]
-        plan = shared_plan(model, mb_args, mb_kwargs, num_stages or len(pipelines[0]) * virtual_stages,
-                           {"microbatches": microbatches, **(partition_options or {})})
-        return cls(plan, microbatches=microbatches, virtual_stages=virtual_stages, **runner_kwargs)
 
     def _shared_groups(self) -> list[tuple[Any, list[torch.Tensor]]]:
         """One process group per set of ranks that share parameters; replicas start from the first's values."""
@@ -202,7 +181,8 @@ class PipelineRunner:
             outputs = microbatch.merge([pytree.tree_unflatten(list(results[k]), sm.program.out_spec) for k in range(m)])
         return StepResult(losses=losses.tolist() if loss_fn is not None else [], outputs=outputs)
 
-    def run_microbatches(self, mb_inputs: Any, loss_hook: Any, train: bool, before_forward: Any = None) -> dict[int, tuple]:
+    def run_microbatches(self, mb_inputs: Any, loss_hook: Any, train: bool,
+                         before_forward: Any = None) -> dict[int, tuple]:
         """Walk this rank's schedule once (see :meth:`pipeline.executor.Executor.run`), then sum the gradients
         of parameters replicated on several stages. The building block of ``step`` and of ``@smp.step``."""
         try:

@@ -11,9 +11,9 @@ arXiv:2104.04473) and the (p - 1)(f + b - w) bubble of ZB-H1 (Qi et al. 2023, ar
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from numbers import Real
 from dataclasses import dataclass, field
 from functools import cached_property
+from numbers import Real
 from operator import sub
 
 from .schedule import Schedule, StageDeps, replay, stage_edges

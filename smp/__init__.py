@@ -16,9 +16,31 @@
 """
 from . import amp
 from .checkpoint import load, save
-from .comm import (CommGroup, RankType, allgather, barrier, broadcast, dp_rank, dp_size, get_dp_group,
-                   get_dp_process_group, get_mp_group, get_pp_process_group, local_rank, local_size, mp_rank,
-                   mp_size, pp_rank, pp_size, rank, rdp_rank, rdp_size, recv_from, send, size)
+from .comm import (
+                   CommGroup,
+                   RankType,
+                   allgather,
+                   barrier,
+                   broadcast,
+                   dp_rank,
+                   dp_size,
+                   get_dp_group,
+                   get_dp_process_group,
+                   get_mp_group,
+                   get_pp_process_group,
+                   local_rank,
+                   local_size,
+                   mp_rank,
+                   mp_size,
+                   pp_rank,
+                   pp_size,
+                   rank,
+                   rdp_rank,
+                   rdp_size,
+                   recv_from,
+                   send,
+                   size,
+)
 from .config import Config, ConfigError
 from .model import DistributedModel, partition, set_activation_checkpointing, set_partition
 from .optimizer import DistributedOptimizer

@@ -5,7 +5,7 @@
     smp demo
     smp launch -n N script.py [args ...]
 
-TARGET is ``zoo:NAME`` (a built-in model from :mod:`partitioner.zoo`, random weights, nothing downloaded) or
+TARGET is ``zoo:NAME`` (a built-in model from :mod:`smp.zoo`, random weights, nothing downloaded) or
 ``path/to/file.py:factory``, a function returning ``(model, example_args)`` or ``(model, args, kwargs)`` where
 the example inputs are one microbatch.
 
@@ -67,12 +67,9 @@ class Progress:
 
 
 def _size(n: float) -> str:
-    n = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
+    from partitioner.units import format_bytes
+
+    return format_bytes(n)
 
 
 def _flops(x: float) -> str:
@@ -131,7 +128,7 @@ def parse_memory(text: str | None) -> float | None:
     """``"16GiB"`` -> bytes, with the partitioner's rules, as a one-line CLI error when it cannot."""
     if text is None:
         return None
-    from partitioner.partition import parse_size
+    from partitioner.units import parse_size
 
     try:
         return parse_size(text)
@@ -179,7 +176,7 @@ def load_target(spec: str, *, size: str = "small", batch: int = 4,
     where, name = parse_target(spec)
     if where == "zoo":
         progress(f"building {spec} ({size}, batch {batch})")
-        from partitioner import zoo
+        from smp import zoo
 
         if name not in zoo.NAMES:
             raise CLIError(f"unknown zoo model {name!r} in TARGET {spec!r}; built-in models: {', '.join(zoo.NAMES)}")
@@ -292,21 +289,12 @@ class Options:
 
 
 def edge_bytes(graph: Any, assignment: dict[str, int], num_stages: int) -> dict[tuple[int, int], tuple[int, int]]:
-    """(producer stage, consumer stage) -> (bytes, tensors) crossing per microbatch; a tensor read by several
-    ops of one stage is sent to it once (as :mod:`partitioner.objective` counts it)."""
+    """(producer stage, consumer stage) -> (bytes, tensors) crossing per microbatch (the objective's count)."""
     import numpy as np
 
-    if not graph.num_edges:
-        return {}
-    stage = np.array([assignment[n] for n in graph.names], np.int64)
-    s_src, s_dst = stage[graph.src], stage[graph.dst]
-    cross = s_src != s_dst
-    keys = np.unique(np.stack([graph.value[cross], s_src[cross], s_dst[cross]], axis=1), axis=0)
-    out: dict[tuple[int, int], tuple[int, int]] = {}
-    for v, s, t in keys.tolist():
-        b, c = out.get((s, t), (0, 0))
-        out[(s, t)] = (b + int(graph.value_bytes[v]), c + 1)
-    return out
+    from partitioner.objective import stage_crossings
+
+    return stage_crossings(graph, np.array([assignment[n] for n in graph.names], np.int64), num_stages)
 
 
 def _stage_comm(plan: Any, graph: Any) -> tuple[list[tuple[int, int]], dict[tuple[int, int], float], dict]:
@@ -389,55 +377,13 @@ def _plan_sim(plan: Any, graph: Any, opts: Options, forward_s: Sequence[float] |
 
 def measure_stages(plan: Any, graph: Any, args: tuple, kwargs: dict, *, repeats: int = 3,
                    progress: Callable[[str], None] = lambda m: None) -> tuple[list[float], list[float]]:
-    """Time every stage module's forward and backward for real, in this process (median of ``repeats``
-    after one warm-up). A stage's inputs from earlier stages are leaves that require grad, so its backward
-    computes the input gradients it would send upstream, as in a pipelined run."""
-    import statistics
+    """Forward and backward seconds of every stage, run for real in this process (median of ``repeats``
+    after one warm-up; :func:`partitioner.measure_stages`)."""
+    from partitioner import measure_stages as measure
+    from partitioner.split import split
 
-    import torch
-
-    from partitioner.split import MODEL_INPUT, split
-    from partitioner.trace import flatten_inputs
-
-    sm = split(graph, plan.assignment, plan.num_stages)
-    flat = flatten_inputs(sm.program, args, kwargs)
-    values: dict[str, Any] = dict(zip(sm.program.input_names, flat))
-    needs_grad: set[str] = set()  # values that carry a gradient back to the stage that sent them
-    for stage in sm.stages:
-        outs = stage.module(*[values[n] for n in stage.inputs])
-        for name, o in zip(stage.outputs, outs):
-            if isinstance(o, torch.Tensor):
-                if o.requires_grad:
-                    needs_grad.add(name)
-                o = o.detach()
-            values[name] = o
-    fwd_s: list[float] = []
-    bwd_s: list[float] = []
-    for stage in sm.stages:
-        progress(f"measuring stage {stage.index + 1}/{len(sm.stages)} forward+backward ({repeats} runs)")
-        f_times, b_times = [], []
-        for rep in range(repeats + 1):
-            ins = []
-            for name in stage.inputs:
-                v = values[name]
-                if stage.sources.get(name) != MODEL_INPUT and name in needs_grad:
-                    v = v.detach().requires_grad_(True)
-                ins.append(v)
-            t0 = time.perf_counter()
-            outs = stage.module(*ins)
-            t1 = time.perf_counter()
-            diff = [o for o in outs if isinstance(o, torch.Tensor) and o.requires_grad]
-            if diff:
-                torch.autograd.backward(diff, [torch.ones_like(o) for o in diff])
-            t2 = time.perf_counter()
-            if rep:
-                f_times.append(t1 - t0)
-                b_times.append(t2 - t1 if diff else 0.0)
-        fwd_s.append(statistics.median(f_times))
-        bwd_s.append(statistics.median(b_times))
-    for p in sm.program.module.parameters():
-        p.grad = None
-    return fwd_s, bwd_s
+    times = measure(split(graph, plan.assignment, plan.num_stages), args, kwargs, repeats=repeats, progress=progress)
+    return times.forward_s, times.backward_s
 
 
 # --- the inspect report -------------------------------------------------------------------------------

@@ -17,14 +17,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from partitioner import PartitionPlan, trace
+from partitioner import PartitionOptions, PartitionPlan, trace
 from partitioner.partition import fixed_plan
 from partitioner.trace import flatten_inputs
 from pipeline import PipelineRunner
-from pipeline.runner import shared_plan
 
 from . import state
 from . import step as step_mod
+from .planning import shared_plan
 
 __all__ = ["DistributedModel", "partition", "set_partition", "set_activation_checkpointing"]
 
@@ -188,8 +188,8 @@ class DistributedModel(torch.nn.Module):
 
     def _make_plan(self, call: "step_mod._Call", pp: int) -> PartitionPlan:
         cfg = state.get().config
-        options = {"microbatches": cfg.microbatches, "memory_weight": cfg.effective_memory_weight,
-                   "pipeline": cfg.schedule}
+        options = PartitionOptions(microbatches=cfg.microbatches, memory_weight=cfg.effective_memory_weight,
+                                   pipeline=cfg.schedule)
         if self._resume_plan is not None:
             plan = PartitionPlan.from_json(self._resume_plan)
             plan.graph = trace(self.module, call.args, call.kwargs)
@@ -197,11 +197,11 @@ class DistributedModel(torch.nn.Module):
                 raise RuntimeError("the partial checkpoint was saved for a different model or "
                                    "pipeline_parallel_degree: its partition does not fit this one")
         elif cfg.auto_partition:
-            options["measure"] = self.trace_execution_times
-            plan = shared_plan(self.module, call.args, call.kwargs, pp, options)
+            plan = shared_plan(self.module, call.args, call.kwargs, pp,
+                               PartitionOptions.of(options, measure=self.trace_execution_times))
         else:
             graph = trace(self.module, call.args, call.kwargs)
-            plan = fixed_plan(graph, pp, self._manual_stages(graph), **options)
+            plan = fixed_plan(graph, pp, self._manual_stages(graph), options)
             plan.graph = graph
         return plan
 

@@ -104,40 +104,16 @@ def pipeline_step(model: torch.nn.Module, split_model, args: tuple, kwargs: dict
 
 
 def run_stages_as_pipeline(split_model, args: tuple, kwargs: dict, loss_fn: Callable, target: torch.Tensor):
-    """Run the stages the way a pipeline runtime does: every float tensor a stage receives from another stage
-    is a fresh autograd leaf, and each stage runs its own backward with the gradients its consumers left on
-    those leaves. Returns the model output object (rebuilt from the last stage) and the loss."""
-    from partitioner.split import MODEL_INPUT
-    from partitioner.trace import flatten_inputs
+    """Run the stages the way a pipeline runtime does (:func:`partitioner.measure.run_stages`): every float
+    tensor a stage receives from another stage is a fresh autograd leaf, and each stage runs its own backward
+    with the gradients its consumers left on those leaves. Returns the model output object and the loss."""
+    from partitioner.measure import run_stages
 
-    sm = split_model
-    flat = flatten_inputs(sm.program, args, kwargs)
-    values = dict(zip(sm.program.input_names, flat))
-    leaves: list[dict[str, torch.Tensor]] = []
-    outs_of: list[tuple] = []
-    for st in sm.stages:
-        ins, mine = [], {}
-        for name in st.inputs:
-            v = values[name]
-            if st.sources[name] != MODEL_INPUT and isinstance(v, torch.Tensor) and v.requires_grad:
-                v = v.detach().requires_grad_(True)
-                mine[name] = v
-            ins.append(v)
-        outs = tuple(st.module(*ins))
-        values.update(zip(st.outputs, outs))
-        leaves.append(mine)
-        outs_of.append(outs)
-    output = pytree.tree_unflatten(list(outs_of[-1]), sm.program.out_spec)
-    loss = loss_fn(output, target)
-    loss.backward()
-    for st in reversed(sm.stages[:-1]):
-        tensors, grads = [], []
-        for name, o in zip(st.outputs, outs_of[st.index]):
-            parts = [leaves[c][name].grad for c in st.consumers.get(name, [])
-                     if name in leaves[c] and leaves[c][name].grad is not None]
-            if isinstance(o, torch.Tensor) and o.requires_grad and parts:
-                tensors.append(o)
-                grads.append(sum(parts[1:], parts[0]))
-        if tensors:
-            torch.autograd.backward(tensors, grads)
-    return output, loss
+    losses = []
+
+    def seeds(output):
+        losses.append(loss_fn(output, target))
+        return [losses[0]], [None]
+
+    output, _, _ = run_stages(split_model, args, kwargs, seeds)
+    return output, losses[0]

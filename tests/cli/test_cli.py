@@ -354,8 +354,9 @@ def test_launch_runs_the_script_on_n_ranks(tmp_path: Path) -> None:
 
 
 def test_plan_round_trips_in_process() -> None:
-    from partitioner import trace, zoo
+    from partitioner import trace
     from partitioner.plan import PartitionPlan
+    from smp import zoo
     from smp.cli import Options, Target, analyse
 
     z = zoo.build("mlp")
@@ -370,7 +371,8 @@ def test_plan_round_trips_in_process() -> None:
 
 
 def test_module_graph_collapses_blocks_and_labels_cuts() -> None:
-    from partitioner import partition, trace, zoo
+    from partitioner import partition, trace
+    from smp import zoo
     from smp.cli import _group_ops, module_graph
 
     # Container ops between children join their neighbours; blocks collapse to their number.

@@ -16,13 +16,21 @@ import pytest
 import torch
 
 import partitioner
-from partitioner import PartitionPlan, zoo
+from partitioner import PartitionPlan
 from partitioner.baselines import all_baselines
 from partitioner.objective import check_acyclic, evaluate
 from partitioner.partition import make_problem
 from partitioner.split import split
-from tests.conftest import (assert_complete_and_acyclic, assert_same_step, pipeline_step, restore_buffers,
-                            snapshot_buffers, stage_array, train_step)
+from smp import zoo
+from tests.conftest import (
+    assert_complete_and_acyclic,
+    assert_same_step,
+    pipeline_step,
+    restore_buffers,
+    snapshot_buffers,
+    stage_array,
+    train_step,
+)
 
 STAGES = (2, 4, 8)
 
@@ -225,7 +233,7 @@ def test_plans_are_identical_across_processes_with_fixed_rates():
     code = textwrap.dedent("""
         import sys, torch
         import partitioner
-        from partitioner import zoo
+        from smp import zoo
         zm = zoo.build("mlp", batch=2)
         plan = partitioner.partition(zm.model, 3, example_inputs=zm.args, rates=partitioner.DeviceRates())
         sys.stdout.write(plan.to_json())

@@ -10,9 +10,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import partitioner
-from partitioner import zoo
 from partitioner.baselines import block_index
 from partitioner.cost import estimate
+from smp import zoo
 from tests.conftest import tensor_leaves
 
 

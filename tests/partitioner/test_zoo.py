@@ -1,10 +1,10 @@
-"""Tests for partitioner.zoo: every model builds, trains, is deterministic and exports faithfully."""
+"""Tests for smp.zoo: every model builds, trains, is deterministic and exports faithfully."""
 
 import pytest
 import torch
 from torch import nn
 
-from partitioner import zoo
+from smp import zoo
 
 
 def _logits(output):

@@ -57,9 +57,9 @@ def _compare(rank, runner, zm, res, ref, label):
 
 
 def _exactness(rank: int, world: int, name: str, ms: tuple[int, ...], schedules: tuple[str, ...], virtual: int):
-    from partitioner import zoo
     from partitioner import partition, trace
     from pipeline import PipelineRunner, microbatch
+    from smp import zoo
 
     zm = zoo.build(name, batch=8)
     start = {k: v.clone() for k, v in zm.model.state_dict().items()}
@@ -72,7 +72,7 @@ def _exactness(rank: int, world: int, name: str, ms: tuple[int, ...], schedules:
         runs = [(s, 1) for s in schedules] + ([("interleaved-virtual", virtual)] if virtual > 1 and m % world == 0 else [])
         for sched, v in runs:
             # All ranks make the same plan: the cost rates are fixed here, not measured per process.
-            from partitioner.cost import DeviceRates
+            from partitioner import DeviceRates
             plan = partition(graph, world * v, rates=DeviceRates(), microbatches=m)
             runner = PipelineRunner(plan, schedule=sched, microbatches=m, virtual_stages=v, timeout_s=30)
             res = runner.step(zm.args, zm.kwargs, target=zm.target, loss_fn=zm.loss_fn)
@@ -135,8 +135,7 @@ class _SplitEdges(nn.Module):
 
 
 def _split_backward_edges(rank: int, world: int, m: int):
-    from partitioner import trace
-    from partitioner.cost import DeviceRates
+    from partitioner import DeviceRates, trace
     from partitioner.partition import fixed_plan
     from pipeline import PipelineRunner
 

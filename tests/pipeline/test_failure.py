@@ -12,8 +12,7 @@ from tests.spawn import run_ranks
 
 
 def _mlp_runner(timeout_s: float):
-    from partitioner import partition, trace
-    from partitioner.cost import DeviceRates
+    from partitioner import DeviceRates, partition, trace
     from pipeline import PipelineRunner
 
     torch.manual_seed(0)

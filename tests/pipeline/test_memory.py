@@ -55,8 +55,7 @@ class _SavedBytes:
 
 
 def _peaks(rank: int, world: int, ms: tuple[int, ...]):
-    from partitioner import partition, trace
-    from partitioner.cost import DeviceRates
+    from partitioner import DeviceRates, partition, trace
     from pipeline import PipelineRunner
 
     torch.manual_seed(0)

@@ -27,7 +27,7 @@ class MnistCNN(nn.Module):
 
 def build(name: str, batch: int, seed: int):
     """(model, loss_fn, batches(step) -> (args, kwargs, target)) for a model name."""
-    from partitioner import zoo
+    from smp import zoo
 
     if name == "cnn":
         torch.manual_seed(seed)
