@@ -80,8 +80,8 @@ def measure(graph: OpGraph, args: tuple, kwargs: dict | None = None, *, repeats:
                         env[node.name] = node.target(*torch.fx.node.map_arg(node.args, lambda n, env=env: env[n.name]))
                         continue
                     written = {n.name for n in written_inputs(node)}
-                    a, k = torch.fx.node.map_arg(
-                        (node.args, node.kwargs), lambda n, env=env, written=written: leaf(env[n.name], n.name in written))
+                    a, k = torch.fx.node.map_arg((node.args, node.kwargs),
+                                                 lambda n, env=env, w=written: leaf(env[n.name], n.name in w))
                     t0 = clock()
                     out = node.target(*a, **k)
                     t1 = clock()

@@ -71,6 +71,9 @@ class Executor:
         names = sorted({n for s in self.split_model.stages for n in s.inputs if s.sources[n] != MODEL_INPUT})
         self._value_index = {n: i for i, n in enumerate(names)}
         self._stages = {s: self.split_model.stages[s] for s in self.schedule.stages_of(self.rank)}
+        program = self.split_model.program
+        self._constants = {n: v for n, v in zip(program.input_names, program.input_meta)
+                           if not isinstance(v, torch.Tensor)}
 
     # -- tags, peers and what travels on each stage edge ----------------------------------------------------
     def _tag(self, value: str, mb: int, grad: bool) -> int:
@@ -94,9 +97,9 @@ class Executor:
         """Run this rank's actions; returns the last stage's flat outputs per microbatch (if held here).
 
         ``mb_inputs`` gives each microbatch's model inputs by placeholder name (a list, or a function called
-        when the first local stage needs them). ``before_forward(mb)`` may return a context manager entered
-        around each forward (autocast as the user's step function had it). Without ``train`` only the
-        forward actions run.
+        when stage 0 needs them; only the rank holding stage 0 reads them). ``before_forward(mb)`` may
+        return a context manager entered around each forward (autocast as the user's step function had it).
+        Without ``train`` only the forward actions run.
         """
         inputs_of = mb_inputs if callable(mb_inputs) else mb_inputs.__getitem__
         self._held: dict[tuple[int, int], _Held] = {}
@@ -177,7 +180,8 @@ class Executor:
         stage = self._stages[a.stage]
         k = a.microbatch
         received = dict(self._received("F", a.stage, k))
-        model_inputs = inputs_of(k) if any(stage.sources[n] == MODEL_INPUT for n in stage.inputs) else {}
+        # The step's data enters at stage 0; other stages read only traced constants from the model inputs.
+        model_inputs = inputs_of(k) if a.stage == 0 else self._constants
         grad_mode = train and torch.is_grad_enabled()
         args = []
         boundary: dict[str, torch.Tensor] = {}

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tests.spawn import run_ranks
+from smp.spawn import run_ranks
 
 SCHEDULES = ("gpipe", "1f1b", "zb-h1")
 
