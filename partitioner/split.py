@@ -28,11 +28,28 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
+from .errors import EngineError
 from .graph import OpGraph
 from .mutation import written_inputs
 from .trace import TracedProgram, flatten_inputs, tensor_aliases
 
-__all__ = ["Stage", "SplitModel", "split", "MODEL_INPUT"]
+__all__ = ["Stage", "SplitModel", "split", "MODEL_INPUT", "MetaTensorError", "check_runnable"]
+
+class MetaTensorError(EngineError, RuntimeError):
+    """Something was asked to run on a model built on the meta device, whose tensors hold no data."""
+
+
+def check_runnable(module: torch.nn.Module, what: str, inputs: Any = ()) -> None:
+    """Raise :class:`MetaTensorError` naming the first few meta tensors of ``module`` (or of ``inputs``):
+    a model built on the meta device can be traced and planned, but nothing of it can run or be timed."""
+    meta = [n for n, t in list(module.named_parameters()) + list(module.named_buffers()) if t.is_meta]
+    meta += [f"input {i}" for i, t in enumerate(pytree.tree_leaves(inputs)) if isinstance(t, torch.Tensor) and t.is_meta]
+    if meta:
+        shown = ", ".join(meta[:3]) + (f" and {len(meta) - 3} more" if len(meta) > 3 else "")
+        raise MetaTensorError(f"cannot {what}: {shown} are on the meta device (built without weights), so there is "
+                              "nothing to run; plan on meta, then run the model materialised (smp.DistributedModel "
+                              "materialises each rank's own stages; or build it on a real device)")
+
 
 MODEL_INPUT = -1  # the "stage" a model input comes from: the step's data on stage 0, a traced constant elsewhere
 
@@ -62,6 +79,7 @@ class SplitModel:
 
     def as_module(self) -> "StagedModule":
         """All stages as one module with the model's signature (see :class:`StagedModule`)."""
+        check_runnable(self.program.module, "run the staged model")
         return StagedModule(self)
 
     def check_inputs(self, flat: list[Any]) -> None:
