@@ -43,7 +43,8 @@ def check_runnable(module: torch.nn.Module, what: str, inputs: Any = ()) -> None
     """Raise :class:`MetaTensorError` naming the first few meta tensors of ``module`` (or of ``inputs``):
     a model built on the meta device can be traced and planned, but nothing of it can run or be timed."""
     meta = [n for n, t in list(module.named_parameters()) + list(module.named_buffers()) if t.is_meta]
-    meta += [f"input {i}" for i, t in enumerate(pytree.tree_leaves(inputs)) if isinstance(t, torch.Tensor) and t.is_meta]
+    meta += [f"input {i}" for i, t in enumerate(pytree.tree_leaves(inputs))
+             if isinstance(t, torch.Tensor) and t.is_meta]
     if meta:
         shown = ", ".join(meta[:3]) + (f" and {len(meta) - 3} more" if len(meta) > 3 else "")
         raise MetaTensorError(f"cannot {what}: {shown} are on the meta device (built without weights), so there is "
