@@ -2,7 +2,7 @@
 ``newest`` file, keeping the last N, a save that a rank fails commits nothing and leaves the older checkpoints
 intact, corrupt files are named, full checkpoints are plain state dicts; and a run resumed in new processes
 before its first step reproduces the uninterrupted run's losses bit for bit (pp=2 and pp=2 x dp=2, partial
-and full checkpoints)."""
+and full checkpoints, and SMP v1's smp.save files)."""
 from __future__ import annotations
 
 import os
@@ -118,8 +118,9 @@ def test_save_and_resume_tagged_pp2(tmp_path):
 
 
 def _gpt2(rank: int, world: int, config: dict, tmp: str, resume: str | None, steps: int = 4, at: int = 2):
-    """Train GPT-2 for ``steps`` steps; the uninterrupted run (``resume=None``) saves a partial and a full
-    checkpoint after step ``at``; ``resume="partial"``/``"full"`` resumes from one before its first step."""
+    """Train GPT-2 for ``steps`` steps. The uninterrupted run (``resume=None``) saves a partial and a full
+    checkpoint after step ``at``, and the same state with SMP v1's ``smp.save``; ``resume="partial"``,
+    ``"full"`` or ``"v1"`` resumes from one of them before its first step."""
     import smp
     from partitioner import zoo
 
@@ -136,9 +137,15 @@ def _gpt2(rank: int, world: int, config: dict, tmp: str, resume: str | None, ste
         return loss
 
     first = 0
-    if resume is not None:
+    v1 = os.path.join(tmp, "v1")
+    if resume == "v1":
+        model.load_state_dict(smp.load(v1 + ".model", partial=True))
+        opt.load_state_dict(smp.load(v1 + ".opt", partial=True))
+        content = smp.load(v1 + ".content", partial=False)
+    elif resume is not None:
         content = smp.resume_from_checkpoint(tmp, tag="full.pt" if resume == "full" else None,
                                              partial=resume == "partial")
+    if resume is not None:
         sched.load_state_dict(content["lr_scheduler"])
         first = content["step"]
     losses = []
@@ -154,12 +161,16 @@ def _gpt2(rank: int, world: int, config: dict, tmp: str, resume: str | None, ste
             content = {"lr_scheduler": sched.state_dict(), "step": at}
             smp.save_checkpoint(tmp, f"step{at}", model=model, optimizer=opt, user_content=content)
             smp.save_checkpoint(tmp, "full.pt", partial=False, model=model, optimizer=opt, user_content=content)
+            if smp.rdp_rank() == 0:
+                smp.save(model.local_state_dict(), v1 + ".model", partial=True)
+            smp.save(opt.local_state_dict(), v1 + ".opt", partial=True)
+            smp.save(content, v1 + ".content", partial=False)
     return {"losses": losses, "first": first}
 
 
 def _exact_resume(tmp_path, world: int, config: dict) -> None:
     whole = run_ranks(_gpt2, world, config, str(tmp_path), None, timeout=400)
-    for kind in ("partial", "full"):
+    for kind in ("partial", "full", "v1"):
         resumed = run_ranks(_gpt2, world, config, str(tmp_path), kind, timeout=400)
         for w, r in zip(whole, resumed):
             assert r["first"] == 2 and r["losses"] == w["losses"][2:], (kind, r["losses"], w["losses"])
