@@ -122,7 +122,7 @@ def _gpt2(rank: int, world: int, config: dict, tmp: str, resume: str | None, ste
     checkpoint after step ``at``, and the same state with SMP v1's ``smp.save``; ``resume="partial"``,
     ``"full"`` or ``"v1"`` resumes from one of them before its first step."""
     import smp
-    from partitioner import zoo
+    from smp import zoo
 
     smp.init(config)
     zm = zoo.build("gpt2", batch=8, seed=0)
