@@ -151,7 +151,8 @@ def main(argv: list[str] | None = None) -> None:
             print(f"step {step + 1:3d}/{args.steps}  loss {loss:.4f}  lr {lr:.2e}  "
                   f"{time.perf_counter() - t0:6.3f} s", flush=True)
 
-    # Partial checkpoint: each rank writes what it holds (PATH_<pp_rank>_<dp_rank>).
+    # Partial checkpoint, SMP v1's files: PATH_<mp_rank> from each pipeline rank of replica 0, committed by
+    # PATH.manifest.json (sizes and checksums) once every rank has written its file.
     path = os.path.join(out, "gpt2")
     smp.save(model.local_state_dict(), path + ".model", partial=True)
     smp.save(optimizer.local_state_dict(), path + ".optimizer", partial=True)

@@ -16,6 +16,7 @@
 """
 from . import amp
 from .checkpoint import load, save
+from .commit import CheckpointError
 from .comm import (
                    CommGroup,
                    RankType,
@@ -46,10 +47,12 @@ from .model import DistributedModel, partition, set_activation_checkpointing, se
 from .optimizer import DistributedOptimizer
 from .state import init, is_initialized
 from .step import StepOutput, step
+from .tagged_checkpoint import resume_from_checkpoint, save_checkpoint
 
 __all__ = [
     "init", "is_initialized", "Config", "ConfigError", "DistributedModel", "DistributedOptimizer", "step",
-    "StepOutput", "partition", "set_partition", "set_activation_checkpointing", "save", "load", "amp",
+    "StepOutput", "partition", "set_partition", "set_activation_checkpointing", "save", "load",
+    "save_checkpoint", "resume_from_checkpoint", "CheckpointError", "amp",
     "rank", "size", "local_rank", "local_size", "pp_rank", "pp_size", "mp_rank", "mp_size", "dp_rank", "dp_size",
     "rdp_rank", "rdp_size", "get_mp_group", "get_dp_group", "get_pp_process_group", "get_dp_process_group",
     "barrier", "broadcast", "allgather", "send", "recv_from", "CommGroup", "RankType",

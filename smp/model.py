@@ -23,6 +23,8 @@ from partitioner.trace import flatten_inputs
 from pipeline import PipelineRunner
 
 from . import state
+from .commit import CheckpointError
+from .state_dicts import key_error, on_cpu
 from . import step as step_mod
 from .planning import shared_plan
 
@@ -93,7 +95,7 @@ class DistributedModel(torch.nn.Module):
         self.partitioned = False
         self.runner: PipelineRunner | None = None
         self._post_partition_hooks: list[Callable[["DistributedModel", Any], None]] = []
-        self._resume_plan: str | None = None  # from a partial checkpoint: stages must match what was saved
+        self._resume_plan: tuple[str, bool] | None = None  # a checkpoint's plan (JSON) and whether it is required
         st.model = self
 
     # -- the step interface --------------------------------------------------------------------------
@@ -190,13 +192,10 @@ class DistributedModel(torch.nn.Module):
         cfg = state.get().config
         options = PartitionOptions(microbatches=cfg.microbatches, memory_weight=cfg.effective_memory_weight,
                                    pipeline=cfg.schedule)
-        if self._resume_plan is not None:
-            plan = PartitionPlan.from_json(self._resume_plan)
-            plan.graph = trace(self.module, call.args, call.kwargs)
-            if plan.num_stages != pp or set(plan.assignment) != set(plan.graph.names):
-                raise RuntimeError("the partial checkpoint was saved for a different model or "
-                                   "pipeline_parallel_degree: its partition does not fit this one")
-        elif cfg.auto_partition:
+        plan = self._saved_plan(call, pp)
+        if plan is not None:
+            return plan
+        if cfg.auto_partition:
             plan = shared_plan(self.module, call.args, call.kwargs, pp,
                                PartitionOptions.of(options, measure=self.trace_execution_times))
         else:
@@ -204,6 +203,24 @@ class DistributedModel(torch.nn.Module):
             plan = fixed_plan(graph, pp, self._manual_stages(graph), options)
             plan.graph = graph
         return plan
+
+    def _saved_plan(self, call: "step_mod._Call", pp: int) -> PartitionPlan | None:
+        """The partition of a loaded checkpoint: required for partial state (its tensors are cut that way), a
+        hint for full state (the same cut makes a resumed run compute exactly what the saved run would have;
+        with another ``pipeline_parallel_degree`` or model the model is partitioned afresh)."""
+        if self._resume_plan is None:
+            return None
+        text, required = self._resume_plan
+        plan = PartitionPlan.from_json(text)
+        graph = trace(self.module, call.args, call.kwargs)
+        if plan.num_stages == pp and set(plan.assignment) == set(graph.names):
+            plan.graph = graph
+            return plan
+        if required:
+            raise CheckpointError("the partial checkpoint was saved for a different model or pipeline_parallel_degree "
+                                  f"(a partition into {plan.num_stages} stages of another graph): load it into the "
+                                  "model and layout it was saved from, or save a full state_dict() to change them")
+        return None
 
     def _checkpointed_paths(self) -> list[str]:
         marked = state.get().checkpointed
@@ -257,39 +274,115 @@ class DistributedModel(torch.nn.Module):
                 if any(id(t) in ids for t in list(m.parameters(recurse=False)) + list(m.buffers(recurse=False))))
 
     # -- state dicts -------------------------------------------------------------------------------------
-    def local_state_dict(self) -> dict[str, Any]:
-        """This rank's parameters and buffers, marked partial (``smp.save(..., partial=True)``)."""
+    def _local_state(self) -> dict[str, torch.Tensor]:
+        """Key -> tensor of every state_dict entry this rank holds (tied keys each, sharing their tensor)."""
         ids = self._local_ids()
-        out = {k: v for k, v in self.module.state_dict(keep_vars=True).items() if id(v) in ids}
-        out = {k: v.detach() for k, v in out.items()}
+        return {k: v for k, v in self.module.state_dict(keep_vars=True).items() if id(v) in ids}
+
+    def local_state_dict(self) -> dict[str, Any]:
+        """This rank's parameters and buffers, marked partial (``smp.save(..., partial=True)``). Once the model
+        is partitioned it carries the plan, so that a restart cuts the model the same way."""
+        out: dict[str, Any] = {k: v.detach() for k, v in self._local_state().items()}
         out["_smp_partial"] = True
-        if self.partitioned:  # a restart must cut the model the same way for these tensors to fit
+        if self.partitioned:
             out["_smp_plan"] = self.runner.plan.to_json()
         return out
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
-        """The full model, gathered from every stage of this replica (on every mp rank)."""
+        """The full model, gathered from every stage of this replica: a collective over the pipeline, so every
+        mp rank calls it, and every one gets the whole dict (on the CPU). Before partitioning it is the
+        module's own ``state_dict(*args, **kwargs)``. Tied parameters stay tied: their keys share one tensor,
+        as in ``nn.Module.state_dict``."""
         if not self.partitioned:
             return self.module.state_dict(*args, **kwargs)
         st = state.get()
         parts: list[Any] = [None] * st.topology.pp
-        local = {k: v.cpu() for k, v in self.local_state_dict().items() if isinstance(v, torch.Tensor)}
-        dist.all_gather_object(parts, local, group=st.mp_group)
-        full: dict[str, Any] = {}
-        for part in parts:
-            full.update(part)
-        own = self.module.state_dict()
-        return {k: full.get(k, own[k]) for k in own}
+        dist.all_gather_object(parts, on_cpu(self._local_state()), group=st.mp_group)
+        gathered = {k: v for part in parts for k, v in part.items()}
+        keys_of: dict[int, list[str]] = {}  # the module's tensors (by id) -> their keys, in state_dict order
+        own = self.module.state_dict(keep_vars=True)
+        for k, v in own.items():
+            keys_of.setdefault(id(v), []).append(k)
+        out: dict[str, Any] = {}
+        for keys in keys_of.values():
+            # A tensor no stage holds (a parameter the forward never uses) keeps this process's value.
+            value = next((gathered[k] for k in keys if k in gathered), own[keys[0]].detach())
+            out.update(dict.fromkeys(keys, value))
+        return {k: out[k] for k in own}
 
-    def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> Any:  # type: ignore[override]
-        """Full or partial (from ``local_state_dict``) dicts; tensors are copied into the model's own."""
+    def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True,  # type: ignore[override]
+                        same_partition_load: bool = False) -> Any:
+        """Load a full dict (``state_dict()``, or a plain model's) or a partial one (``local_state_dict()``).
+
+        Each rank loads the keys it holds. With ``strict`` a key of this rank missing from the dict, or a key
+        that does not belong here, is an error that names them (a renamed attribute must not silently leave
+        random weights); ``strict=False`` loads the rest and returns this rank's ``missing_keys`` and
+        ``unexpected_keys``. A partial dict loaded before the first step makes the model partition as it was
+        saved (its plan), and is applied right after partitioning (then this returns None and a key error
+        is raised by the first step). ``same_partition_load=True`` (SMP's argument) states that the dict is
+        this rank's part of the same partition; without it, a partial dict saved under another partition of
+        an already partitioned model is rebuilt from every pipeline rank's part, which makes this call a
+        collective over the pipeline.
+        """
         sd = dict(state_dict)
         partial = bool(sd.pop("_smp_partial", False))
         plan = sd.pop("_smp_plan", None)
-        if plan is not None:
+        if not partial or plan is None:  # full, or partial but saved before partitioning: the whole model
             if not self.partitioned:
-                self._resume_plan = plan
-            elif PartitionPlan.from_json(plan).assignment != self.runner.plan.assignment:
-                raise RuntimeError("this partial checkpoint was saved under a different partition of the model; "
-                                   "load it before the first step so the model is partitioned the same way")
-        return self.module.load_state_dict(sd, strict=strict and not partial)
+                return self.module.load_state_dict(sd, strict=strict)
+            return self._load_held(sd, strict, part=False)
+        saved = PartitionPlan.from_json(plan)
+        pp = state.get().topology.pp
+        if not self.partitioned:
+            if saved.num_stages != pp:
+                raise CheckpointError(f"this partial state dict was saved with pipeline_parallel_degree="
+                                      f"{saved.num_stages}, this run has {pp}: partial checkpoints load on the "
+                                      "layout they were saved with (save a full state_dict() to change it)")
+            unknown = sorted(set(sd) - set(self.module.state_dict(keep_vars=True)))
+            if strict and unknown:
+                raise CheckpointError(key_error([], unknown))
+            self._resume_plan = (plan, True)
+            self._after_partition(lambda: self._load_held(sd, strict, part=True))
+            return None
+        if saved.assignment == self.runner.plan.assignment:
+            return self._load_held(sd, strict, part=True)
+        if same_partition_load:
+            raise CheckpointError("load_state_dict(same_partition_load=True) got a partial state dict saved under "
+                                  "another partition of the model: load it before the first step (the model is "
+                                  "then partitioned as it was saved), or pass same_partition_load=False")
+        parts: list[Any] = [None] * pp
+        dist.all_gather_object(parts, on_cpu(sd), group=state.get().mp_group)
+        return self._load_held({k: v for part in parts for k, v in part.items()}, strict, part=False)
+
+    def _load_held(self, sd: dict[str, Any], strict: bool, part: bool) -> Any:
+        """Copy the entries of the keys this rank holds into its tensors. ``part``: ``sd`` is one rank's part,
+        so every key in it must be one of ours; otherwise only keys the model does not have are unexpected."""
+        held = set(self._local_state())
+        missing = sorted(held - set(sd))
+        unexpected = sorted(set(sd) - (held if part else set(self.module.state_dict(keep_vars=True))))
+        if strict and (missing or unexpected):
+            raise CheckpointError(key_error(missing, unexpected))
+        self.module.load_state_dict({k: v for k, v in sd.items() if k in held}, strict=False)
+        return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+    def _after_partition(self, fn: Callable[[], Any]) -> None:
+        """Run ``fn`` now if the model is partitioned, else right after partitioning (before the first step's
+        pipeline). A failure there is reported to the other ranks of the pipeline, so they stop at once instead
+        of waiting for this rank in the first step."""
+        if self.partitioned:
+            fn()
+            return
+
+        def hook(model: "DistributedModel", optimizer: Any) -> None:
+            try:
+                fn()
+            except BaseException as exc:
+                model.runner.transport.report_failure(exc)
+                raise
+        self._post_partition_hooks.append(hook)
+
+    def _use_saved_plan(self, plan_json: str) -> None:
+        """Partition as a full checkpoint's run did when the layout allows it (see :meth:`_saved_plan`)."""
+        if not self.partitioned and self._resume_plan is None:
+            self._resume_plan = (plan_json, False)
+

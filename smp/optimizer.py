@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 
 from . import state
+from .commit import CheckpointError
+from .state_dicts import on_cpu
 
 __all__ = ["DistributedOptimizer"]
 
@@ -29,7 +31,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._zero: Any = None
         st = state.get()
         st.optimizer = self
-        if st.config.shard_optimizer_state and st.topology.dp > 1:
+        self._sharded = st.config.shard_optimizer_state and st.topology.dp > 1
+        if self._sharded:
             if st.model is None:
                 raise RuntimeError("create the smp.DistributedModel before a DistributedOptimizer with "
                                    "shard_optimizer_state=True")
@@ -73,50 +76,70 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def local_state_dict(self) -> dict[str, Any]:
-        if self._zero is not None:
-            return {"_smp_zero": True, "local": self._zero.optim.state_dict()}
-        return self.optimizer.state_dict()
+        """This rank's optimizer state, keyed as the wrapped optimizer's own ``state_dict()``: ``"state"`` holds
+        the entries of the parameters this rank steps, ``"param_groups"`` the hyperparameters. With sharded
+        state those are the entries of this replica's shard, and the dict is marked ``"_smp_zero"`` and lists
+        the shard's parameters (``"_smp_shard"``), so it loads only into the same shard."""
+        wrapped = self.optimizer.state_dict()
+        if self._zero is None:
+            return wrapped
+        index = self._index()
+        return {"state": dict(sorted((index[id(p)], v) for p, v in self._zero.optim.state.items())),
+                "param_groups": wrapped["param_groups"], "_smp_zero": True, "_smp_shard": self._shard_keys()}
 
     def state_dict(self) -> dict[str, Any]:
         """The optimizer state of every stage, merged (on every rank), keyed as the wrapped optimizer's own
         ``state_dict()`` would be on one device. With sharded state the replicas hold disjoint parts of each
         stage's state, so the parts are gathered over the whole world rather than the pipeline."""
         st = state.get()
-        wrapped = self.optimizer.state_dict()  # with sharded state: hyperparameters only
-        if self._zero is not None:
-            index = self._index()
-            mine = {index[id(p)]: _cpu(v) for p, v in self._zero.optim.state.items()}
-            group, size = None, dist.get_world_size()
-        else:
-            mine = {k: _cpu(v) for k, v in wrapped["state"].items()}
-            group, size = st.mp_group, st.topology.pp
+        local = self.local_state_dict()
+        group, size = (None, dist.get_world_size()) if self._zero is not None else (st.mp_group, st.topology.pp)
         parts: list[Any] = [None] * size
-        dist.all_gather_object(parts, mine, group=group)
-        merged: dict[int, Any] = {}
-        for part in parts:
-            merged.update(part)
-        return {"state": dict(sorted(merged.items())), "param_groups": wrapped["param_groups"]}
+        dist.all_gather_object(parts, on_cpu(local["state"]), group=group)
+        merged = {k: v for part in parts for k, v in part.items()}
+        return {"state": dict(sorted(merged.items())), "param_groups": local["param_groups"]}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if state_dict.get("_smp_zero"):
-            if self._zero is None:
-                raise RuntimeError("this optimizer state was saved with shard_optimizer_state=True; load it with "
-                                   "the same config after the first step has partitioned the model")
-            self._zero.optim.load_state_dict(state_dict["local"])
-            return
+        """Load a full (``state_dict()``) or this rank's (``local_state_dict()``) optimizer state. Each rank keeps
+        the entries of the parameters it steps (its stages', or its shard's), never another stage's. Before the
+        first step the load is applied right after partitioning, when those are known."""
+        st = state.get()
+        if state_dict.get("_smp_zero") and not self._sharded:
+            raise CheckpointError("this optimizer state was saved with shard_optimizer_state=True over several "
+                                  "data-parallel replicas; load it with the same config and data-parallel degree")
+        model = st.model
+        if model is not None and not model.partitioned:
+            model._after_partition(lambda: self._load(state_dict))
+        else:
+            self._load(state_dict)
+
+    def _load(self, state_dict: dict[str, Any]) -> None:
+        index = self._index()
         if self._zero is None:
-            self.optimizer.load_state_dict(state_dict)
+            model = state.get().model
+            held = None if model is None else {index[id(p)] for p in model.local_parameters() if id(p) in index}
+            self.optimizer.load_state_dict({
+                "state": {k: v for k, v in state_dict["state"].items() if held is None or k in held},
+                "param_groups": state_dict["param_groups"]})
             return
-        # A full dict into sharded state: the hyperparameters into the wrapped groups (ZeRO's follow them at
-        # each step), and to ZeRO's shard only the state of the parameters it holds.
+        if state_dict.get("_smp_zero") and state_dict["_smp_shard"] != self._shard_keys():
+            raise CheckpointError("this sharded optimizer state belongs to another shard (the data-parallel replica "
+                                  "that saved it held other parameters): load each replica's own file "
+                                  "(PATH_<mp_rank>_<rdp_rank>), with the data-parallel degree it was saved with")
+        # The hyperparameters into the wrapped groups (ZeRO's follow them at each step), and to ZeRO's shard only
+        # the state of the parameters it holds.
         for g, saved in zip(self.optimizer.param_groups, state_dict["param_groups"]):
             g.update({k: v for k, v in saved.items() if k != "params"})
-        index = self._index()
         shard = self._zero.optim.state_dict()
         params = [p for g in self._zero.optim.param_groups for p in g["params"]]
         shard["state"] = {i: state_dict["state"][index[id(p)]] for i, p in enumerate(params)
                           if index[id(p)] in state_dict["state"]}
         self._zero.optim.load_state_dict(shard)
+
+    def _shard_keys(self) -> list[int]:
+        """The wrapped optimizer's keys of the parameters in this replica's ZeRO shard."""
+        index = self._index()
+        return sorted(index[id(p)] for g in self._zero.optim.param_groups for p in g["params"])
 
     def _index(self) -> dict[int, int]:
         """Parameter (by id) -> its key in the wrapped optimizer's ``state_dict()``."""
@@ -125,10 +148,3 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def __repr__(self) -> str:
         return f"DistributedOptimizer({self.optimizer!r})"
 
-
-def _cpu(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.cpu()
-    if isinstance(value, dict):
-        return {k: _cpu(v) for k, v in value.items()}
-    return value

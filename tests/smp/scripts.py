@@ -47,13 +47,8 @@ def _shard(value, index: int, count: int):
     return pytree.tree_map(lambda x: x.chunk(count)[index] if isinstance(x, torch.Tensor) and x.dim() else x, value)
 
 
-def train(rank: int, world: int, config: dict, name: str, steps: int, batch: int, ckpt: str | None = None,
-          resume_at: int | None = None, stop_at: int | None = None):
-    """Train ``steps`` steps with smp; return per-step losses, the reference's, and max param errors.
-
-    With ``ckpt`` and ``stop_at``: save a partial checkpoint after step ``stop_at`` and stop.
-    With ``ckpt`` and ``resume_at``: load it and continue from step ``resume_at``.
-    """
+def train(rank: int, world: int, config: dict, name: str, steps: int, batch: int):
+    """Train ``steps`` steps with smp; return per-step losses, the reference's, and max param errors."""
     import smp
 
     smp.init(config)
@@ -73,10 +68,6 @@ def train(rank: int, world: int, config: dict, name: str, steps: int, batch: int
         return loss
 
     losses, ref_losses = [], []
-    first = 0
-    if ckpt and resume_at is not None:
-        model.load_state_dict(smp.load(ckpt + ".model"))
-        first = resume_at
     for step in range(steps):
         args, kwargs, target = batches(step)
         ref_loss = loss_fn(reference(*args, **kwargs), target)
@@ -84,25 +75,16 @@ def train(rank: int, world: int, config: dict, name: str, steps: int, batch: int
         ref_loss.backward()
         ref_opt.step()
         ref_losses.append(float(ref_loss.detach()))
-        if step < first:
-            continue
-        if ckpt and resume_at is not None and step == first:
-            opt.load_state_dict(smp.load(ckpt + ".opt"))  # optimizer state exists once partitioned
         d, n = smp.dp_rank(), smp.dp_size()
         out = train_step(model, _shard(args, d, n), _shard(kwargs, d, n), _shard(target, d, n))
         shard_losses = smp.allgather(float(out.reduce_mean()), smp.CommGroup.DP_GROUP)
         losses.append(sum(shard_losses) / len(shard_losses))
         opt.step()
         opt.zero_grad()
-        if ckpt and stop_at is not None and step == stop_at:
-            smp.save(model.local_state_dict(), ckpt + ".model", partial=True)
-            smp.save(opt.local_state_dict(), ckpt + ".opt", partial=True)
-            smp.barrier()
-            return {"stopped": step}
     ref_params = dict(reference.named_parameters())
     worst = 0.0
     for pname, p in model.local_named_parameters():
         r = ref_params[pname]
         worst = max(worst, float(((p - r).abs() / (r.abs() + 1e-3)).max().detach()))
-    return {"losses": losses, "ref_losses": ref_losses[first:], "param_rel_err": worst,
+    return {"losses": losses, "ref_losses": ref_losses, "param_rel_err": worst,
             "ranks": (smp.rank(), smp.pp_rank(), smp.dp_rank(), smp.get_mp_group(), smp.get_dp_group())}

@@ -67,7 +67,8 @@ def test_train_gpt2():
     out = torchrun("train_gpt2.py", "--steps", "3")
     assert_falls(losses(out, 3))
     assert "partition plan:" in out and "transformer.wte.weight on stages [0, 1]" in out  # tied embeddings
-    assert "saved partial checkpoint: gpt2.model_0_0, gpt2.model_1_0, gpt2.optimizer_0_0, gpt2.optimizer_1_0" in out
+    assert ("saved partial checkpoint: gpt2.model.manifest.json, gpt2.model_0, gpt2.model_1, "
+            "gpt2.optimizer.manifest.json, gpt2.optimizer_0, gpt2.optimizer_1") in out
 
 
 @pytest.mark.slow
@@ -78,8 +79,9 @@ def test_train_gpt2_demo_through_smp_launch(tmp_path):
     values = losses(out, 8)
     assert_falls(values)
     assert values[-1] < values[0] - 0.5, values
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["gpt2.model_0_0", "gpt2.model_1_0", "gpt2.optimizer_0_0",
-                                                           "gpt2.optimizer_1_0"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gpt2.model.manifest.json", "gpt2.model_0", "gpt2.model_1",
+                                                           "gpt2.optimizer.manifest.json", "gpt2.optimizer_0",
+                                                           "gpt2.optimizer_1"]
 
 
 @pytest.mark.slow
