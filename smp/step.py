@@ -324,6 +324,7 @@ def step(fn: Callable | None = None, *, non_split_inputs: list[str] | tuple[str,
             results = model.run_step(run)
         finally:
             st.in_step = None
+        model.run_post_step_hooks()
         if detach_outputs:
             results = _detach(results)
         return _wrap(results)
