@@ -24,7 +24,7 @@ from partitioner.partition import fixed_plan
 from partitioner.trace import flatten_inputs
 from pipeline import PipelineRunner
 
-from . import state
+from . import precision, state
 from . import step as step_mod
 from .planning import shared_plan
 
@@ -104,7 +104,7 @@ class DistributedModel(torch.nn.Module):
         return step_mod.model_call(self, args, kwargs)
 
     def backward(self, tensors: Any, grad_tensors: Any = None) -> None:
-        step_mod.model_backward(tensors, grad_tensors)
+        step_mod.model_backward(*precision.scaled_for_backward(tensors, grad_tensors))  # fp16: loss scaling
 
     def is_last_stage_rank(self) -> bool:
         st = state.get()
