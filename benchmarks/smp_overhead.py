@@ -40,7 +40,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import load_average, pin  # noqa: E402
-from tests.spawn import run_ranks  # noqa: E402
+from smp.spawn import run_ranks  # noqa: E402
 
 GOAL_OVERHEAD = 0.03  # smp at most 3 % slower than the bare runner
 

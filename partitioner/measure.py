@@ -27,7 +27,7 @@ from .cost import NodeCosts, estimate
 from .devices import DeviceRates
 from .graph import OpGraph
 from .mutation import written_inputs
-from .split import MODEL_INPUT, SplitModel
+from .split import MODEL_INPUT, SplitModel, check_runnable
 from .trace import flatten_inputs
 
 __all__ = ["measure", "measure_stages", "run_stages", "StageTimes"]
@@ -61,6 +61,7 @@ def measure(graph: OpGraph, args: tuple, kwargs: dict | None = None, *, repeats:
     """
     if graph.fx is None:
         raise ValueError("measure() needs a traced graph (partitioner.trace), not a synthetic one")
+    check_runnable(graph.fx.module, "time the ops (measure=True)", (args, kwargs))
     rates = rates or calibrate()
     fx = graph.fx
     gm = fx.module
@@ -96,8 +97,8 @@ def measure(graph: OpGraph, args: tuple, kwargs: dict | None = None, *, repeats:
                         env[node.name] = node.target(*torch.fx.node.map_arg(node.args, lambda n, env=env: env[n.name]))
                         continue
                     written = {n.name for n in written_inputs(node)}
-                    a, k = torch.fx.node.map_arg(
-                        (node.args, node.kwargs), lambda n, env=env, written=written: leaf(env[n.name], n.name in written))
+                    a, k = torch.fx.node.map_arg((node.args, node.kwargs),
+                                                 lambda n, env=env, w=written: leaf(env[n.name], n.name in w))
                     t0 = clock()
                     out = node.target(*a, **k)
                     t1 = clock()
@@ -226,6 +227,7 @@ def measure_stages(sm: SplitModel, args: tuple, kwargs: dict | None = None, *, r
     """Time every stage's forward and backward (:func:`run_stages`; the last stage backpropagates a fixed
     random gradient standing in for the loss), ``repeats`` times after one warm-up run. The parameters'
     gradients are left as they were."""
+    check_runnable(sm.program.module, "time the stages", (args, kwargs))
     params = list(dict.fromkeys(p for st in sm.stages for p in st.module.parameters()))
     saved = [p.grad for p in params]
     gen = torch.Generator().manual_seed(0)

@@ -1,12 +1,14 @@
 """Executable stages: one ``torch.fx.GraphModule`` per stage, cut out of the traced graph.
 
 Each stage graph copies its ops from the traced graph in their original order; a value it reads from an
-earlier stage, or a model input, becomes a placeholder named after the value. Each stage returns the
-values that later stages read (a tensor that skips stages is returned once and delivered to every reader),
-and the last stage returns the model's flat outputs. Parameters are fetched with ``get_attr`` from the
-model's own tensors (``GraphModule`` copies attribute *references*), so a stage trains the user's
-``nn.Parameter`` objects in place, and a weight used on two stages (tied embeddings) is one tensor
-whose gradient sums over both when the stages run in one process.
+earlier stage, or a model input, becomes a placeholder named after the value. Each stage returns the values
+that later stages read (a tensor that skips stages is returned once and delivered to every reader), and the
+last stage returns the model's flat outputs. Model inputs that are tensors enter at stage 0, which also
+returns those that later stages read (labels for a loss computed in the model, attention masks): only the
+first pipeline rank needs the step's data. Inputs that are not tensors were traced in as constants. Parameters
+are fetched with ``get_attr`` from the model's own tensors (``GraphModule`` copies attribute *references*), so
+a stage trains the user's ``nn.Parameter`` objects in place, and a weight used on two stages (tied embeddings)
+is one tensor whose gradient sums over both when the stages run in one process.
 
 We build the stage graphs ourselves rather than with ``torch.fx.passes.split_module`` because the runtime
 needs, per stage, exactly which values it receives from and sends to which stage; that is the
@@ -26,13 +28,31 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
+from .errors import EngineError
 from .graph import OpGraph
 from .mutation import written_inputs
 from .trace import TracedProgram, flatten_inputs, tensor_aliases
 
-__all__ = ["Stage", "SplitModel", "split", "MODEL_INPUT"]
+__all__ = ["Stage", "SplitModel", "split", "MODEL_INPUT", "MetaTensorError", "check_runnable"]
 
-MODEL_INPUT = -1  # the "stage" a model input comes from: every rank has the inputs of its microbatch
+class MetaTensorError(EngineError, RuntimeError):
+    """Something was asked to run on a model built on the meta device, whose tensors hold no data."""
+
+
+def check_runnable(module: torch.nn.Module, what: str, inputs: Any = ()) -> None:
+    """Raise :class:`MetaTensorError` naming the first few meta tensors of ``module`` (or of ``inputs``):
+    a model built on the meta device can be traced and planned, but nothing of it can run or be timed."""
+    meta = [n for n, t in list(module.named_parameters()) + list(module.named_buffers()) if t.is_meta]
+    meta += [f"input {i}" for i, t in enumerate(pytree.tree_leaves(inputs))
+             if isinstance(t, torch.Tensor) and t.is_meta]
+    if meta:
+        shown = ", ".join(meta[:3]) + (f" and {len(meta) - 3} more" if len(meta) > 3 else "")
+        raise MetaTensorError(f"cannot {what}: {shown} are on the meta device (built without weights), so there is "
+                              "nothing to run; plan on meta, then run the model materialised (smp.DistributedModel "
+                              "materialises each rank's own stages; or build it on a real device)")
+
+
+MODEL_INPUT = -1  # the "stage" a model input comes from: the step's data on stage 0, a traced constant elsewhere
 
 
 @dataclass
@@ -43,7 +63,8 @@ class Stage:
     module: torch.fx.GraphModule
     inputs: list[str]                    # placeholder order: value names
     outputs: list[str]                   # return order: value names (for the last stage, model outputs)
-    sources: dict[str, int]              # input value -> producing stage, MODEL_INPUT for model inputs
+    sources: dict[str, int]              # input value -> producing stage, MODEL_INPUT for the step's data
+                                         # (stage 0) and traced constants (any stage)
     consumers: dict[str, list[int]]      # output value -> stages that read it (empty on the last stage)
     param_names: dict[str, str] = field(default_factory=dict)  # local attribute path -> canonical name
 
@@ -59,6 +80,7 @@ class SplitModel:
 
     def as_module(self) -> "StagedModule":
         """All stages as one module with the model's signature (see :class:`StagedModule`)."""
+        check_runnable(self.program.module, "run the staged model")
         return StagedModule(self)
 
     def check_inputs(self, flat: list[Any]) -> None:
@@ -119,19 +141,30 @@ def split(graph: OpGraph, assignment: dict[str, int], num_stages: int) -> SplitM
     out_node = next(n for n in nodes if n.op == "output")
     stage_of[out_node.name] = last
 
-    # Pass 1: what each stage must receive, and who reads what each stage produces.
+    # Pass 1: what each stage must receive, and who reads what each stage produces. Model inputs that are
+    # tensors enter at stage 0, which forwards those later stages read: only the first pipeline rank needs
+    # the step's data (as in SMP, where pp_rank 0's inputs are the truth). Constants are traced in.
+    for name, meta in zip(prog.input_names, prog.input_meta):
+        if isinstance(meta, torch.Tensor):
+            stage_of[name] = 0
     needed: list[dict[str, torch.fx.Node]] = [{} for _ in range(num_stages)]
     readers: dict[str, set[int]] = {}
     for node in nodes:
         s = stage_of[node.name]
         for inp in node.all_input_nodes:
-            if inp.op == "placeholder" or (inp.name in stage_of and stage_of[inp.name] != s):
+            if inp.op == "placeholder" and inp.name not in stage_of:  # a constant: every stage has it
                 needed[s].setdefault(inp.name, inp)
-                if inp.op != "placeholder":
-                    if stage_of[inp.name] > s:
-                        raise ValueError(f"assignment is cyclic: {inp.name} on stage {stage_of[inp.name]} "
-                                         f"feeds {node.name} on stage {s}")
-                    readers.setdefault(inp.name, set()).add(s)
+            elif inp.name in stage_of and stage_of[inp.name] != s:
+                if stage_of[inp.name] > s:
+                    raise ValueError(f"assignment is cyclic: {inp.name} on stage {stage_of[inp.name]} "
+                                     f"feeds {node.name} on stage {s}")
+                needed[s].setdefault(inp.name, inp)
+                readers.setdefault(inp.name, set()).add(s)
+            elif inp.op == "placeholder":
+                needed[s].setdefault(inp.name, inp)
+    for name in prog.input_names:  # stage 0 takes every model input it forwards
+        if name in readers:
+            needed[0].setdefault(name, next(n for n in gm.graph.nodes if n.name == name))
 
     # Pass 2: build each stage graph. A value received from another stage that this stage mutates in place
     # (HF ResNet's ``hidden += residual`` is ``aten.add_``) is cloned first: a pipeline stage gets its
@@ -171,6 +204,8 @@ def split(graph: OpGraph, assignment: dict[str, int], num_stages: int) -> SplitM
     value_meta: dict[str, Any] = {}
     for s in range(num_stages):
         outputs = [n.name for n in nodes if stage_of[n.name] == s and n.name in readers and n.op != "output"]
+        if s == 0:
+            outputs = [n for n in prog.input_names if n in readers] + outputs
         if s != last:
             graphs[s].output(tuple(envs[s][n] for n in outputs))
         else:
@@ -182,8 +217,8 @@ def split(graph: OpGraph, assignment: dict[str, int], num_stages: int) -> SplitM
             value_meta[name] = node.meta.get("val")
         stages.append(Stage(
             index=s, module=module, inputs=list(needed[s]), outputs=outputs,
-            sources={name: (MODEL_INPUT if node.op == "placeholder" else stage_of[name])
-                     for name, node in needed[s].items()},
+            sources={name: (MODEL_INPUT if node.op == "placeholder" and s == 0 or name not in stage_of
+                            else stage_of[name]) for name, node in needed[s].items()},
             consumers={name: sorted(readers[name]) for name in outputs if name in readers} if s != last else {},
             param_names={a: alias.get(a, a) for a in attrs},
         ))

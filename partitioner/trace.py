@@ -117,12 +117,18 @@ def _export(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.export.E
 
 
 def trace(model: torch.nn.Module, args: tuple | list | Any = (), kwargs: dict | None = None) -> OpGraph:
-    """Trace ``model(*args, **kwargs)`` into an :class:`OpGraph` whose ``fx`` field can rebuild stages."""
+    """Trace ``model(*args, **kwargs)`` into an :class:`OpGraph` whose ``fx`` field can rebuild stages.
+
+    A model built on the meta device (no weights: how a model larger than this machine is planned) is traced
+    with its example inputs moved to meta too, so a factory may build the model on meta and its inputs on
+    the CPU."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"trace() needs a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(args, (tuple, list)):
         args = (args,)
     kwargs = dict(kwargs or {})
+    if any(t.is_meta for t in model.parameters()):
+        args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (tuple(args), kwargs))
     ep = _export(model, tuple(args), kwargs)
     gm = ep.module()
     return _build(gm, ep.call_spec.in_spec, ep.call_spec.out_spec, model.training)

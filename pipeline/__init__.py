@@ -1,12 +1,22 @@
 """Pipeline runtime: schedules as data, an executor over torch.distributed P2P, a simulator and timelines.
 
-    runner = pipeline.PipelineRunner.from_model(model, (x,), microbatches=8, schedule="1f1b")
+    plan = partitioner.partition(model, 2, example_inputs=(x_microbatch,), microbatches=8)
+    runner = pipeline.PipelineRunner(plan, microbatches=8, schedule="1f1b")
     result = runner.step((x,), target=y, loss_fn=loss_fn)
+
+One concept per file: ``schedule`` (the IR and its generators), ``lowering`` (sends and receives as
+actions), ``simulate`` (replay: validation and timing), ``microbatch`` (split and merge), ``p2p`` (the
+transport), ``zero_bubble`` (the split backward), ``executor`` (walking one rank's actions), ``runner``
+(:class:`PipelineRunner`), ``timeline`` (recording and drawing).
 """
+from partitioner.errors import EngineError
+
+from .lowering import fifo_violations, lower
 from .microbatch import BatchSplitError, merge, split
 from .p2p import PeerError
 from .runner import PipelineRunner, StepResult
-from .schedule import Action, Schedule, ScheduleError, make_schedule, validate
+from .schedule import Action, Schedule, ScheduleError, make_schedule
+from .simulate import simulate, validate
 
 __all__ = ["PipelineRunner", "StepResult", "PeerError", "Action", "Schedule", "ScheduleError", "make_schedule",
-           "validate", "split", "merge", "BatchSplitError"]
+           "lower", "fifo_violations", "validate", "simulate", "split", "merge", "BatchSplitError", "EngineError"]

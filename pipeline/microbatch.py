@@ -20,10 +20,12 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from partitioner.errors import EngineError
+
 __all__ = ["BatchSplitError", "split", "merge"]
 
 
-class BatchSplitError(ValueError):
+class BatchSplitError(EngineError, ValueError):
     """An input cannot be cut into equal microbatches."""
 
 

@@ -19,12 +19,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from partitioner.errors import EngineError
+
 __all__ = ["Transport", "PeerError", "FAILURE_KEY"]
 
 FAILURE_KEY = "smp/pipeline/failure"
 
 
-class PeerError(RuntimeError):
+class PeerError(EngineError, RuntimeError):
     """Another rank failed, hung or went away; the message names it."""
 
 

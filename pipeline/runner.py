@@ -29,8 +29,10 @@ from partitioner.trace import flatten_inputs
 
 from . import microbatch
 from .executor import Executor
+from .lowering import lower
 from .p2p import Transport
-from .schedule import make_schedule, validate
+from .schedule import make_schedule
+from .simulate import validate
 from .timeline import Recorder
 
 __all__ = ["PipelineRunner", "StepResult", "boundary_requires_grad", "stage_deps"]
@@ -101,8 +103,8 @@ class PipelineRunner:
         self.average = average_grads_across_microbatches
         self.split_model = split(plan._bound(None), plan.assignment, plan.num_stages)
         deps = stage_deps(self.split_model)
-        self.schedule = make_schedule(schedule, p, microbatches, virtual_stages=virtual_stages,
-                                      max_in_flight=max_in_flight)
+        self.schedule = lower(make_schedule(schedule, p, microbatches, virtual_stages=virtual_stages,
+                                            max_in_flight=max_in_flight), deps)
         validate(self.schedule, deps)
         self.rank = self.ranks.index(me)
         self.device = torch.device(device) if device is not None else torch.device("cpu")

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from .config import Config, load_config
+from .spawn import free_port
 from .topology import Topology
 
 __all__ = ["State", "get", "init", "is_initialized", "reset"]
@@ -45,14 +46,6 @@ def get() -> State:
     return _state
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def init(config: dict | str | None = None) -> State:
     """Read the config, join the process group torchrun set up (or a world of one), build the grid."""
     global _state
@@ -68,7 +61,7 @@ def init(config: dict | str | None = None) -> State:
             if cfg.pipeline_parallel_degree > 1:
                 raise RuntimeError(f"pipeline_parallel_degree={cfg.pipeline_parallel_degree} needs that many "
                                    f"processes: launch with `smp launch -n {cfg.pipeline_parallel_degree} script.py`")
-            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
+            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
                                     world_size=1, timeout=timeout)
     world = dist.get_world_size()
     topo = Topology(world, cfg.pipeline_parallel_degree, cfg.placement_strategy)

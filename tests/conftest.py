@@ -83,10 +83,10 @@ def assert_same_step(got: StepResult, want: StepResult) -> None:
             assert got.grads[name] is None, f"{name}: staged run made a gradient the model does not have"
         else:
             assert got.grads[name] is not None, f"{name}: no gradient from the staged run"
-            torch.testing.assert_close(got.grads[name], g, **GRAD_TOL, msg=lambda m: f"grad of {name}: {m}")
+            torch.testing.assert_close(got.grads[name], g, **GRAD_TOL, msg=lambda m, name=name: f"grad of {name}: {m}")
     for name, b in want.buffers.items():
         if b.is_floating_point():
-            torch.testing.assert_close(got.buffers[name], b, **OUT_TOL, msg=lambda m: f"buffer {name}: {m}")
+            torch.testing.assert_close(got.buffers[name], b, **OUT_TOL, msg=lambda m, name=name: f"buffer {name}: {m}")
         else:
             assert torch.equal(got.buffers[name], b), f"buffer {name}: {got.buffers[name]} != {b}"
 

@@ -76,7 +76,8 @@ def test_packages_import_downwards_only(package):
         for target in _imports(module, path):
             top = target.split(".")[0]
             if top in ORDER:
-                assert ORDER[top] <= ORDER[package], f"{module} imports {target}: arrows go smp -> pipeline -> partitioner"
+                assert ORDER[top] <= ORDER[package], \
+                    f"{module} imports {target}: arrows go smp -> pipeline -> partitioner"
 
 
 @pytest.mark.parametrize("package", PACKAGES)

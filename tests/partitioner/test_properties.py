@@ -1,7 +1,8 @@
 """Property tests: random DAG models and random op graphs always give complete, acyclic, exact plans.
 
 * Random ``nn.Module`` DAGs (chains, branches, long skips, merges, an in-place update, an in-place update
-  through a slice of a value read later, a ``Linear`` reused in two places, a parameter read by several ops, one or two outputs), every method, a random stage count: the
+  through a slice of a value read later, a ``Linear`` reused in two places, a parameter read by several
+  ops, one or two outputs), every method, a random stage count: the
   plan assigns every op to exactly one stage in range, no edge goes backwards, and the staged model gives the
   same outputs and gradients as the model -- run in one process and run the way a pipeline runs it.
 * Random synthetic :class:`OpGraph` s (no torch): the same structural guarantees, determinism, an honest lower

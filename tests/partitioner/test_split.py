@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import partitioner
+from partitioner.split import MetaTensorError
 
 
 class _ModeDependent(nn.Module):
@@ -61,3 +62,19 @@ def test_eval_mode_is_deterministic_after_training_trace():
     staged = partitioner.partition(partitioner.trace(model, (torch.randn(4, 8),)), 2).as_module().eval()
     x = torch.randn(4, 8)
     assert torch.equal(staged(x), staged(x))
+
+
+def test_a_meta_model_plans_but_refuses_to_run_or_be_timed():
+    """Planning without weights is how a model larger than this machine is inspected; running or timing it is
+    an error that says so (not meta outputs, not timings of meta kernels)."""
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
+    x = torch.randn(4, 16)
+    graph = partitioner.trace(model, (x,))
+    plan = partitioner.partition(graph, 2, rates=partitioner.DeviceRates())
+    with pytest.raises(MetaTensorError, match=r"cannot run the staged model: 0.weight, 0.bias, 2.weight"):
+        plan.as_module()
+    with pytest.raises(MetaTensorError, match="cannot time the ops"):
+        partitioner.partition(graph, 2, measure=True, example_inputs=(x,))
+    with pytest.raises(MetaTensorError, match="cannot time the stages"):
+        partitioner.measure_stages(partitioner.split(graph, plan.assignment, 2), (x,), {})

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tests.spawn import run_ranks
+from smp.spawn import run_ranks
 
 SCHEDULES = ("gpipe", "1f1b", "zb-h1")
 
@@ -69,7 +69,8 @@ def _exactness(rank: int, world: int, name: str, ms: tuple[int, ...], schedules:
         zm.model.load_state_dict(start)
         mb_args, mb_kwargs = microbatch.split(zm.args, zm.kwargs, m)[0]
         graph = trace(zm.model, mb_args, mb_kwargs)
-        runs = [(s, 1) for s in schedules] + ([("interleaved-virtual", virtual)] if virtual > 1 and m % world == 0 else [])
+        runs = [(s, 1) for s in schedules]
+        runs += [("interleaved-virtual", virtual)] if virtual > 1 and m % world == 0 else []
         for sched, v in runs:
             # All ranks make the same plan: the cost rates are fixed here, not measured per process.
             from partitioner import DeviceRates

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.spawn import run_ranks
+from smp.spawn import run_ranks
 
 WIDTH, MB_ROWS, LAYERS = 64, 4, 8
 

@@ -179,7 +179,7 @@ def test_merge_inverts_split(case):
     value, num_mb, axis = case
     mbs = split((value,), {"kw": value}, num_mb, arg_names=["value"], input_split_axes={"value": axis, "kw": axis})
     assert len(mbs) == num_mb
-    for args, kwargs in mbs:
+    for args, _kwargs in mbs:
         assert args[0]["t"].shape[axis] * num_mb == value["t"].shape[axis] and args[0]["t"].is_contiguous()
     assert _equal(merge([args for args, _ in mbs], axis=axis), (value,))
     assert _equal(merge([kwargs for _, kwargs in mbs], axis=axis), {"kw": value})

@@ -7,21 +7,21 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pipeline.lowering import fifo_violations
 from pipeline.schedule import (
     SCHEDULE_NAMES,
     Action,
     Schedule,
     ScheduleError,
-    fifo_violations,
     gpipe,
     interleaved,
     make_schedule,
     one_f_one_b,
     peak_in_flight,
     stage_edges,
-    validate,
     zero_bubble_h1,
 )
+from pipeline.simulate import validate
 
 ranks = st.integers(1, 8)
 microbatches = st.integers(1, 16)

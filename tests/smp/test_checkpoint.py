@@ -4,8 +4,8 @@ from __future__ import annotations
 import glob
 import os
 
+from smp.spawn import run_ranks
 from tests.smp.scripts import train
-from tests.spawn import run_ranks
 
 CFG = {"pipeline_parallel_degree": 2, "microbatches": 2}
 

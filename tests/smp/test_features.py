@@ -15,9 +15,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from smp.spawn import run_ranks
 from smp.step import StepOutput
 from smp.topology import Topology
-from tests.spawn import run_ranks
 
 PARAM_TOL = 1e-4
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from smp.config import ConfigError, load_config
-from tests.spawn import run_ranks
+from smp.spawn import run_ranks
 
 
 @pytest.mark.parametrize("config,needle", [

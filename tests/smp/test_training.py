@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from smp.spawn import run_ranks
 from tests.smp.scripts import train
-from tests.spawn import run_ranks
 
 
 def _check(results, steps):

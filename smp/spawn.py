@@ -1,7 +1,10 @@
 """Run a function on N local ranks (gloo, localhost, a free port) and collect what each returns.
 
-Failures come back as the rank's traceback text, and the whole run is bounded by ``timeout`` so a hang in
-the code under test fails the test instead of the test run.
+What ``torch.multiprocessing.spawn`` does, plus the process group and the results: every rank gets
+``torch.distributed`` initialised on this host, one intra-op thread, the torchrun environment variables, and
+returns a value to the caller. Failures come back as the rank's traceback text, and the whole run is
+bounded by ``timeout`` so a hang fails the caller instead of hanging it. Tests and benchmarks use it; so
+can a user trying the engine on one machine without ``smp launch``.
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ __all__ = ["run_ranks", "free_port"]
 
 
 def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
