@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from tests.spawn import run_ranks
+from smp.spawn import run_ranks
 
 
 def _hooks(rank: int, world: int):

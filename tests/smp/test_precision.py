@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from smp.compat import NoEffectWarning
 from smp.config import load_config
 from smp.precision import LossScaler, loss_scaler
-from tests.spawn import run_ranks
+from smp.spawn import run_ranks
 
 
 def _scales(scaler: LossScaler, overflows: list[bool]) -> list[float]:
