@@ -4,9 +4,13 @@
 Measured times replace the cost model's estimates where the roofline misjudges ops (Python-heavy blocks,
 sorts and scatters, kernels far from peak). With one intra-op thread on CPU the clock is this thread's CPU
 time (robust on a shared machine, see :func:`partitioner.calibrate.cost_clock`); otherwise wall time.
+The model's random ops (dropout) draw from torch's global generators while they are timed, so both
+measurements run on forked generators (:func:`_keeps_random_streams`): the engine never consumes the
+caller's random streams.
 """
 from __future__ import annotations
 
+import functools
 import operator
 import statistics
 import time
@@ -29,6 +33,18 @@ from .trace import flatten_inputs
 __all__ = ["measure", "measure_stages", "run_stages", "StageTimes"]
 
 
+def _keeps_random_streams(fn: Callable) -> Callable:
+    """Run ``fn`` under ``torch.random.fork_rng``: the CPU generator's and the current GPU's state are
+    restored after it."""
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        gpus = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+        with torch.random.fork_rng(devices=gpus):
+            return fn(*args, **kwargs)
+    return wrapper
+
+
+@_keeps_random_streams
 def measure(graph: OpGraph, args: tuple, kwargs: dict | None = None, *, repeats: int = 3,
             rates: DeviceRates | None = None) -> NodeCosts:
     """Time every op's forward *and* backward for real (median of ``repeats``, after one warm-up pass).
@@ -205,6 +221,7 @@ def run_stages(sm: SplitModel, args: tuple, kwargs: dict | None, seeds: Seeds | 
     return output, fwd, bwd
 
 
+@_keeps_random_streams
 def measure_stages(sm: SplitModel, args: tuple, kwargs: dict | None = None, *, repeats: int = 3,
                    progress: Callable[[str], None] = lambda message: None) -> StageTimes:
     """Time every stage's forward and backward (:func:`run_stages`; the last stage backpropagates a fixed

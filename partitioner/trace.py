@@ -10,14 +10,21 @@ Folding keeps the op graph about ops: ``getitem`` of a tuple output, ``_assert_t
 result-less checks join the op that produced their input; an in-place update of a buffer that reads no
 other op (BatchNorm's ``num_batches_tracked += 1``) joins the next op of the same module, so a module's
 state stays on one stage.
+
+Hugging Face generative models (Llama, Mistral, Qwen2, T5, BART, Whisper) return a ``DynamicCache`` of past
+keys and values when their config's ``use_cache`` is on, which it is by default; the cache is not a tensor
+tree torch.export can return, and a training step never reads it. So every config in the model has
+``use_cache`` turned off for the duration of the export and restored after (:func:`_without_kv_cache`): the
+stages run the traced graph, never the model's own forward, so the cache stays off in them for good.
 """
 from __future__ import annotations
 
 import heapq
 import operator
 import traceback
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -76,9 +83,24 @@ def _offending_module(model: torch.nn.Module, exc: BaseException) -> str:
     return found or type(model).__name__
 
 
+@contextmanager
+def _without_kv_cache(model: torch.nn.Module) -> Iterator[None]:
+    """Turn ``use_cache`` off in every (Hugging Face) config the model's modules hold, restore it after."""
+    configs = {id(c): c for c in (getattr(m, "config", None) for m in model.modules())
+               if getattr(c, "use_cache", False) is True}
+    for c in configs.values():
+        c.use_cache = False
+    try:
+        yield
+    finally:
+        for c in configs.values():
+            c.use_cache = True
+
+
 def _export(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.export.ExportedProgram:
     try:
-        return torch.export.export(model, args, kwargs, strict=False)
+        with _without_kv_cache(model):
+            return torch.export.export(model, args, kwargs, strict=False)
     except Exception as exc:  # torch raises many types here; all get the same treatment
         where = _offending_module(model, exc)
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

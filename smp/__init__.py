@@ -14,7 +14,7 @@
     loss = train_step(model, x, y).reduce_mean()
     optimizer.step()
 """
-from . import amp
+from . import amp, nn, optimizers, utils
 from .checkpoint import load, save
 from .commit import CheckpointError
 from .comm import (
@@ -42,12 +42,16 @@ from .comm import (
                    send,
                    size,
 )
+from .compat import NoEffectWarning
 from .config import Config, ConfigError
 from .model import DistributedModel, partition, set_activation_checkpointing, set_partition
 from .optimizer import DistributedOptimizer
 from .state import init, is_initialized
 from .step import StepOutput, step
 from .tagged_checkpoint import resume_from_checkpoint, save_checkpoint
+from .tensor_parallel import tensor_parallelism
+
+__version__ = "0.1.0"  # pyproject.toml reads it from here
 
 __all__ = [
     "init", "is_initialized", "Config", "ConfigError", "DistributedModel", "DistributedOptimizer", "step",
@@ -56,4 +60,5 @@ __all__ = [
     "rank", "size", "local_rank", "local_size", "pp_rank", "pp_size", "mp_rank", "mp_size", "dp_rank", "dp_size",
     "rdp_rank", "rdp_size", "get_mp_group", "get_dp_group", "get_pp_process_group", "get_dp_process_group",
     "barrier", "broadcast", "allgather", "send", "recv_from", "CommGroup", "RankType",
+    "nn", "optimizers", "utils", "tensor_parallelism", "NoEffectWarning", "__version__",
 ]

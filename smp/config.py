@@ -2,7 +2,9 @@
 
 A config comes as a dict, a path to a JSON file, or JSON in the ``SMP_CONFIG`` environment variable.
 Unknown keys and bad values are errors that list what is valid, because a typo in a training config
-should not silently fall back to a default.
+should not silently fall back to a default. Keys of SMP v1 that tune that library's own runtime are
+accepted; given a value other than their default they warn once that they have no effect here
+(:mod:`smp.compat`).
 """
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ import json
 import os
 from dataclasses import asdict, dataclass, fields
 from typing import Any
+
+from .compat import warn_no_effect
 
 __all__ = ["Config", "ConfigError", "load_config"]
 
@@ -38,6 +42,21 @@ class Config:
     shard_optimizer_state: bool = False
     offload_activations: bool = False
     tensor_parallel_degree: int = 1
+    fp16: bool = False                # steps run under float16 autocast, with loss scaling (smp.precision)
+    bf16: bool = False                # steps run under bfloat16 autocast
+    delayed_parameter_initialization: bool = False
+    sharded_data_parallel_degree: int = 1
+    # SMP v1 keys accepted for compatibility; they have no effect here (see _NO_EFFECT).
+    prescaled_batch: bool = False
+    checkpoint_attentions: bool = False
+    activation_loading_horizon: int = 4
+    skip_tracing: bool = False
+    static_mode: bool = False
+    fast_mode: bool = False
+    fp16_params: bool = False
+    _fp32_grad_accumulation: bool = False
+    _match_weights: bool = False
+    overlapping_allreduce: bool = True
 
     @property
     def schedule(self) -> str:
@@ -56,6 +75,24 @@ class Config:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+# Key -> why it changes nothing here (warned when a config gives it a value other than its default).
+_NO_EFFECT = {
+    "prescaled_batch": "without tensor parallelism every data-parallel rank reads its own batch already",
+    "checkpoint_attentions": "it checkpoints SMP's tensor-parallel attention; use smp.set_activation_checkpointing",
+    "activation_loading_horizon": "it tunes activation offloading, which this engine does not do",
+    "skip_tracing": "the engine always traces the model at the first step, to partition it",
+    "static_mode": "every step runs the stage graph traced at the first step",
+    "fast_mode": "stages always exchange exactly the tensors that cross them",
+    "fp16_params": "parameters keep the dtype the model was created with; use 'fp16' for mixed precision",
+    "_fp32_grad_accumulation": "gradients accumulate in the parameters' dtype, fp32 under 'fp16'/'bf16'",
+    "_match_weights": "there are no tensor-parallel weights to match",
+    "overlapping_allreduce": "data-parallel gradients are averaged in one collective after each step",
+}
+_SMP_V1_FLAGS = ("fp16", "bf16", "delayed_parameter_initialization", "prescaled_batch", "checkpoint_attentions",
+              "skip_tracing", "static_mode", "fast_mode", "fp16_params", "_fp32_grad_accumulation", "_match_weights",
+              "overlapping_allreduce")
 
 
 def _check(cond: bool, key: str, value: Any, allowed: str) -> None:
@@ -93,6 +130,10 @@ def load_config(config: dict | str | os.PathLike | None = None) -> Config:
                           "pipeline stages")
     c = Config(**cfg)
     _validate(c)
+    defaults = {f.name: f.default for f in fields(Config)}
+    for key, why in _NO_EFFECT.items():
+        if getattr(c, key) != defaults[key]:  # through smp.init, stacklevel 3 is the user's smp.init line
+            warn_no_effect(f"smp config {key!r}={getattr(c, key)!r}", why, stacklevel=3)
     return c
 
 
@@ -127,6 +168,16 @@ def _validate(c: Config) -> None:
            "activation offloading is not supported by this engine; use smp.set_activation_checkpointing")
     _check(c.tensor_parallel_degree == 1, "tensor_parallel_degree", c.tensor_parallel_degree,
            "only 1: this engine does pipeline and data parallelism, not tensor parallelism")
+    for key in _SMP_V1_FLAGS:
+        _check(isinstance(getattr(c, key), bool), key, getattr(c, key), "True or False")
+    _check(_is_int(c.sharded_data_parallel_degree) and c.sharded_data_parallel_degree >= 1,
+           "sharded_data_parallel_degree", c.sharded_data_parallel_degree, "a positive integer")
+    _check(c.sharded_data_parallel_degree == 1, "sharded_data_parallel_degree", c.sharded_data_parallel_degree,
+           "only 1: this engine does not shard parameters across data-parallel ranks; for ZeRO-1 style sharding "
+           "of the optimizer state set 'ddp': True and 'shard_optimizer_state': True")
+    _check(not (c.fp16 and c.bf16), "fp16", c.fp16, "not together with 'bf16': True; choose one of them")
+    _check(_is_int(c.activation_loading_horizon) and c.activation_loading_horizon >= 1,
+           "activation_loading_horizon", c.activation_loading_horizon, "a positive integer")
     if c.auto_partition:
         _check(c.default_partition is None or (_is_int(c.default_partition) and
                                                0 <= c.default_partition < c.pipeline_parallel_degree),

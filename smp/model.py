@@ -10,19 +10,21 @@ built over ``model.parameters()`` and ``state_dict`` keys work unchanged.
 from __future__ import annotations
 
 import warnings
+from collections import OrderedDict
 from contextlib import contextmanager, nullcontext
 from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.utils.hooks import RemovableHandle
 
 from partitioner import PartitionOptions, PartitionPlan, trace
 from partitioner.partition import fixed_plan
 from partitioner.trace import flatten_inputs
 from pipeline import PipelineRunner
 
-from . import state
+from . import precision, state
 from .commit import CheckpointError
 from .state_dicts import key_error, on_cpu
 from . import step as step_mod
@@ -95,6 +97,7 @@ class DistributedModel(torch.nn.Module):
         self.partitioned = False
         self.runner: PipelineRunner | None = None
         self._post_partition_hooks: list[Callable[["DistributedModel", Any], None]] = []
+        self._post_step_hooks: OrderedDict[int, Callable[["DistributedModel", Any], None]] = OrderedDict()
         self._resume_plan: tuple[str, bool] | None = None  # a checkpoint's plan (JSON) and whether it is required
         st.model = self
 
@@ -103,7 +106,7 @@ class DistributedModel(torch.nn.Module):
         return step_mod.model_call(self, args, kwargs)
 
     def backward(self, tensors: Any, grad_tensors: Any = None) -> None:
-        step_mod.model_backward(tensors, grad_tensors)
+        step_mod.model_backward(*precision.scaled_for_backward(tensors, grad_tensors))  # fp16: loss scaling
 
     def is_last_stage_rank(self) -> bool:
         st = state.get()
@@ -117,6 +120,31 @@ class DistributedModel(torch.nn.Module):
         """``fn(model, optimizer)`` runs once, right after partitioning; ``optimizer`` is the
         DistributedOptimizer (None when there is none yet), as SMP passes it."""
         self._post_partition_hooks.append(fn)
+
+    def get_module(self) -> torch.nn.Module:
+        """The module this DistributedModel wraps (SMP: the model without its wrappers)."""
+        return self.module
+
+    def register_post_step_hook(self, fn: Callable[["DistributedModel", Any], None]) -> RemovableHandle | None:
+        """``fn(model, optimizer)`` runs once, after the step that partitions the model (the first), as in
+        SMP -- e.g. to load optimizer state, which exists only then. Registered when the model is already
+        partitioned and a DistributedOptimizer exists, it runs at once and None is returned; otherwise the
+        returned handle's ``remove()`` cancels it."""
+        optimizer = state.get().optimizer
+        if self.partitioned and optimizer is not None:
+            fn(self, optimizer)
+            return None
+        handle = RemovableHandle(self._post_step_hooks)
+        self._post_step_hooks[handle.id] = fn
+        return handle
+
+    def run_post_step_hooks(self) -> None:
+        """Called by ``@smp.step`` after each step: the hooks waiting for a partitioned model run, once."""
+        if self.partitioned and self._post_step_hooks:
+            hooks = list(self._post_step_hooks.values())
+            self._post_step_hooks.clear()
+            for fn in hooks:
+                fn(self, state.get().optimizer)
 
     def run_step(self, run: "step_mod._StepRun") -> list[Any]:
         st = state.get()

@@ -5,6 +5,11 @@ parameters whose gradient is None, so the wrapped optimizer steps exactly the lo
 keeps state for those only. ``state_dict()`` gathers every stage's state into the full dict;
 ``local_state_dict()`` is this rank's part. With ``shard_optimizer_state`` the local parameters are
 handed to torch's ``ZeroRedundancyOptimizer`` over the data-parallel group instead.
+
+With ``"fp16": True`` in the config the optimizer holds SMP's loss scaler (:mod:`smp.precision`), built from
+the ``static_loss_scale`` / ``dynamic_loss_scale`` / ``dynamic_loss_args`` arguments: ``step()`` unscales
+the gradients, skips the update on every rank when one overflowed (``overflow`` says so) and adjusts the
+scale, and ``clip_master_grads`` clips by the norm of the whole model's gradient.
 """
 from __future__ import annotations
 
@@ -13,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import state
+from . import gradnorm, precision, state
 from .commit import CheckpointError
 from .state_dicts import on_cpu
 
@@ -24,12 +29,19 @@ class DistributedOptimizer(torch.optim.Optimizer):
     """A torch ``Optimizer`` (so lr schedulers accept it) that delegates to the optimizer it wraps; it never
     calls ``Optimizer.__init__``, so ``param_groups``, ``state`` and ``defaults`` are the wrapped one's."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer):
+    def __init__(self, optimizer: torch.optim.Optimizer, static_loss_scale: float | None = 1.0,
+                 dynamic_loss_scale: bool = False, dynamic_loss_args: dict[str, Any] | None = None,
+                 **more_dynamic_loss_args: Any):
+        """``dynamic_loss_args`` (``init_scale``, ``scale_factor``, ``scale_window``, ``min_scale``,
+        ``delayed_shift``, ``consecutive_hysteresis``) may also come as keyword arguments, as SMP allows."""
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
         self.optimizer = optimizer
         self._zero: Any = None
         st = state.get()
+        self.loss_scaler = precision.loss_scaler(st.config, static_loss_scale, dynamic_loss_scale,
+                                                 {**(dynamic_loss_args or {}), **more_dynamic_loss_args})
+        self.overflow = False  # SMP's fp16 optimizer: True when the last step() was skipped for an overflow
         st.optimizer = self
         self._sharded = st.config.shard_optimizer_state and st.topology.dp > 1
         if self._sharded:
@@ -64,10 +76,24 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return getattr(self.__dict__["optimizer"], name)
 
     def step(self, closure: Any = None) -> Any:
+        """The wrapped optimizer's step; under fp16 loss scaling, unscaled and skipped on overflow."""
+        if self.loss_scaler is not None:
+            return self.loss_scaler.scaled_step(self, self._step, closure)
+        return self._step(closure)
+
+    def _step(self, closure: Any = None) -> Any:
         if self._zero is not None:
             self._sync_zero_hyperparameters()
             return self._zero.step(closure)
         return self.optimizer.step(closure)
+
+    def clip_master_grads(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradients (unscaled first under fp16) to a global norm of at most ``max_norm`` over the
+        whole model, as SMP's fp16 optimizer does; returns the norm before clipping. Call it on every rank."""
+        if self.loss_scaler is not None:
+            self.loss_scaler.unscale_once(self)
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        return gradnorm.clip_grad_norm_(params, max_norm, norm_type)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         self.optimizer.add_param_group(param_group)

@@ -32,7 +32,7 @@ import torch.utils._pytree as pytree
 
 from pipeline import microbatch
 
-from . import state
+from . import precision, state
 
 __all__ = ["step", "StepOutput", "current_microbatch"]
 
@@ -201,7 +201,7 @@ class _StepRun:
         # Grad mode and autocast are thread-local: the caller's (``with torch.no_grad(): step(...)``) must
         # hold in the microbatch threads too.
         self.grad_enabled = torch.is_grad_enabled()
-        self.autocast = _autocast_state()
+        self.autocast = _autocast_state() or precision.configured_autocast()  # config fp16/bf16
 
     def _thread(self, micro: _Micro) -> None:
         _local.micro = micro
@@ -324,6 +324,7 @@ def step(fn: Callable | None = None, *, non_split_inputs: list[str] | tuple[str,
             results = model.run_step(run)
         finally:
             st.in_step = None
+        model.run_post_step_hooks()
         if detach_outputs:
             results = _detach(results)
         return _wrap(results)

@@ -12,6 +12,8 @@ from torch import nn
 import partitioner
 from partitioner.baselines import block_index
 from partitioner.cost import estimate
+from partitioner.measure import measure_stages
+from partitioner.split import split
 from smp import zoo
 from tests.conftest import tensor_leaves
 
@@ -308,3 +310,74 @@ def test_measure_times_forward_and_backward_per_op_and_leaves_the_model_alone():
     assert all(torch.equal(p.grad, torch.full_like(p, 3.0)) for p in zm.model.parameters())
     plan = partitioner.partition(g, 2, measure=True, example_inputs=zm.args)
     assert plan.options["measured"] is True
+
+
+def test_measure_leaves_the_global_random_streams_alone():
+    model = nn.Sequential(nn.Linear(16, 32), nn.Dropout(0.5), nn.Linear(32, 4)).train()  # dropout draws
+    x = torch.randn(4, 16)
+    g = partitioner.trace(model, (x,))
+    plan = partitioner.partition(g, 2)
+    before = torch.get_rng_state()
+    partitioner.measure(g, (x,), repeats=1)
+    measure_stages(split(g, plan.assignment, 2), (x,), repeats=1)
+    assert torch.equal(torch.get_rng_state(), before)
+
+
+# --- Hugging Face models with their default config (use_cache on: they return a DynamicCache) -----------
+
+
+def _tiny_hf(name: str):
+    """A default-config model of each family at toy sizes (use_cache is left at its default, True)."""
+    import transformers as T
+
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    lm = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2)
+    seq2seq = dict(vocab_size=64, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+                   decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64)
+    torch.manual_seed(0)
+    if name == "llama":
+        return T.LlamaForCausalLM(T.LlamaConfig(**lm)), {"input_ids": ids, "labels": ids}
+    if name == "mistral":
+        return T.MistralForCausalLM(T.MistralConfig(**lm)), {"input_ids": ids, "labels": ids}
+    if name == "qwen2":
+        return T.Qwen2ForCausalLM(T.Qwen2Config(**lm)), {"input_ids": ids, "labels": ids}
+    if name == "t5":
+        config = T.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4,
+                            decoder_start_token_id=0)
+        return T.T5ForConditionalGeneration(config), {"input_ids": ids, "labels": ids}
+    if name == "bart":
+        return T.BartForConditionalGeneration(T.BartConfig(**seq2seq, max_position_embeddings=64)), \
+            {"input_ids": ids, "labels": ids}
+    config = T.WhisperConfig(**seq2seq, num_mel_bins=8, max_source_positions=16, max_target_positions=16,
+                             decoder_start_token_id=1, pad_token_id=0)
+    return T.WhisperForConditionalGeneration(config), {"input_features": torch.randn(2, 8, 32), "labels": ids}
+
+
+def test_default_config_llama_traces_partitions_and_trains_exactly():
+    model, kwargs = _tiny_hf("llama")
+    assert model.config.use_cache is True
+    g = partitioner.trace(model, (), kwargs)
+    assert model.config.use_cache is True  # turned off for the trace only
+    staged = partitioner.partition(g, 2).as_module()
+    want = model(**kwargs).loss
+    want.backward()
+    want_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    got = staged(**kwargs)["loss"]
+    got.backward()
+    assert torch.allclose(got, want, rtol=1e-5)
+    for n, p in model.named_parameters():
+        assert torch.allclose(p.grad, want_grads[n], rtol=1e-4, atol=1e-6), n
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["mistral", "qwen2", "t5", "bart", "whisper"])
+def test_default_config_generative_models_trace(name):
+    model, kwargs = _tiny_hf(name)
+    model.eval()  # BART has dropout by default: compare deterministic runs
+    assert model.config.use_cache is True
+    g = partitioner.trace(model, (), kwargs)
+    out = partitioner.partition(g, 2).as_module()(**kwargs)
+    assert torch.allclose(out["loss"], model(**kwargs).loss, rtol=1e-5)
+    assert model.config.use_cache is True

@@ -1,0 +1,78 @@
+"""SMP v1 config keys: accepted, real where they can be, otherwise warned about once; SMP's real example
+configs load; values SMP never had are still errors."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+from smp.compat import NoEffectWarning
+from smp.config import ConfigError, load_config
+
+BASE = {"pipeline_parallel_degree": 2}
+
+
+def _load_recording(config: dict) -> tuple[object, list[str]]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cfg = load_config(config)
+    return cfg, [str(w.message) for w in caught if issubclass(w.category, NoEffectWarning)]
+
+
+@pytest.mark.parametrize("key,value", [
+    ("prescaled_batch", True), ("checkpoint_attentions", True), ("activation_loading_horizon", 8),
+    ("skip_tracing", True), ("static_mode", True), ("fast_mode", True), ("fp16_params", True),
+    ("_fp32_grad_accumulation", True), ("_match_weights", True), ("overlapping_allreduce", False),
+])
+def test_keys_without_effect_are_accepted_with_a_warning(key, value):
+    cfg, warned = _load_recording({**BASE, key: value})
+    assert getattr(cfg, key) == value
+    assert len(warned) == 1 and f"'{key}'={value!r} has no effect" in warned[0], warned
+
+
+@pytest.mark.parametrize("key,value", [
+    ("fp16", True), ("bf16", True), ("delayed_parameter_initialization", True),
+    ("sharded_data_parallel_degree", 1), ("activation_loading_horizon", 4), ("overlapping_allreduce", True),
+    ("skip_tracing", False),
+])
+def test_real_keys_and_default_values_do_not_warn(key, value):
+    cfg, warned = _load_recording({**BASE, key: value})
+    assert getattr(cfg, key) == value and warned == []
+
+
+def test_no_effect_warning_is_shown_once_per_call_site():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        for _ in range(3):
+            load_config({**BASE, "fast_mode": True})
+    assert [w.category for w in caught] == [NoEffectWarning], [str(w.message) for w in caught]
+
+
+def test_smp_gpt2_example_config_loads():
+    """The smp_config of aws/amazon-sagemaker-examples' train_gpt_simple.py, with its argument defaults."""
+    config = {
+        "ddp": True, "tensor_parallel_degree": 1, "pipeline_parallel_degree": 2, "microbatches": 4,
+        "shard_optimizer_state": False, "prescaled_batch": False, "fp16": True, "bf16": False,
+        "offload_activations": False, "delayed_parameter_initialization": True, "optimize": "speed",
+        "placement_strategy": "cluster", "activation_loading_horizon": 4, "skip_tracing": False,
+        "auto_partition": True, "default_partition": 0, "static_mode": False, "fast_mode": False,
+        "sharded_data_parallel_degree": 1,
+    }
+    cfg, warned = _load_recording(config)
+    assert cfg.fp16 and cfg.delayed_parameter_initialization and warned == []
+
+
+@pytest.mark.parametrize("config,needle", [
+    ({**BASE, "fp16": True, "bf16": True}, "not together with 'bf16'"),
+    ({**BASE, "sharded_data_parallel_degree": 2}, "'shard_optimizer_state': True"),
+    ({**BASE, "sharded_data_parallel_degree": 0}, "a positive integer"),
+    ({**BASE, "fast_mode": "yes"}, "'fast_mode'='yes' is not valid: True or False"),
+    ({**BASE, "fp16": 1}, "'fp16'=1 is not valid: True or False"),
+    ({**BASE, "activation_loading_horizon": 0}, "a positive integer"),
+    ({**BASE, "fast_mod": True}, "unknown smp config key(s) ['fast_mod']"),
+    ({**BASE, "zero_stage": 3}, "unknown smp config key(s) ['zero_stage']"),
+])
+def test_bad_values_and_unknown_keys_are_errors(config, needle):
+    with pytest.raises(ConfigError) as err:
+        load_config(config)
+    assert needle in str(err.value)

@@ -1,0 +1,54 @@
+"""``smp.tensor_parallelism``: at this engine's tensor-parallel degree of 1 (the only one smp.init accepts)
+modules created inside stay as they are, as in SMP v1 at degree 1."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+import smp
+from smp import state
+from smp.compat import NoEffectWarning
+from smp.config import ConfigError, load_config
+from smp.topology import Topology
+
+
+@pytest.fixture
+def initialised(monkeypatch):
+    st = state.State(config=load_config({"partitions": 1}), topology=Topology(1, 1, "cluster"), rank=0,
+                     mp_group=None, dp_group=None, device=torch.device("cpu"))
+    monkeypatch.setattr(state, "_state", st)
+
+
+def test_modules_created_inside_are_left_alone(initialised):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning without keyword arguments
+        with smp.tensor_parallelism():
+            torch.manual_seed(0)
+            inside = nn.Linear(8, 8)
+            with smp.tensor_parallelism(enabled=False):
+                nested = nn.Linear(8, 8)
+    torch.manual_seed(0)
+    outside = nn.Linear(8, 8)
+    assert type(inside) is nn.Linear and type(nested) is nn.Linear
+    assert torch.equal(inside.weight, outside.weight)
+
+
+def test_keyword_arguments_warn_that_they_have_no_effect(initialised):
+    with pytest.warns(NoEffectWarning, match=r"tensor_parallelism\(fused_bias_gelu=..., fused_softmax=...\)"):
+        with smp.tensor_parallelism(fused_softmax=True, fused_bias_gelu=False):
+            pass
+
+
+def test_misuse(initialised, monkeypatch):
+    with pytest.raises(TypeError, match="enabled must be True or False"):
+        with smp.tensor_parallelism(enabled="yes"):
+            pass
+    with pytest.raises(ConfigError, match="not tensor parallelism"):  # a degree above 1 is refused at init
+        load_config({"partitions": 1, "tensor_parallel_degree": 2})
+    monkeypatch.setattr(state, "_state", None)
+    with pytest.raises(RuntimeError, match="call smp.init"):
+        with smp.tensor_parallelism():
+            pass
