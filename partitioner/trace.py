@@ -19,7 +19,9 @@ stages run the traced graph, never the model's own forward, so the cache stays o
 """
 from __future__ import annotations
 
+import copy
 import heapq
+import itertools
 import operator
 import traceback
 from contextlib import contextmanager
@@ -36,7 +38,9 @@ from .flops import op_flops_and_bytes, tensor_bytes
 from .graph import OpGraph
 from .mutation import colocated_groups
 
-__all__ = ["trace", "TraceError", "TracedProgram", "flatten_inputs", "tensor_aliases"]
+__all__ = ["trace", "TraceError", "TracedProgram", "flatten_inputs", "tensor_aliases", "set_device"]
+
+_DEVICE_ARGS = "smp_device_args"  # node.meta key: the args/kwargs of a node that hold the traced device
 
 
 class TraceError(EngineError, RuntimeError):
@@ -119,19 +123,73 @@ def _export(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.export.E
 def trace(model: torch.nn.Module, args: tuple | list | Any = (), kwargs: dict | None = None) -> OpGraph:
     """Trace ``model(*args, **kwargs)`` into an :class:`OpGraph` whose ``fx`` field can rebuild stages.
 
-    A model built on the meta device (no weights: how a model larger than this machine is planned) is traced
-    with its example inputs moved to meta too, so a factory may build the model on meta and its inputs on
-    the CPU."""
+    The export runs on a weightless copy of the model (its parameters and buffers on the meta device, with the
+    example inputs moved there too), then the traced program is pointed back at the model's own tensors: a
+    trace costs no memory for weights, a model built on meta (how a model larger than this machine is
+    planned) traces like any other, and the exporter's fake-tensor caches never hold the model's tensors,
+    which the engine later materialises or releases in place (:func:`torch.utils.swap_tensors`)."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"trace() needs a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(args, (tuple, list)):
         args = (args,)
     kwargs = dict(kwargs or {})
-    if any(t.is_meta for t in model.parameters()):
-        args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (tuple(args), kwargs))
-    ep = _export(model, tuple(args), kwargs)
+    shadow = _weightless_copy(model)
+    args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (tuple(args), kwargs))
+    ep = _export(shadow, tuple(args), kwargs)
     gm = ep.module()
+    _point_at(gm, model)
+    for graph_module in _graph_modules(gm):  # device constants the trace baked in: meta, to be retargeted
+        for node in graph_module.graph.nodes:
+            spots = [k for k, v in itertools.chain(enumerate(node.args), node.kwargs.items())
+                     if isinstance(v, torch.device) and v.type == "meta"]
+            if spots:
+                node.meta[_DEVICE_ARGS] = spots
+    home = next((t.device for t in itertools.chain(model.parameters(), model.buffers()) if not t.is_meta), "cpu")
+    set_device(gm, home)
     return _build(gm, ep.call_spec.in_spec, ep.call_spec.out_spec, model.training)
+
+
+def set_device(module: torch.fx.GraphModule, device: torch.device | str) -> None:
+    """Point the device constants the trace baked into ``module``'s graph (``arange(..., device=...)``,
+    ``.to(device)``, metadata asserts) at ``device``: the device the module's stage runs on."""
+    dev = torch.device(device)
+    for graph_module in _graph_modules(module):
+        for node in graph_module.graph.nodes:
+            for spot in node.meta.get(_DEVICE_ARGS, ()):
+                if isinstance(spot, int):
+                    node.args = (*node.args[:spot], dev, *node.args[spot + 1:])
+                else:
+                    node.kwargs = {**node.kwargs, spot: dev}
+        graph_module.recompile()
+
+
+def _graph_modules(module: torch.nn.Module) -> list[torch.fx.GraphModule]:
+    """The module's graph and the graphs of its higher-order ops (``wrap_with_autocast`` bodies, ...)."""
+    return [m for m in module.modules() if isinstance(m, torch.fx.GraphModule)]
+
+
+def _weightless_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A deep copy of ``model`` whose parameters and buffers are meta tensors of the same shapes (tied ones
+    stay tied): the module structure and Python state without a byte of weights."""
+    memo: dict[int, Any] = {}
+    for t in itertools.chain(model.parameters(), model.buffers()):
+        if id(t) not in memo:
+            empty = torch.empty_like(t, device="meta")
+            memo[id(t)] = torch.nn.Parameter(empty, t.requires_grad) if isinstance(t, torch.nn.Parameter) else empty
+    return copy.deepcopy(model, memo)
+
+
+def _point_at(gm: torch.nn.Module, model: torch.nn.Module) -> None:
+    """Make the traced program's parameters and buffers the model's own tensors (same names, same objects)."""
+    real: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
+    real.update(model.named_buffers(remove_duplicate=False))
+    for kind in ("_parameters", "_buffers"):
+        for path, owner in gm.named_modules(remove_duplicate=False):
+            registry = getattr(owner, kind)
+            for attr in list(registry):
+                name = f"{path}.{attr}" if path else attr
+                if name in real:
+                    registry[attr] = real[name]
 
 
 @dataclass
