@@ -16,6 +16,9 @@ keys and values when their config's ``use_cache`` is on, which it is by default;
 tree torch.export can return, and a training step never reads it. So every config in the model has
 ``use_cache`` turned off for the duration of the export and restored after (:func:`_without_kv_cache`): the
 stages run the traced graph, never the model's own forward, so the cache stays off in them for good.
+
+Every byte count (activations, memory traffic, values, parameters) also records its floating-point part,
+the part a 16-bit training precision halves (:mod:`partitioner.precision`); token ids and masks keep theirs.
 """
 from __future__ import annotations
 
@@ -34,7 +37,7 @@ import torch.fx
 import torch.utils._pytree as pytree
 
 from .errors import EngineError
-from .flops import op_flops_and_bytes, tensor_bytes
+from .flops import float_bytes, op_flops_and_bytes, tensor_bytes
 from .graph import OpGraph
 from .mutation import colocated_groups
 
@@ -203,6 +206,8 @@ class _Op:
     out_bytes: int
     act_bytes: int
     move_bytes: int
+    act_float_bytes: int   # the floating-point part of act_bytes (what 16-bit training halves)
+    move_float_bytes: int
     members: list[str]
     uses: set[int]
 
@@ -223,7 +228,8 @@ def _build(gm: torch.fx.GraphModule, in_spec: pytree.TreeSpec, out_spec: pytree.
     attr_param = {path: key[canonical] for path, canonical in alias.items()}
     tensors = {name: gm.get_parameter(name) if name in dict(gm.named_parameters(remove_duplicate=False))
                else gm.get_buffer(name) for name in param_names}
-    param_bytes = [t.numel() * t.element_size() for t in tensors.values()]
+    param_bytes = [tensor_bytes(t) for t in tensors.values()]
+    param_float = [float_bytes(t) for t in tensors.values()]
     trainable = [isinstance(t, torch.nn.Parameter) and t.requires_grad for t in tensors.values()]
 
     ops: list[_Op] = []
@@ -234,9 +240,11 @@ def _build(gm: torch.fx.GraphModule, in_spec: pytree.TreeSpec, out_spec: pytree.
     def params_of(node: torch.fx.Node) -> set[int]:
         return {attr_param[n.target] for n in _input_nodes(node) if n.op == "get_attr" and n.target in attr_param}
 
-    def new_op(node: torch.fx.Node, kind: str, f: float, moved: int, is_view: bool) -> int:
+    def new_op(node: torch.fx.Node, kind: str, f: float, moved: int, moved_float: int, is_view: bool) -> int:
         ob = tensor_bytes(node.meta.get("val"))
-        ops.append(_Op(node.name, kind, _module_path(node), f, ob, 0 if is_view else ob, moved, [node.name], set()))
+        fb = 0 if is_view else float_bytes(node.meta.get("val"))
+        ops.append(_Op(node.name, kind, _module_path(node), f, ob, 0 if is_view else ob, moved, fb, moved_float,
+                       [node.name], set()))
         op_of[node.name] = len(ops) - 1
         return len(ops) - 1
 
@@ -247,7 +255,7 @@ def _build(gm: torch.fx.GraphModule, in_spec: pytree.TreeSpec, out_spec: pytree.
         if node.op in ("get_attr", "call_module"):  # call_module: export's input guard, not part of the model
             continue
         if node.op == "output":
-            new_op(node, "output", 0.0, 0, True)
+            new_op(node, "output", 0.0, 0, 0, True)
             continue
         op_ins = [n for n in _input_nodes(node) if n.name in op_of]
         params_used = params_of(node)
@@ -259,8 +267,7 @@ def _build(gm: torch.fx.GraphModule, in_spec: pytree.TreeSpec, out_spec: pytree.
             pending_buffer_ops.setdefault(_module_path(node), []).append(node)
             continue
         else:
-            f, moved, is_view = op_flops_and_bytes(node)
-            idx = new_op(node, _kind(node), f, moved, is_view)
+            idx = new_op(node, _kind(node), *op_flops_and_bytes(node))
             for waiting in pending_buffer_ops.pop(ops[idx].module, []):
                 ops[idx].members.insert(0, waiting.name)
                 op_of[waiting.name] = idx
@@ -271,7 +278,7 @@ def _build(gm: torch.fx.GraphModule, in_spec: pytree.TreeSpec, out_spec: pytree.
         ops[idx].uses.update(params_used)
 
     for waiting in {n.name: n for ns in pending_buffer_ops.values() for n in ns}.values():
-        ops[new_op(waiting, _kind(waiting), 0.0, 0, True)].uses.update(params_of(waiting))
+        ops[new_op(waiting, _kind(waiting), 0.0, 0, 0, True)].uses.update(params_of(waiting))
 
     nodes = list(gm.graph.nodes)
     succ = _op_successors(nodes, op_of, len(ops))
@@ -280,6 +287,7 @@ def _build(gm: torch.fx.GraphModule, in_spec: pytree.TreeSpec, out_spec: pytree.
     # Values: every fx node read by an op other than its own; edges deduplicated per (src, dst, value).
     value_id: dict[str, int] = {}
     value_bytes: list[int] = []
+    value_float: list[int] = []
     edges: set[tuple[int, int, int]] = set()
     for node in gm.graph.nodes:
         if node.name not in op_of or node.op == "placeholder":
@@ -292,6 +300,7 @@ def _build(gm: torch.fx.GraphModule, in_spec: pytree.TreeSpec, out_spec: pytree.
             if inp.name not in value_id:
                 value_id[inp.name] = len(value_bytes)
                 value_bytes.append(tensor_bytes(inp.meta.get("val")))
+                value_float.append(float_bytes(inp.meta.get("val")))
             edges.add((producer, consumer, value_id[inp.name]))
     e = np.array(sorted(edges), dtype=np.int64).reshape(-1, 3)
     use_pairs = np.array([(i, p) for i, op in enumerate(ops) for p in sorted(op.uses)], np.int64).reshape(-1, 2)
@@ -308,6 +317,9 @@ def _build(gm: torch.fx.GraphModule, in_spec: pytree.TreeSpec, out_spec: pytree.
         value_bytes=np.asarray(value_bytes, np.int64),
         param_names=param_names, param_bytes=np.asarray(param_bytes, np.int64),
         param_trainable=np.asarray(trainable, bool),
+        act_float_bytes=np.array([o.act_float_bytes for o in ops], np.int64),
+        move_float_bytes=np.array([o.move_float_bytes for o in ops], np.int64),
+        value_float_bytes=np.asarray(value_float, np.int64), param_float_bytes=np.asarray(param_float, np.int64),
         use_node=use_pairs[:, 0].copy(), use_param=use_pairs[:, 1].copy(),
         members=[tuple(o.members) for o in ops], fx=fx,
     )
@@ -341,7 +353,8 @@ def _fuse(ops: list[_Op], op_of: dict[str, int], groups: list[list[int]],
             rep[i] = g[0]
     merged = {g[0]: _Op(ops[g[0]].name, ops[g[0]].kind, ops[g[0]].module, sum(ops[i].flops for i in g),
                         sum(ops[i].out_bytes for i in g), sum(ops[i].act_bytes for i in g),
-                        sum(ops[i].move_bytes for i in g), [m for i in g for m in ops[i].members],
+                        sum(ops[i].move_bytes for i in g), sum(ops[i].act_float_bytes for i in g),
+                        sum(ops[i].move_float_bytes for i in g), [m for i in g for m in ops[i].members],
                         set().union(*(ops[i].uses for i in g))) for g in groups}
     out_edges: dict[int, set[int]] = {}
     waiting: dict[int, int] = {r: 0 for r in set(rep)}
