@@ -24,8 +24,8 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from partitioner import PartitionPlan
+from partitioner.program import flatten_inputs, set_device
 from partitioner.split import MODEL_INPUT, SplitModel, split
-from partitioner.trace import flatten_inputs, set_device
 
 from . import microbatch
 from .executor import Executor
