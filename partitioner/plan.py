@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from typing import Any, Iterable
 
 import numpy as np
 
@@ -146,6 +146,17 @@ class PartitionPlan:
             raise ValueError("this plan has no traced graph attached (it was loaded from JSON or made from a "
                              "synthetic graph): pass graph=partitioner.trace(model, args, kwargs)")
         return graph
+
+    def stage_tensors(self, stages: Iterable[int], graph: Any = None) -> set[str]:
+        """Names of the parameters and buffers the given stages use (a tied weight by its first name).
+        Tensors no op uses belong to stage 0, so that some rank holds (and saves) them."""
+        g = self._bound(graph)
+        want = set(stages)
+        stage = np.array([self.assignment[n] for n in g.names], np.int64)
+        used = {int(q) for q, s in zip(g.use_param.tolist(), stage[g.use_node].tolist()) if s in want}
+        if 0 in want:
+            used |= set(range(len(g.param_names))) - set(g.use_param.tolist())
+        return {g.param_names[q] for q in used}
 
     def stage_of_module(self) -> dict[str, list[int]]:
         """Module path -> the stages that run some of its ops (for explaining a plan in model terms)."""
