@@ -73,7 +73,8 @@ def test_loading_into_the_local_share_checks_names_and_shapes(tmp_path):
     state = {k: v for k, v in model.state_dict().items() if k != "model.layers.0.self_attn.q_proj.weight"}
     del state["lm_head.weight"]
     save_file(state, str(tmp_path / "model.safetensors"))
-    with pytest.raises(WeightsError, match=r"lacks 1 tensor\(s\) this rank holds: model.layers.0.self_attn.q_proj.weight"):
+    lacks = r"lacks 1 tensor\(s\) this rank holds: model.layers.0.self_attn.q_proj.weight"
+    with pytest.raises(WeightsError, match=lacks):
         load_local(fresh, tmp_path, local)
     assert load_local(fresh, tmp_path, local, strict=False).missing == ["model.layers.0.self_attn.q_proj.weight"]
     state["model.embed_tokens.weight"] = torch.zeros(3, 3)
