@@ -7,17 +7,24 @@ executable stages.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, fields
+import math
+import os
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any, Iterable
 
 import numpy as np
 
+from .errors import EngineError
 from .graph import OpGraph, unique_ints
 from .objective import Evaluation, Problem, check_acyclic, crossings
 from .split import split
 from .units import format_bytes
 
-__all__ = ["StageSummary", "PartitionPlan", "make_plan"]
+__all__ = ["StageSummary", "PartitionPlan", "PlanError", "make_plan"]
+
+
+class PlanError(EngineError, ValueError):
+    """A partition plan's JSON is malformed; the message names the key and the value."""
 
 
 @dataclass
@@ -104,7 +111,10 @@ class PartitionPlan:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "PartitionPlan":
-        """The plan of :meth:`to_dict`'s data; unknown keys go to ``extra``."""
+        """The plan of :meth:`to_dict`'s data; unknown keys go to ``extra``. Malformed data (a missing key, a
+        value of the wrong type, a stage out of range) is a :class:`PlanError` naming the key and value."""
+        if not isinstance(data, dict):
+            raise PlanError(f"not a partition plan: expected a JSON object, got {type(data).__name__}")
         back = {v: k for k, v in cls._RENAMED.items()}
         known = {f.name for f in fields(cls)}
         kwargs: dict[str, Any] = {}
@@ -115,22 +125,35 @@ class PartitionPlan:
                 kwargs[name] = value
             else:
                 extra[key] = value
-        missing = {"num_stages", "method", "assignment", "stages"} - set(kwargs)
+        missing = sorted({"num_stages", "method", "assignment", "stages"} - set(kwargs))
         if missing:
-            raise ValueError(f"not a partition plan: missing {sorted(missing)}")
+            raise PlanError(f"not a partition plan: missing {missing}")
+        required = [f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING]
+        missing = [cls._RENAMED.get(n, n) for n in required if n not in kwargs]
+        if missing:
+            raise PlanError(f"the partition plan is missing {missing}")
+        _check_plan(kwargs)
         kwargs["stages"] = [StageSummary(**s) for s in kwargs["stages"]]
-        kwargs["assignment"] = {k: int(v) for k, v in kwargs["assignment"].items()}
+        kwargs["assignment"] = dict(kwargs["assignment"])
         kwargs["shared_params"] = {k: list(v) for k, v in kwargs.get("shared_params", {}).items()}
         return cls(**kwargs, extra=extra)
 
     @classmethod
-    def from_json(cls, text_or_path: str) -> "PartitionPlan":
+    def from_json(cls, text_or_path: str | os.PathLike[str]) -> "PartitionPlan":
         """The plan of :meth:`to_json`'s text, or of the JSON file at that path."""
-        text = text_or_path
-        if not text_or_path.lstrip().startswith("{"):
+        from_file = isinstance(text_or_path, os.PathLike) or not text_or_path.lstrip().startswith(("{", "["))
+        if from_file:
             with open(text_or_path) as fh:
                 text = fh.read()
-        return cls.from_dict(json.loads(text))
+        else:
+            text = str(text_or_path)
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            where = f" in {os.fspath(text_or_path)}" if from_file else ""
+            raise PlanError(f"not a partition plan: invalid JSON{where} at line {exc.lineno} column {exc.colno}: "
+                            f"{exc.msg}") from None
+        return cls.from_dict(data)
 
     def stage_modules(self, graph: Any = None) -> list:
         """One executable ``nn.Module`` per stage (see :mod:`partitioner.split`)."""
@@ -184,6 +207,78 @@ class PartitionPlan:
             rows.append("shared parameters (replicated, gradients summed): " +
                         ", ".join(f"{k} on stages {v}" for k, v in sorted(self.shared_params.items())))
         return "\n".join(rows)
+
+
+def _check_int(key: str, value: Any, lo: int = 0, hi: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise PlanError(f"plan key {key}: expected an integer, got {value!r}")
+    if value < lo or (hi is not None and value >= hi):
+        bound = f"in [{lo}, {hi})" if hi is not None else f">= {lo}"
+        raise PlanError(f"plan key {key}: {value} is out of range, expected an integer {bound}")
+
+
+def _check_number(key: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise PlanError(f"plan key {key}: expected a finite number >= 0, got {value!r}")
+
+
+def _check_type(key: str, value: Any, kind: type) -> None:
+    if not isinstance(value, kind):
+        raise PlanError(f"plan key {key}: expected a JSON {'object' if kind is dict else kind.__name__}, "
+                        f"got {value!r}")
+
+
+def _check_stage(i: int, stage: Any, k: int) -> None:
+    """One ``stages[i]`` object: exactly StageSummary's keys, each of its type, stage numbers in [0, k)."""
+    _check_type(f"stages[{i}]", stage, dict)
+    spec = {f.name: f for f in fields(StageSummary)}
+    unknown = sorted(set(stage) - set(spec))
+    missing = [n for n, f in spec.items() if n not in stage and f.default is MISSING]
+    if unknown or missing:
+        raise PlanError(f"plan key stages[{i}]: " + (f"unknown key(s) {unknown}" if unknown else
+                        f"missing {missing}") + f"; a stage has {sorted(spec)}")
+    _check_int(f"stages[{i}].index", stage["index"], i, i + 1)
+    for name in ("nodes", "param_bytes", "memory_bytes", "bytes_in", "bytes_out"):
+        _check_int(f"stages[{i}].{name}", stage[name])
+    for name in ("flops", "forward_s", "backward_s", "comm_s", "cost_s"):
+        _check_number(f"stages[{i}].{name}", stage[name])
+    if stage.get("measured_s") is not None:
+        _check_number(f"stages[{i}].measured_s", stage["measured_s"])
+    _check_type(f"stages[{i}].modules", stage["modules"], list)
+    for j, m in enumerate(stage["modules"]):
+        _check_type(f"stages[{i}].modules[{j}]", m, str)
+    for name in ("inputs_from", "outputs_to"):
+        _check_type(f"stages[{i}].{name}", stage[name], list)
+        for j, s in enumerate(stage[name]):
+            _check_int(f"stages[{i}].{name}[{j}]", s, 0, k)
+
+
+def _check_plan(kw: dict[str, Any]) -> None:
+    """Every key :meth:`PartitionPlan.from_dict` reads, before any of it is used."""
+    _check_int("num_stages", kw["num_stages"], 1)
+    k = kw["num_stages"]
+    _check_type("method", kw["method"], str)
+    _check_type("assignment", kw["assignment"], dict)
+    for op, s in kw["assignment"].items():
+        _check_int(f"assignment[{op!r}]", s, 0, k)
+    _check_type("stages", kw["stages"], list)
+    if len(kw["stages"]) != k:
+        raise PlanError(f"plan key stages: {len(kw['stages'])} stage(s) listed but num_stages is {k}")
+    for i, stage in enumerate(kw["stages"]):
+        _check_stage(i, stage, k)
+    _check_int("cut_bytes", kw["cut_bytes"])
+    for name in ("lower_bound", "bottleneck", "balance"):
+        _check_number(PartitionPlan._RENAMED.get(name, name), kw[name])
+    _check_type("shared_params", kw.get("shared_params", {}), dict)
+    for param, held in kw.get("shared_params", {}).items():
+        _check_type(f"shared_params[{param!r}]", held, list)
+        for j, s in enumerate(held):
+            _check_int(f"shared_params[{param!r}][{j}]", s, 0, k)
+    _check_type("options", kw.get("options", {}), dict)
+    _check_type("rates", kw.get("rates", {}), dict)
+    for name, value in kw.get("rates", {}).items():
+        if value is not None and not isinstance(value, str):  # a rate, or a profile name / None (DeviceRates)
+            _check_number(f"rates[{name!r}]", value)
 
 
 def _module_range(modules: list[str]) -> str:
