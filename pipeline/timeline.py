@@ -4,7 +4,8 @@ The picture is the space-time diagram that GPipe (Huang et al. 2019, arXiv:1811.
 1F1B (Narayanan et al. 2021, arXiv:2006.09503) use to show pipeline bubbles: one row per rank,
 one bar per forward (F), backward (B) or weight-grad (W, Qi et al. 2023, arXiv:2401.10241) pass.
 The same ``Event`` list comes from real runs (``Recorder``) and from ``pipeline.simulate``, and
-goes out as a Chrome trace (opens in Perfetto / chrome://tracing) or a PNG Gantt chart.
+goes out as a Chrome trace (opens in Perfetto / chrome://tracing), a PNG Gantt chart, or text for a
+terminal.
 """
 
 from __future__ import annotations
@@ -20,11 +21,12 @@ from typing import Any
 
 from .schedule import Action
 
-__all__ = ["Event", "Recorder", "to_chrome_trace", "to_png", "load_events"]
+__all__ = ["Event", "Recorder", "to_chrome_trace", "to_png", "to_text", "load_events"]
 
 _COLOURS = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868"}
 _OTHER_COLOUR = "#8C8C8C"  # spans whose name is not an action, e.g. "optimizer"
 _LABELS = {"F": "forward", "B": "backward", "W": "weight grad"}
+_BACKWARD_LETTERS = "abcdefghij"  # microbatch k's backward in to_text, k mod 10
 
 
 @dataclass(frozen=True)
@@ -162,3 +164,35 @@ def to_png(events: Sequence[Event], path: str | os.PathLike[str], title: str | N
     if title:
         ax.set_title(title, loc="left")
     fig.savefig(path, format="png", bbox_inches="tight")
+
+
+def to_text(events: Sequence[Event], width: int = 96) -> str:
+    """The space-time diagram as text, one row per rank (rank 0 first), time left to right in ``width``
+    columns: the digit k is a forward of microbatch k (mod 10), the letter a-j its backward, ``w`` a
+    weight-gradient pass, ``#`` any other span, ``.`` idle. Sends and receives are instants and not drawn.
+
+        rank  0 |0011..aabb..|
+        rank  1 |..0011aabb..|
+
+    Returns "" when there is nothing to draw."""
+    if not events:
+        return ""
+    origin = min(e.start for e in events)
+    span = max(e.end for e in events) - origin
+    if span <= 0:
+        return ""
+    ranks = sorted({e.rank for e in events})
+    rows = {rank: ["."] * width for rank in ranks}
+    for e in events:
+        kind, label = _kind_and_label(e.action)
+        if kind in ("F", "B", "W"):
+            mb = int(label) % 10
+            ch = str(mb) if kind == "F" else _BACKWARD_LETTERS[mb] if kind == "B" else "w"
+        elif kind:
+            continue  # a transfer
+        else:
+            ch = "#"
+        a = int(round((e.start - origin) / span * width))
+        b = max(a + 1, int(round((e.end - origin) / span * width)))
+        rows[e.rank][a:min(b, width)] = [ch] * (min(b, width) - a)
+    return "\n".join(f"rank {r:>2} |{''.join(rows[r])}|" for r in ranks)
