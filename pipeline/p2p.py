@@ -5,36 +5,120 @@ Sends and receives are ``torch.distributed`` ``isend``/``irecv`` on the runner's
 gloo matches messages exactly; receive buffers are allocated from the traced shapes, so steady state
 needs no metadata messages.
 
-Failure behaviour: every wait is bounded by ``timeout_s``. A rank that fails writes one line into the
-distributed store and tears down the pipeline's process group, so peers blocked on it fail at once
-(gloo closes the connections) instead of waiting out the timeout; they then read the line back and
-raise :class:`PeerError` naming the failed rank and its error.
+Failure behaviour: every wait is bounded by ``timeout_s`` (point-to-point waits here; collectives by the
+timeout their process group was created with). The first rank to see a failure — its own error, or a
+peer that closed its connections or did not answer in time — writes one line naming the failed rank into
+the distributed store (set only if absent, so the first observation wins) and tears down its process
+groups, so peers blocked on it fail at once (gloo closes the connections) instead of waiting out the
+timeout. Every rank that fails later reads the line back and raises :class:`PeerError` with it, so each
+rank names the rank that failed first rather than the neighbour whose connection happened to close.
 """
 from __future__ import annotations
 
 import datetime
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
 
 from partitioner.errors import EngineError
 
-__all__ = ["Transport", "PeerError", "FAILURE_KEY"]
+__all__ = ["Transport", "PeerError", "FAILURE_KEY", "default_store", "failure_note", "named_failures",
+           "report_failure"]
 
 FAILURE_KEY = "smp/pipeline/failure"
 
 
 class PeerError(EngineError, RuntimeError):
-    """Another rank failed, hung or went away; the message names it."""
+    """Another rank failed, hung or went away; the message names it. ``culprit`` is that rank when this
+    rank saw it first (no note in the store yet), so :func:`report_failure` can write the note."""
+
+    def __init__(self, message: str, culprit: int | None = None):
+        super().__init__(message)
+        self.culprit = culprit
 
 
-def _default_store() -> Any:
-    try:  # the default group's store is where every rank can leave a note; private, hence guarded
+def default_store() -> Any:
+    """The default process group's store, where every rank can leave a note (None if there is none)."""
+    try:  # private, hence guarded
         return dist.distributed_c10d._get_default_store()
     except Exception:
         return None
+
+
+def failure_note(store: Any) -> str | None:
+    """The line the first failing rank left, if any."""
+    if store is None:
+        return None
+    try:
+        if store.check([FAILURE_KEY]):
+            return store.get(FAILURE_KEY).decode()
+    except Exception:
+        return None
+    return None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def peer_error(rank: int, what: str, peers: list[int], exc: BaseException, timeout_s: float | None,
+               store: Any) -> PeerError:
+    """The error for a wait or collective of ``rank`` with ``peers`` that raised ``exc``: the failure note
+    when there is one, else the peers that did not answer (the culprit when there is just one)."""
+    note = failure_note(store)
+    if note is not None:
+        return PeerError(f"rank {rank}: {what} failed: {note}")
+    who = f"rank {peers[0]}" if len(peers) == 1 else f"one of ranks {peers}" if peers else "another rank"
+    text = str(exc).lower()
+    if "closed" in text or "reset by peer" in text:
+        reason = f"{who} closed the connection: it has likely died"
+    elif "timed out" in text or "timeout" in text:
+        within = f"within {timeout_s:g} s" if timeout_s is not None else "in time"
+        reason = f"no answer {within}: {who} has likely hung (if it is only busy for longer, raise timeout_s)"
+    else:
+        reason = f"{_first_line(exc)}; {who} has likely died or hung"
+    return PeerError(f"rank {rank}: {what} failed: {reason}", culprit=peers[0] if len(peers) == 1 else None)
+
+
+@contextmanager
+def named_failures(what: str, peers: list[int], rank: int, timeout_s: float | None = None,
+                   store: Any = None) -> Iterator[None]:
+    """Turn a failed ``torch.distributed`` call inside the block (a timeout, a closed connection: gloo and
+    NCCL raise RuntimeError) into a :class:`PeerError` naming the rank that failed."""
+    try:
+        yield
+    except PeerError:
+        raise
+    except RuntimeError as exc:
+        raise peer_error(rank, what, peers, exc, timeout_s, store if store is not None else default_store()) \
+            from None
+
+
+def report_failure(exc: BaseException, rank: int, groups: Iterable[Any], store: Any) -> None:
+    """Leave the note naming the failed rank (unless a rank was first) and destroy ``groups`` (never the
+    default group), so peers blocked on this rank stop waiting. Callers must drop their references to the
+    groups: gloo closes the connections only when the group object goes away."""
+    text = None
+    if not isinstance(exc, PeerError):
+        text = f"rank {rank} failed: {type(exc).__name__}: {exc}"
+    elif exc.culprit is not None:
+        text = f"rank {exc.culprit} died or hung (first seen by {exc})"
+    if store is not None and text is not None:
+        try:
+            store.compare_set(FAILURE_KEY, "", text)  # set only if absent: the first observation wins
+        except Exception:
+            pass
+    for group in groups:
+        if group is None or group is dist.GroupMember.WORLD:
+            continue
+        try:
+            dist.destroy_process_group(group)
+        except Exception:
+            pass
 
 
 @dataclass
@@ -42,24 +126,26 @@ class Transport:
     group: Any
     rank: int
     timeout_s: float = 60.0
-    store: Any = field(default_factory=_default_store)
+    store: Any = field(default_factory=default_store)
     pending: list[tuple[Any, int, str]] = field(default_factory=list)
 
+    def _named(self, what: str, peer: int) -> Any:
+        if self.group is None:  # never fall through to the default group
+            raise PeerError(f"rank {self.rank}: {what} with rank {peer}: the pipeline stopped after an earlier "
+                            f"failure ({failure_note(self.store) or 'see the first error'}); restart the job")
+        return named_failures(f"{what} with rank {peer}", [peer], self.rank, self.timeout_s, self.store)
+
     def isend(self, tensor: torch.Tensor, dst: int, tag: int, what: str) -> None:
-        work = dist.isend(tensor, dst=dst, group=self.group, tag=tag)
+        with self._named(what, dst):  # posting fails at once when the peer has closed the connection
+            work = dist.isend(tensor, dst=dst, group=self.group, tag=tag)
         self.pending.append((work, dst, what))
         if len(self.pending) > 64:  # keep the list short; completed sends need no wait
             self.pending = [p for p in self.pending if not p[0].is_completed()]
 
     def irecv(self, buffer: torch.Tensor, src: int, tag: int) -> Any:
         """Post one receive; :meth:`wait` on the returned work (with the peer and a description)."""
-        return dist.irecv(buffer, src=src, group=self.group, tag=tag)
-
-    def recv(self, buffers: list[tuple[torch.Tensor, int, int, str]]) -> None:
-        """Receive every (buffer, src, tag, what) and wait for all of them."""
-        works = [(dist.irecv(buf, src=src, group=self.group, tag=tag), src, what) for buf, src, tag, what in buffers]
-        for work, src, what in works:
-            self.wait(work, src, what)
+        with self._named("posting a receive", src):
+            return dist.irecv(buffer, src=src, group=self.group, tag=tag)
 
     def flush(self) -> None:
         for work, dst, what in self.pending:
@@ -67,37 +153,13 @@ class Transport:
         self.pending.clear()
 
     def wait(self, work: Any, peer: int, what: str) -> None:
-        try:
+        with self._named(what, peer):
             work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
-        except Exception as exc:
-            note = self.failure_note()
-            reason = note or (f"no answer within {self.timeout_s:g} s or the connection closed "
-                              f"({str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}); "
-                              f"rank {peer} has likely died or hung")
-            raise PeerError(f"rank {self.rank}: {what} with rank {peer} failed: {reason}") from None
 
-    def failure_note(self) -> str | None:
-        if self.store is None:
-            return None
-        try:
-            if self.store.check([FAILURE_KEY]):
-                return self.store.get(FAILURE_KEY).decode()
-        except Exception:
-            return None
-        return None
-
-    def report_failure(self, exc: BaseException) -> None:
-        """Leave a note for the other ranks and close our connections so they stop waiting on us."""
-        if self.store is not None and not isinstance(exc, PeerError):
-            try:
-                if not self.store.check([FAILURE_KEY]):
-                    self.store.set(FAILURE_KEY, f"rank {self.rank} failed: {type(exc).__name__}: {exc}")
-            except Exception:
-                pass
-        if self.group is None:  # already closed: never fall through to destroying the default group
-            return
-        try:
-            dist.destroy_process_group(self.group)
-        except Exception:
-            pass
-        self.group = None
+    def report_failure(self, exc: BaseException, also: Iterable[Any] = ()) -> None:
+        """Leave a note for the other ranks and close our connections (and those of ``also``, the caller's
+        other groups) so they stop waiting on us."""
+        groups = [self.group, *also]
+        self.group = None  # already closed: never fall through to destroying the default group
+        self.pending.clear()
+        report_failure(exc, self.rank, groups, self.store)

@@ -15,6 +15,7 @@ that hold them.
 """
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -30,7 +31,7 @@ from partitioner.split import MODEL_INPUT, SplitModel, split
 from . import microbatch
 from .executor import Executor
 from .lowering import lower
-from .p2p import Transport
+from .p2p import Transport, named_failures
 from .schedule import make_schedule
 from .simulate import validate
 from .timeline import Recorder
@@ -82,7 +83,8 @@ class PipelineRunner:
                  average_grads_across_microbatches: bool = True, checkpoint_modules: list[str] = ()):
         """``ranks``: the global ranks of this pipeline, stage order (default: all ranks). With several
         pipelines side by side (data parallelism), pass them all as ``pipelines`` instead: process groups
-        are created collectively, so every rank must name every pipeline in the same order."""
+        are created collectively, so every rank must name every pipeline in the same order. ``timeout_s``
+        bounds every wait and collective of the runner (its process groups are created with it)."""
         if not dist.is_initialized():
             raise RuntimeError("PipelineRunner needs torch.distributed: call dist.init_process_group (torchrun or "
                                "`smp launch` sets up the environment) before creating it")
@@ -108,7 +110,8 @@ class PipelineRunner:
         validate(self.schedule, deps)
         self.rank = self.ranks.index(me)
         self.device = torch.device(device) if device is not None else torch.device("cpu")
-        group, _ = dist.new_subgroups_by_enumeration(pipelines)  # ours, so a failure can close it
+        self.timeout_s = timeout_s
+        group, _ = dist.new_subgroups_by_enumeration(pipelines, timeout=self._timeout)  # ours: a failure closes it
         self.transport = Transport(group=group, rank=me, timeout_s=timeout_s)
         self.recorder = Recorder(me) if record else None
         self.local_stages = [self.split_model.stages[s] for s in self.schedule.stages_of(self.rank)]
@@ -120,7 +123,11 @@ class PipelineRunner:
                                  checkpointed=_stages_running(plan, checkpoint_modules))
         self._shared = self._shared_groups()
 
-    def _shared_groups(self) -> list[tuple[Any, list[torch.Tensor]]]:
+    @property
+    def _timeout(self) -> datetime.timedelta:
+        return datetime.timedelta(seconds=self.timeout_s)
+
+    def _shared_groups(self) -> list[tuple[Any, list[int], list[torch.Tensor]]]:
         """One process group per set of ranks that share parameters; replicas start from the first's values."""
         stage_rank = self.schedule.stage_to_rank
         by_positions: dict[tuple[int, ...], list[str]] = {}  # pipeline positions holding a replica -> names
@@ -134,14 +141,15 @@ class PipelineRunner:
                 local.setdefault(canonical, st.module.get_parameter(path) if _is_param(st.module, path) else None)
         out = []
         for positions, names in sorted(by_positions.items()):
-            group, _ = dist.new_subgroups_by_enumeration([[p[i] for i in positions] for p in self.pipelines])
+            group, _ = dist.new_subgroups_by_enumeration([[p[i] for i in positions] for p in self.pipelines],
+                                                         timeout=self._timeout)
             holders = [self.ranks[i] for i in positions]
             if dist.get_rank() in holders:
                 tensors = [local[n] for n in names if local.get(n) is not None]
-                with torch.no_grad():
+                with torch.no_grad(), self._named("receiving shared parameters", holders[:1]):
                     for t in tensors:
                         dist.broadcast(t, src=holders[0], group=group)
-                out.append((group, tensors))
+                out.append((group, holders, tensors))
         return out
 
     def step(self, args: tuple = (), kwargs: dict | None = None, *, target: Any = None,
@@ -151,7 +159,7 @@ class PipelineRunner:
         try:
             return self._step(tuple(args), dict(kwargs or {}), target, loss_fn)
         except BaseException as exc:
-            self.transport.report_failure(exc)
+            self.report_failure(exc)
             raise
 
     def _step(self, args: tuple, kwargs: dict, target: Any, loss_fn: Any) -> StepResult:
@@ -178,7 +186,8 @@ class PipelineRunner:
         results = self.run_microbatches(mb_inputs, loss_hook, train)
         if loss_fn is not None:
             last_rank = self.ranks[self.schedule.stage_to_rank[-1]]
-            dist.broadcast(losses, src=last_rank, group=self.transport.group)
+            with self._named("receiving the losses", [last_rank]):
+                dist.broadcast(losses, src=last_rank, group=self.transport.group)
         outputs = None
         if results:
             outputs = microbatch.merge([pytree.tree_unflatten(list(results[k]), sm.program.out_spec) for k in range(m)])
@@ -191,15 +200,27 @@ class PipelineRunner:
         try:
             results = self.executor.run(mb_inputs, loss_hook, train, before_forward)
             if train:
-                for group, tensors in self._shared:
-                    for t in tensors:
-                        if t.grad is None:
-                            t.grad = torch.zeros_like(t)
-                        dist.all_reduce(t.grad, group=group)
+                for group, holders, tensors in self._shared:
+                    with self._named("summing the gradients of shared parameters", holders):
+                        for t in tensors:
+                            if t.grad is None:
+                                t.grad = torch.zeros_like(t)
+                            dist.all_reduce(t.grad, group=group)
             return results
         except BaseException as exc:
-            self.transport.report_failure(exc)
+            self.report_failure(exc)
             raise
+
+    def _named(self, what: str, peers: list[int]) -> Any:
+        """Failures of a collective on one of the runner's groups, as :class:`PeerError` naming the rank."""
+        me = dist.get_rank()
+        return named_failures(what, [r for r in peers if r != me], me, self.timeout_s, self.transport.store)
+
+    def report_failure(self, exc: BaseException, also: Any = ()) -> None:
+        """Tell the other ranks that this one failed (see :mod:`pipeline.p2p`): a note in the store, and the
+        runner's process groups (and ``also``, the caller's) closed so that nobody waits on them."""
+        shared, self._shared = self._shared, []
+        self.transport.report_failure(exc, also=[g for g, _, _ in shared] + list(also))
 
     def train(self, mode: bool = True) -> "PipelineRunner":
         """Put this rank's stages in training or evaluation mode (dropout, BatchNorm), as ``nn.Module.train``.
