@@ -24,7 +24,13 @@ from partitioner.lazy import lazy_exports
 if TYPE_CHECKING:
     from . import amp, nn, optimizers, utils
     from .checkpoint import load, save
+    from .collective import CollectiveError
     from .comm import (
+        DP_GROUP,
+        MP_GROUP,
+        PP_GROUP,
+        RDP_GROUP,
+        WORLD,
         CommGroup,
         RankType,
         allgather,
@@ -48,6 +54,8 @@ if TYPE_CHECKING:
         recv_from,
         send,
         size,
+        tp_rank,
+        tp_size,
     )
     from .commit import CheckpointError
     from .compat import NoEffectWarning
@@ -55,7 +63,7 @@ if TYPE_CHECKING:
     from .model import DistributedModel, partition, set_activation_checkpointing, set_partition
     from .optimizer import DistributedOptimizer
     from .state import init, is_initialized
-    from .step import StepOutput, step
+    from .step import StepOutput, StepTimeoutError, step
     from .tagged_checkpoint import resume_from_checkpoint, save_checkpoint
     from .tensor_parallel import tensor_parallelism
 
@@ -63,11 +71,12 @@ __version__ = "0.1.0"  # pyproject.toml reads it from here
 
 __all__ = [
     "init", "is_initialized", "Config", "ConfigError", "DistributedModel", "DistributedOptimizer", "step",
-    "StepOutput", "partition", "set_partition", "set_activation_checkpointing", "save", "load",
-    "save_checkpoint", "resume_from_checkpoint", "CheckpointError", "amp",
+    "StepOutput", "StepTimeoutError", "CollectiveError", "partition", "set_partition", "set_activation_checkpointing",
+    "save", "load", "save_checkpoint", "resume_from_checkpoint", "CheckpointError", "amp",
     "rank", "size", "local_rank", "local_size", "pp_rank", "pp_size", "mp_rank", "mp_size", "dp_rank", "dp_size",
-    "rdp_rank", "rdp_size", "get_mp_group", "get_dp_group", "get_pp_process_group", "get_dp_process_group",
-    "barrier", "broadcast", "allgather", "send", "recv_from", "CommGroup", "RankType",
+    "rdp_rank", "rdp_size", "tp_rank", "tp_size", "get_mp_group", "get_dp_group", "get_pp_process_group",
+    "get_dp_process_group", "barrier", "broadcast", "allgather", "send", "recv_from", "CommGroup", "RankType",
+    "WORLD", "MP_GROUP", "PP_GROUP", "DP_GROUP", "RDP_GROUP",
     "nn", "optimizers", "utils", "tensor_parallelism", "NoEffectWarning", "__version__",
 ]
 

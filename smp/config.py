@@ -5,6 +5,10 @@ Unknown keys and bad values are errors that list what is valid, because a typo i
 should not silently fall back to a default. Keys of SMP v1 that tune that library's own runtime are
 accepted; given a value other than their default they warn once that they have no effect here
 (:mod:`smp.compat`).
+
+``timeout_s`` (engine's own key) bounds every wait and collective smp issues; it may also come from the
+``SMP_TIMEOUT_S`` environment variable (the config wins), so a launcher can raise it without editing the
+script.
 """
 from __future__ import annotations
 
@@ -13,12 +17,17 @@ import os
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from partitioner.errors import EngineError
+
 from .compat import warn_no_effect
 
-__all__ = ["Config", "ConfigError", "load_config"]
+__all__ = ["Config", "ConfigError", "load_config", "DEFAULT_TIMEOUT_S", "TIMEOUT_ENV"]
+
+DEFAULT_TIMEOUT_S = 60.0
+TIMEOUT_ENV = "SMP_TIMEOUT_S"
 
 
-class ConfigError(ValueError):
+class ConfigError(EngineError, ValueError):
     """A bad ``smp.init`` configuration; the message says which key and what is allowed."""
 
 
@@ -46,6 +55,7 @@ class Config:
     bf16: bool = False                # steps run under bfloat16 autocast
     delayed_parameter_initialization: bool = False
     sharded_data_parallel_degree: int = 1
+    timeout_s: float = DEFAULT_TIMEOUT_S  # per wait/collective; from SMP_TIMEOUT_S when the config has none
     # SMP v1 keys accepted for compatibility; they have no effect here (see _NO_EFFECT).
     prescaled_batch: bool = False
     checkpoint_attentions: bool = False
@@ -125,6 +135,12 @@ def load_config(config: dict | str | os.PathLike | None = None) -> Config:
     unknown = sorted(set(cfg) - known)
     if unknown:
         raise ConfigError(f"unknown smp config key(s) {unknown}; valid keys: {sorted(known | {'partitions'})}")
+    if "timeout_s" not in cfg and os.environ.get(TIMEOUT_ENV):
+        text = os.environ[TIMEOUT_ENV]
+        try:
+            cfg["timeout_s"] = float(text)
+        except ValueError:
+            raise ConfigError(f"{TIMEOUT_ENV}={text!r} is not valid: a number of seconds, such as 600") from None
     if "pipeline_parallel_degree" not in cfg:
         raise ConfigError("smp config needs 'pipeline_parallel_degree' (alias 'partitions'): the number of "
                           "pipeline stages")
@@ -166,6 +182,9 @@ def _validate(c: Config) -> None:
     _check(isinstance(c.offload_activations, bool), "offload_activations", c.offload_activations, "True or False")
     _check(c.offload_activations is False, "offload_activations", c.offload_activations,
            "activation offloading is not supported by this engine; use smp.set_activation_checkpointing")
+    _check(isinstance(c.timeout_s, (int, float)) and not isinstance(c.timeout_s, bool) and 0 < c.timeout_s < 1e9,
+           "timeout_s", c.timeout_s, "a positive number of seconds: how long any one wait or collective of smp "
+           "may take before the job stops with an error")
     _check(c.tensor_parallel_degree == 1, "tensor_parallel_degree", c.tensor_parallel_degree,
            "only 1: this engine does pipeline and data parallelism, not tensor parallelism")
     for key in _SMP_V1_FLAGS:

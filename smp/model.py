@@ -23,7 +23,8 @@ from torch.utils.hooks import RemovableHandle
 from partitioner import PartitionOptions, PartitionPlan, trace
 from partitioner.partition import fixed_plan
 from partitioner.program import flatten_inputs
-from pipeline import PipelineRunner
+from pipeline import PeerError, PipelineRunner
+from pipeline.p2p import named_failures
 
 from . import precision, state
 from .commit import CheckpointError
@@ -148,6 +149,30 @@ class DistributedModel(torch.nn.Module):
                 fn(self, state.get().optimizer)
 
     def run_step(self, run: "step_mod._StepRun") -> list[Any]:
+        """Run one call of an ``@smp.step`` function (see :mod:`smp.step`). A failure, here or on another rank,
+        ends the step on every rank within ``timeout_s``: this rank leaves a note naming itself (or the peer
+        it saw fail first) and closes smp's process groups, and re-raises."""
+        st = state.get()
+        st.group("pipeline")  # after a failure closed the groups, say so rather than fail on a closed group
+        call = f"@smp.step {run.name}"
+        st.calls["pipeline"].announce(call)
+        if not self.partitioned:
+            st.calls["world"].announce(call)  # the first step partitions: the plan goes to every rank
+        try:
+            return self._run_step(run, call)
+        except BaseException as exc:
+            run.abandon()
+            culprit = exc.culprit if isinstance(exc, PeerError) else None
+            why = next((x for x in (st.calls[k].explain(culprit) for k in ("pipeline", "data-parallel")) if x), "") \
+                if culprit is not None else ""
+            if why:  # a peer that did not answer: say where it is instead
+                exc = PeerError(f"{exc}; {why}", culprit=culprit)
+            st.report_failure(exc)
+            if why:
+                raise exc from None
+            raise
+
+    def _run_step(self, run: "step_mod._StepRun", call: str) -> list[Any]:
         st = state.get()
         if not self.partitioned:
             self._partition(run.call_of(0))
@@ -171,20 +196,23 @@ class DistributedModel(torch.nn.Module):
                     for n, v in zip(sm.program.input_names, flat)}
 
         last = self.is_last_stage_rank()
-        try:
-            runner.run_microbatches(inputs_of, run.loss_hook if last else None, train, run.before_forward)
-            local = run.results()
-            if train and st.topology.dp > 1:
-                self._reduce_data_parallel()
-            return step_mod.broadcast_results(local if last else None, src=runner.ranks[-1],
-                                              group=runner.transport.group)
-        except BaseException as exc:
-            runner.transport.report_failure(exc)
-            raise
+        runner.run_microbatches(inputs_of, run.loss_hook if last else None, train, run.before_forward)
+        local = run.results()
+        if train and st.topology.dp > 1:
+            self._reduce_data_parallel(call)
+        src = runner.ranks[-1]
+        waiting_on = [src] if not last else [r for r in runner.ranks if r != st.rank]
+        with named_failures("receiving the step's results from the last stage" if not last else
+                            "sending the step's results", waiting_on, st.rank, st.config.timeout_s):
+            results, run.backward_missing = step_mod.broadcast_results(
+                local if last else None, src, runner.transport.group, run.memo,
+                flag=last and train and run.without_backward())
+        return results
 
-    def _reduce_data_parallel(self) -> None:
+    def _reduce_data_parallel(self, call: str) -> None:
         """Average gradients over the replicas of this stage (one coalesced all-reduce on the dp group)."""
         st = state.get()
+        st.calls["data-parallel"].announce(call)
         params = [p for p in self.local_parameters() if p.requires_grad]
         for p in params:
             if p.grad is None:
@@ -193,7 +221,10 @@ class DistributedModel(torch.nn.Module):
         if not grads:
             return
         flat = torch._utils._flatten_dense_tensors(grads)
-        dist.all_reduce(flat, group=st.dp_group)
+        peers = [r for r in st.ranks("data-parallel") if r != st.rank]
+        with named_failures("averaging gradients over the data-parallel replicas", peers, st.rank,
+                            st.config.timeout_s):
+            dist.all_reduce(flat, group=st.dp_group)
         flat /= st.topology.dp
         for g, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
             g.copy_(reduced)
@@ -211,14 +242,15 @@ class DistributedModel(torch.nn.Module):
         self.runner = PipelineRunner(
             plan, schedule=cfg.schedule, microbatches=cfg.microbatches,
             max_in_flight=cfg.active_microbatches if cfg.schedule == "1f1b" else None,
-            pipelines=st.topology.mp_groups(), device=st.device,
+            pipelines=st.topology.mp_groups(), device=st.device, timeout_s=cfg.timeout_s,
             checkpoint_modules=self._checkpointed_paths())
         self.partitioned = True
         for fn in self._post_partition_hooks:
             fn(self, state.get().optimizer)
 
     def _make_plan(self, call: "step_mod._Call", pp: int) -> PartitionPlan:
-        cfg = state.get().config
+        st = state.get()
+        cfg = st.config
         options = PartitionOptions(microbatches=cfg.microbatches, memory_weight=cfg.effective_memory_weight,
                                    pipeline=cfg.schedule)
         plan = self._saved_plan(call, pp)
@@ -226,7 +258,8 @@ class DistributedModel(torch.nn.Module):
             return plan
         if cfg.auto_partition:
             plan = shared_plan(self.module, call.args, call.kwargs, pp,
-                               PartitionOptions.of(options, measure=self.trace_execution_times))
+                               PartitionOptions.of(options, measure=self.trace_execution_times),
+                               st.world_group, cfg.timeout_s)
         else:
             graph = trace(self.module, call.args, call.kwargs)
             plan = fixed_plan(graph, pp, self._manual_stages(graph), options)

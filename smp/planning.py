@@ -15,17 +15,22 @@ import torch.distributed as dist
 
 from partitioner import PartitionOptions, PartitionPlan, partition, trace
 from pipeline import PipelineRunner, microbatch
+from pipeline.p2p import named_failures
 
 __all__ = ["shared_plan", "pipeline_runner"]
 
 
 def shared_plan(model: torch.nn.Module, args: tuple, kwargs: dict, num_stages: int,
-                options: PartitionOptions | None = None) -> PartitionPlan:
-    """Every rank traces ``model`` on one microbatch; global rank 0 partitions and sends the plan to all."""
+                options: PartitionOptions | None = None, group: Any = None,
+                timeout_s: float | None = None) -> PartitionPlan:
+    """Every rank traces ``model`` on one microbatch; global rank 0 partitions and sends the plan to all, over
+    ``group`` (every rank; default: the default group), whose timeout bounds the other ranks' wait
+    (``timeout_s`` names it in the error: raise it when partitioning takes longer)."""
     graph = trace(model, args, kwargs)
     text = [partition(graph, num_stages, options, example_inputs=args, example_kwargs=kwargs).to_json()
             if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(text, src=0)
+    with named_failures("receiving the partition plan from rank 0", [0], dist.get_rank(), timeout_s):
+        dist.broadcast_object_list(text, src=0, group=group)
     plan = PartitionPlan.from_json(text[0])
     plan.graph = graph
     return plan

@@ -1,5 +1,10 @@
-"""The one piece of global state: what ``smp.init`` set up (config, rank grid, process groups) and the
-DistributedModel of this process. Everything else in the package reads it through :func:`get`."""
+"""The one piece of global state: what ``smp.init`` set up (config, rank grid, process groups, the logs of
+collective calls) and the DistributedModel of this process. Everything else in the package reads it
+through :func:`get`.
+
+Every process group smp creates gets the config's ``timeout_s``, so no collective smp issues waits longer;
+a failure closes them all (:meth:`State.report_failure`), so that peers blocked on this rank stop at once.
+"""
 from __future__ import annotations
 
 import datetime
@@ -10,11 +15,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pipeline.p2p import PeerError, default_store, report_failure
+
+from .collective import CallLog, CollectiveError
 from .config import Config, load_config
 from .spawn import free_port
 from .topology import Topology
 
-__all__ = ["State", "get", "init", "is_initialized", "reset"]
+__all__ = ["State", "get", "init", "is_initialized", "reset", "GROUP_KINDS"]
+
+GROUP_KINDS = ("world", "pipeline", "data-parallel")
 
 
 @dataclass
@@ -25,12 +35,57 @@ class State:
     mp_group: Any
     dp_group: Any
     device: torch.device
+    world_group: Any = None    # all ranks, with smp's timeout (the default group may have the user's)
+    calls: dict[str, CallLog] = field(default_factory=dict)  # group kind -> this rank's collective calls
+    failed: BaseException | None = None  # the failure that closed smp's groups, if any
     model: Any = None          # the DistributedModel, once created
     optimizer: Any = None      # the DistributedOptimizer, once created (handed to post-partition hooks)
     in_step: Any = field(default=None, repr=False)  # the running step (smp.step), if any
     placement: dict = field(default_factory=dict)    # module -> partition, from smp.partition / set_partition
     partition_blocks: list = field(default_factory=list)  # open smp.partition(i) blocks, innermost last
     checkpointed: set = field(default_factory=set)   # modules marked by smp.set_activation_checkpointing
+    messages: dict = field(default_factory=dict)     # (src, dst) -> objects sent so far (smp.send/recv_from)
+
+    def ranks(self, kind: str) -> list[int]:
+        """Global ranks of this rank's group of ``kind`` (one of GROUP_KINDS)."""
+        if kind == "pipeline":
+            groups = self.topology.mp_groups()
+        elif kind == "data-parallel":
+            groups = self.topology.dp_groups()
+        else:
+            return list(range(self.topology.world))
+        return next(g for g in groups if self.rank in g)
+
+    def group(self, kind: str) -> Any:
+        """The process group of ``kind``; raises if an earlier failure closed smp's groups."""
+        if self.failed is not None:
+            raise PeerError(f"rank {self.rank}: smp stopped after an earlier failure ({self.failed}); restart the job")
+        return {"world": self.world_group, "pipeline": self.mp_group, "data-parallel": self.dp_group}[kind]
+
+    def enter(self, kind: str, call: str) -> Any:
+        """Start collective ``call`` on this rank's ``kind`` group once every peer has announced it too
+        (:meth:`smp.collective.CallLog.check`); returns the group's process group. A mismatch is a failure
+        of this rank, reported so that peers waiting on it stop too."""
+        pg = self.group(kind)
+        try:
+            self.calls[kind].check(call)
+        except (CollectiveError, PeerError) as exc:
+            self.report_failure(exc)
+            raise
+        return pg
+
+    def report_failure(self, exc: BaseException) -> None:
+        """Leave the failure note and close every group smp made (see :mod:`pipeline.p2p`)."""
+        if self.failed is not None:
+            return
+        self.failed = exc
+        groups = [self.world_group, self.mp_group, self.dp_group]
+        self.world_group = self.mp_group = self.dp_group = None  # gloo closes a group once nothing holds it
+        runner = self.model.runner if self.model is not None else None
+        if runner is not None:
+            runner.report_failure(exc, also=groups)
+        else:
+            report_failure(exc, self.rank, groups, default_store())
 
 
 _state: State | None = None
@@ -47,14 +102,15 @@ def get() -> State:
 
 
 def init(config: dict | str | None = None) -> State:
-    """Read the config, join the process group torchrun set up (or a world of one), build the grid."""
+    """Read the config, join the process group torchrun set up (or a world of one), build the grid and
+    smp's process groups, all with the config's ``timeout_s``."""
     global _state
     cfg = load_config(config)
     if _state is not None:
         raise RuntimeError("smp.init() was already called in this process; call it once, before anything else")
+    timeout = datetime.timedelta(seconds=cfg.timeout_s)
     if not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-        timeout = datetime.timedelta(seconds=float(os.environ.get("SMP_TIMEOUT_S", "300")))
         if "WORLD_SIZE" in os.environ:
             dist.init_process_group(backend, timeout=timeout)
         else:
@@ -69,17 +125,22 @@ def init(config: dict | str | None = None) -> State:
         raise RuntimeError(f"{world} processes with pipeline_parallel_degree={topo.pp} make {topo.dp} data-parallel "
                            "replicas: set 'ddp': True in the smp config, or launch "
                            f"{topo.pp} processes")
-    mp_group, _ = dist.new_subgroups_by_enumeration(topo.mp_groups())
-    dp_group, _ = dist.new_subgroups_by_enumeration(topo.dp_groups())
     if torch.cuda.is_available():
         local = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local)
         device = torch.device("cuda", local)
     else:
         device = torch.device("cpu")
-    _state = State(config=cfg, topology=topo, rank=dist.get_rank(), mp_group=mp_group, dp_group=dp_group,
-                   device=device)
-    return _state
+    st = State(config=cfg, topology=topo, rank=dist.get_rank(), mp_group=None, dp_group=None, device=device)
+    store = default_store()
+    # The call logs write their keys before the groups exist: creating a group waits for every member, so
+    # afterwards every peer's key can be read.
+    st.calls = {kind: CallLog(kind, st.ranks(kind), st.rank, store, cfg.timeout_s) for kind in GROUP_KINDS}
+    st.world_group = dist.new_group(timeout=timeout)
+    st.mp_group, _ = dist.new_subgroups_by_enumeration(topo.mp_groups(), timeout=timeout)
+    st.dp_group, _ = dist.new_subgroups_by_enumeration(topo.dp_groups(), timeout=timeout)
+    _state = st
+    return st
 
 
 def reset() -> None:

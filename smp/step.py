@@ -14,6 +14,10 @@ last stage. So each microbatch's call of the user function runs in its own threa
 
 Grad mode and autocast are thread-local in torch, so both are captured at ``model(...)`` and re-entered
 around the stage forwards. Return values come back as :class:`StepOutput`, one per returned leaf.
+
+Every wait of the main thread for a microbatch's thread is bounded by the config's ``timeout_s``: user code
+that stalls inside the step (before ``model(...)``, in the loss, after ``model.backward``) ends the step
+with :class:`StepTimeoutError` on its rank, and the other ranks with an error naming that rank.
 """
 from __future__ import annotations
 
@@ -22,6 +26,8 @@ import inspect
 import math
 import queue
 import threading
+import warnings
+import weakref
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -30,18 +36,23 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
+from partitioner.errors import EngineError
 from pipeline import microbatch
 
 from . import precision, state
 
-__all__ = ["step", "StepOutput", "current_microbatch"]
+__all__ = ["step", "StepOutput", "StepTimeoutError", "current_microbatch"]
 
 _local = threading.local()
 
 
 class _Abandon(BaseException):
-    """Ends the user's function on ranks that do not hold the last stage (BaseException: user code that
-    catches Exception must not swallow it)."""
+    """Ends the user's function on ranks that do not hold the last stage, or when the step failed
+    (BaseException: user code that catches Exception must not swallow it)."""
+
+
+class StepTimeoutError(EngineError, TimeoutError):
+    """The ``@smp.step`` function did not get to its next hand-over with the pipeline within ``timeout_s``."""
 
 
 @dataclass
@@ -63,12 +74,13 @@ class _Micro:
     backward_called: bool = False
     backward_outside: bool = False
     finished: bool = False
+    abandoned: bool = False    # the step failed: a thread waiting in model(...) gives up
     result: Any = None
     error: BaseException | None = None
 
-    def wait(self, ready: Callable[[], bool]) -> None:
+    def wait(self, ready: Callable[[], bool], timeout_s: float | None = None) -> bool:
         with self.cond:
-            self.cond.wait_for(ready)
+            return self.cond.wait_for(ready, timeout_s)
 
     def update(self, **changes: Any) -> None:
         with self.cond:
@@ -103,6 +115,7 @@ class _Workers:
             try:
                 task()
             finally:
+                del task  # an idle thread must not keep its last step (outputs, activations) alive
                 with self._lock:
                     self._idle += 1
 
@@ -163,8 +176,8 @@ def model_call(model: Any, args: tuple, kwargs: dict) -> Any:
     micro.update(call=_Call(args, kwargs, torch.is_grad_enabled(), _autocast_state()))
     if not model.is_last_stage_rank():
         raise _Abandon()
-    micro.wait(lambda: micro.have_outputs or micro.error is not None)
-    if micro.error is not None:
+    micro.wait(lambda: micro.have_outputs or micro.abandoned)
+    if micro.abandoned:
         raise _Abandon()
     return micro.outputs
 
@@ -191,13 +204,16 @@ def model_backward(tensors: Any, grad_tensors: Any = None) -> None:
 class _StepRun:
     """One call of a step function: its microbatch threads and the hooks the executor calls."""
 
-    def __init__(self, fn: Callable, mbs: list[tuple[tuple, dict]], model: Any):
+    def __init__(self, fn: Callable, mbs: list[tuple[tuple, dict]], model: Any, timeout_s: float, memo: dict):
         self.fn = fn
+        self.name = getattr(fn, "__name__", repr(fn))
         self.mbs = mbs
         self.model = model
+        self.timeout_s = timeout_s
+        self.memo = memo  # per step function, across calls: how results travel, warnings given
         self.micros = [_Micro(k) for k in range(len(mbs))]
         self.started = [False] * len(mbs)
-        self.result_cache: dict = {}
+        self.backward_missing = False  # set by the model: a training step that never called model.backward
         # Grad mode and autocast are thread-local: the caller's (``with torch.no_grad(): step(...)``) must
         # hold in the microbatch threads too.
         self.grad_enabled = torch.is_grad_enabled()
@@ -220,13 +236,20 @@ class _StepRun:
             _local.micro = None
             micro.update(finished=True)
 
+    def _wait(self, micro: _Micro, ready: Callable[[], bool], doing: str) -> None:
+        if not micro.wait(ready, self.timeout_s):
+            raise StepTimeoutError(
+                f"rank {state.get().rank}: the @smp.step function {self.name} (microbatch {micro.index}) {doing} "
+                f"within {self.timeout_s:g} s, and the pipeline cannot go on without it; if it is only slow, raise "
+                "timeout_s in the smp config (or the SMP_TIMEOUT_S environment variable)")
+
     def call_of(self, k: int) -> _Call:
         """Start microbatch k's call if needed and wait until it reaches ``model(...)``."""
         micro = self.micros[k]
         if not self.started[k]:
             self.started[k] = True
             _workers.submit(lambda: self._thread(micro))
-        micro.wait(lambda: micro.call is not None or micro.finished)
+        self._wait(micro, lambda: micro.call is not None or micro.finished, "did not reach model(...)")
         if micro.call is None:
             if micro.error is not None:
                 raise micro.error
@@ -244,17 +267,23 @@ class _StepRun:
         self.call_of(k)  # the last stage may read no model input, so its thread may not have started
         micro = self.micros[k]
         outputs = pytree.tree_unflatten(list(flat_outputs), self.model.out_spec)
+        # The hook lives on as long as the output's grad_fn, which holds it from C++, out of the garbage
+        # collector's sight: a strong reference to the microbatch (which holds the outputs) would make a cycle
+        # that is never freed, and with it every step's outputs and activations. Hence a weak one.
+        ref = weakref.ref(micro)
 
         def hook(grad: torch.Tensor) -> torch.Tensor:  # fires if the user runs autograd themselves
-            if not micro.backward_called:
-                micro.backward_outside = True
+            m = ref()
+            if m is not None and not m.backward_called:
+                m.backward_outside = True
             return grad
 
         for t in flat_outputs:
             if isinstance(t, torch.Tensor) and t.requires_grad:
                 t.register_hook(hook)
         micro.update(outputs=outputs, have_outputs=True)
-        micro.wait(lambda: micro.backward_called or micro.finished)
+        self._wait(micro, lambda: micro.backward_called or micro.finished,
+                   "got the model's outputs but neither called model.backward(loss) nor returned")
         if micro.error is not None:
             raise micro.error
         if micro.backward_outside:
@@ -269,13 +298,23 @@ class _StepRun:
             if not started:  # microbatches this rank never needed (no local stage reads model inputs)
                 self.call_of(k)
         for micro in self.micros:
-            micro.wait(lambda: micro.finished)
+            self._wait(micro, lambda: micro.finished, "did not return" + (" after model.backward(loss)" if
+                                                                           micro.backward_called else ""))
             if micro.error is not None:
                 raise micro.error
             if micro.backward_outside:
                 raise RuntimeError("loss.backward() was called inside an @smp.step function: call "
                                    "model.backward(loss) instead, so the pipeline runs the backward pass")
         return [m.result for m in self.micros]
+
+    def without_backward(self) -> bool:
+        """Did some microbatch's call return without calling ``model.backward`` (last stage only)?"""
+        return any(m.finished and m.error is None and not m.backward_called for m in self.micros)
+
+    def abandon(self) -> None:
+        """The step failed: threads still waiting in ``model(...)`` give up (they would wait forever)."""
+        for micro in self.micros:
+            micro.update(abandoned=True)
 
 
 def _detach(value: Any) -> Any:
@@ -305,7 +344,7 @@ def step(fn: Callable | None = None, *, non_split_inputs: list[str] | tuple[str,
     arg_names = [p.name for p in inspect.signature(fn).parameters.values()
                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
 
-    result_cache: dict = {}  # how this function's return values travel (see broadcast_results)
+    memo: dict = {}  # across calls of this function: how its return values travel (broadcast_results), warnings
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -317,14 +356,19 @@ def step(fn: Callable | None = None, *, non_split_inputs: list[str] | tuple[str,
             raise RuntimeError("@smp.step functions cannot be nested or run concurrently")
         mbs = microbatch.split(args, kwargs, st.config.microbatches, non_split_inputs=non_split_inputs,
                                input_split_axes=input_split_axes, arg_names=arg_names)
-        run = _StepRun(fn, mbs, model)
-        run.result_cache = result_cache
+        run = _StepRun(fn, mbs, model, st.config.timeout_s, memo)
         st.in_step = run
         try:
             results = model.run_step(run)
         finally:
             st.in_step = None
         model.run_post_step_hooks()
+        if run.backward_missing and not memo.get("warned_backward"):
+            memo["warned_backward"] = True
+            warnings.warn(f"the @smp.step function {run.name} ran in training mode (model.train(), gradients "
+                          "enabled) but did not call model.backward(loss), so gradients were not computed; call "
+                          "model.backward(loss) in it, or run it under model.eval() or torch.no_grad() if it only "
+                          "evaluates", UserWarning, stacklevel=2)
         if detach_outputs:
             results = _detach(results)
         return _wrap(results)
@@ -353,24 +397,26 @@ def _nbytes(kinds: tuple) -> int:
     return sum(k[0].itemsize * math.prod(k[1]) if isinstance(k, tuple) else 8 for k in kinds)
 
 
-def broadcast_results(results: list[Any] | None, src: int, group: Any) -> list[Any]:
-    """The last stage's per-microbatch return values, to every rank of the model-parallel group.
+def broadcast_results(results: list[Any] | None, src: int, group: Any, memo: dict,
+                      flag: bool = False) -> tuple[list[Any], bool]:
+    """The last stage's per-microbatch return values and one flag (``flag`` there: a step that never called
+    ``model.backward``), to every rank of the model-parallel group.
 
     The first step of a step function sends them pickled (two collectives). When a step returns values of
     the same structure, dtypes and shapes as the step before (the usual case: a loss per microbatch), they
-    travel as the raw bytes of one tensor behind a flag byte instead: one collective, no pickling. A flag of
-    0 says the structure changed, and the pickled path follows.
+    travel as the raw bytes of one tensor behind a flag byte instead: one collective, no pickling. Bit 0 of
+    the flag byte says the structure is the known one (0: the pickled path follows), bit 1 carries ``flag``.
+    ``memo`` keeps the known structure, per step function.
     """
     if dist.get_world_size(group) == 1:
-        return results
+        return results, flag
     st = state.get()
-    cache: dict = st.in_step.result_cache if st.in_step is not None else {}
-    known = cache.get("signature")
+    known = memo.get("signature")
     if known is not None:
         spec, kinds = known
         buf = torch.zeros(1 + _nbytes(kinds), dtype=torch.uint8, device=st.device)
         if results is not None and _signature(results) == known:
-            buf[0] = 1
+            buf[0] = 1 | (2 if flag else 0)
             parts = []
             for x in pytree.tree_leaves(results):
                 if isinstance(x, torch.Tensor):
@@ -381,9 +427,10 @@ def broadcast_results(results: list[Any] | None, src: int, group: Any) -> list[A
             if parts:
                 buf[1:].copy_(torch.cat(parts))
         dist.broadcast(buf, src=src, group=group)
-        if bool(buf[0]):
+        head = int(buf[0])
+        if head & 1:
             if results is not None:
-                return results
+                return results, flag
             leaves, offset = [], 1
             for kind in kinds:
                 if isinstance(kind, tuple):
@@ -395,10 +442,10 @@ def broadcast_results(results: list[Any] | None, src: int, group: Any) -> list[A
                     raw = buf[offset:offset + n].clone()
                     leaves.append(kind(raw.view(torch.float64 if kind is float else torch.int64).item()))
                 offset += n
-            return pytree.tree_unflatten(leaves, spec)
+            return pytree.tree_unflatten(leaves, spec), bool(head & 2)
     # Only values travel: autograd graphs (and the hooks on the model outputs) stay on the last stage's rank.
-    box = [None if results is None else _detach(results)]
+    box = [None if results is None else (_detach(results), flag)]
     dist.broadcast_object_list(box, src=src, group=group)
-    got = results if results is not None else box[0]
-    cache["signature"] = _signature(got)
-    return got
+    got, flag = (results, flag) if results is not None else box[0]
+    memo["signature"] = _signature(got)
+    return got, flag

@@ -88,3 +88,21 @@ def train(rank: int, world: int, config: dict, name: str, steps: int, batch: int
         worst = max(worst, float(((p - r).abs() / (r.abs() + 1e-3)).max().detach()))
     return {"losses": losses, "ref_losses": ref_losses, "param_rel_err": worst,
             "ranks": (smp.rank(), smp.pp_rank(), smp.dp_rank(), smp.get_mp_group(), smp.get_dp_group())}
+
+
+# Placed by hand: every rank builds its stages itself, so no rank waits for rank 0 to partition the model in the
+# first step (the tests with timeouts of a few seconds need that on a busy host). Use with MANUAL in the config.
+MANUAL = {"auto_partition": False, "default_partition": 0}
+
+
+def two_stage_mlp(*widths: int) -> nn.Sequential:
+    """Linear layers ``widths[0] -> widths[1] -> ...`` with ReLU between (seed 0), the last one on stage 1."""
+    import smp
+
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for a, b in zip(widths[:-1], widths[1:]):
+        layers += [nn.Linear(a, b), nn.ReLU()]
+    net = nn.Sequential(*layers[:-1])
+    smp.set_partition(net[-1], 1)
+    return net
