@@ -358,6 +358,7 @@ class DistributedModel(torch.nn.Module):
         if not self.partitioned:
             return self.module.state_dict(*args, **kwargs)
         st = state.get()
+        st.enter("pipeline", "model.state_dict()")  # collective: every rank of the pipeline must call it
         parts: list[Any] = [None] * st.topology.pp
         dist.all_gather_object(parts, on_cpu(self._local_state()), group=st.mp_group)
         gathered = {k: v for part in parts for k, v in part.items()}
