@@ -106,7 +106,7 @@ def report_failure(exc: BaseException, rank: int, groups: Iterable[Any], store: 
     if not isinstance(exc, PeerError):
         text = f"rank {rank} failed: {type(exc).__name__}: {exc}"
     elif exc.culprit is not None:
-        text = f"rank {exc.culprit} died or hung (first seen by {exc})"
+        text = f"rank {exc.culprit} stopped answering ({exc})"
     if store is not None and text is not None:
         try:
             store.compare_set(FAILURE_KEY, "", text)  # set only if absent: the first observation wins
@@ -123,6 +123,8 @@ def report_failure(exc: BaseException, rank: int, groups: Iterable[Any], store: 
 
 @dataclass
 class Transport:
+    """Tagged sends and receives on the pipeline's own process group, every wait bounded by ``timeout_s``."""
+
     group: Any
     rank: int
     timeout_s: float = 60.0
@@ -136,6 +138,7 @@ class Transport:
         return named_failures(f"{what} with rank {peer}", [peer], self.rank, self.timeout_s, self.store)
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int, what: str) -> None:
+        """Post a send; :meth:`flush` waits for it (``what`` describes it in errors)."""
         with self._named(what, dst):  # posting fails at once when the peer has closed the connection
             work = dist.isend(tensor, dst=dst, group=self.group, tag=tag)
         self.pending.append((work, dst, what))
@@ -148,11 +151,14 @@ class Transport:
             return dist.irecv(buffer, src=src, group=self.group, tag=tag)
 
     def flush(self) -> None:
+        """Wait for every posted send, each at most ``timeout_s``."""
         for work, dst, what in self.pending:
             self.wait(work, dst, what)
         self.pending.clear()
 
     def wait(self, work: Any, peer: int, what: str) -> None:
+        """Wait at most ``timeout_s`` for ``work`` with ``peer``; a failure is a :class:`PeerError` naming the
+        rank that failed."""
         with self._named(what, peer):
             work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
 

@@ -46,6 +46,7 @@ class StepResult:
 
     @property
     def loss(self) -> float:
+        """The mean microbatch loss (NaN without a loss function)."""
         return sum(self.losses) / len(self.losses) if self.losses else float("nan")
 
 
@@ -230,13 +231,16 @@ class PipelineRunner:
         return self
 
     def eval(self) -> "PipelineRunner":
+        """``train(False)``."""
         return self.train(False)
 
     @property
     def events(self) -> list:
+        """The recorded action spans (with ``record=True``), for :mod:`pipeline.timeline`."""
         return self.recorder.events if self.recorder else []
 
     def local_parameters(self) -> list[torch.nn.Parameter]:
+        """The parameters of this rank's stages, each once."""
         seen: dict[int, torch.nn.Parameter] = {}
         for st in self.local_stages:
             for p in st.module.parameters():

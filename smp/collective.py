@@ -91,7 +91,8 @@ class CallLog:
             wrong = {r: nc for r, nc in seen.items() if nc[0] > self.seq or (nc[0] == self.seq and nc[1] != call)}
             if wrong:
                 raise CollectiveError(self._must(call) + "; ".join(
-                    f"rank {r} called {name} instead" + ("" if n == self.seq else f" (its call #{n}, this is #{self.seq})")
+                    f"rank {r} called {name} instead" + ("" if n == self.seq else f" (its call #{n}, this is "
+                                                                                   f"#{self.seq})")
                     for r, (n, name) in sorted(wrong.items())))
             late = {r: nc for r, nc in seen.items() if nc[0] < self.seq}
             if not late:
@@ -121,4 +122,5 @@ class CallLog:
             return ""
         if n == self.seq:
             return ""
-        return f"rank {peer} is not in {self.call} (call #{self.seq} on the {self.kind}): its last smp call is #{n} {name}"
+        return (f"rank {peer} is not in {self.call} (call #{self.seq} on the {self.kind}): its last smp call is "
+                f"#{n} {name}")

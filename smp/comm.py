@@ -60,27 +60,33 @@ _RANK_KIND = {RankType.WORLD_RANK: "world", RankType.MP_RANK: "pipeline", RankTy
 
 
 def rank() -> int:
+    """This process's global rank."""
     return state.get().rank
 
 
 def size() -> int:
+    """The number of processes (pipeline stages x data-parallel replicas)."""
     return state.get().topology.world
 
 
 def local_rank() -> int:
+    """This process's rank on its node (torchrun's ``LOCAL_RANK``)."""
     return int(os.environ.get("LOCAL_RANK", state.get().rank))
 
 
 def local_size() -> int:
+    """The number of processes on this node (torchrun's ``LOCAL_WORLD_SIZE``)."""
     return int(os.environ.get("LOCAL_WORLD_SIZE", state.get().topology.world))
 
 
 def pp_rank() -> int:
+    """This rank's stage in its pipeline (also ``smp.mp_rank()``)."""
     s = state.get()
     return s.topology.pp_rank(s.rank)
 
 
 def pp_size() -> int:
+    """The number of pipeline stages, ``pipeline_parallel_degree`` (also ``smp.mp_size()``)."""
     return state.get().topology.pp
 
 
@@ -88,11 +94,13 @@ mp_rank, mp_size = pp_rank, pp_size  # without tensor parallelism the model-para
 
 
 def dp_rank() -> int:
+    """This rank's data-parallel replica (also ``smp.rdp_rank()``)."""
     s = state.get()
     return s.topology.dp_rank(s.rank)
 
 
 def dp_size() -> int:
+    """The number of data-parallel replicas (also ``smp.rdp_size()``)."""
     return state.get().topology.dp
 
 
@@ -122,10 +130,12 @@ def get_dp_group() -> list[int]:
 
 
 def get_pp_process_group() -> Any:
+    """The torch process group of this rank's pipeline (created with ``timeout_s``)."""
     return state.get().group("pipeline")
 
 
 def get_dp_process_group() -> Any:
+    """The torch process group of this rank's stage across replicas (created with ``timeout_s``)."""
     return state.get().group("data-parallel")
 
 

@@ -38,6 +38,8 @@ _OPTIMIZE = ("speed", "memory")
 
 @dataclass(frozen=True)
 class Config:
+    """A checked ``smp.init`` configuration: SMP v1's keys with their defaults, and ``timeout_s``."""
+
     pipeline_parallel_degree: int
     microbatches: int = 1
     pipeline: str = "interleaved"
@@ -75,15 +77,18 @@ class Config:
 
     @property
     def effective_memory_weight(self) -> float:
+        """``memory_weight``, or SMP's default for ``optimize``: 0.2 for "speed", 0.8 for "memory"."""
         if self.memory_weight is not None:
             return self.memory_weight
         return 0.2 if self.optimize == "speed" else 0.8
 
     @property
     def max_in_flight(self) -> int:
+        """``active_microbatches``, or SMP's default: partitions + 2."""
         return self.active_microbatches or self.pipeline_parallel_degree + 2
 
     def to_dict(self) -> dict[str, Any]:
+        """The configuration as a plain dict (every key, defaults included)."""
         return asdict(self)
 
 

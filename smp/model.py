@@ -29,6 +29,7 @@ from pipeline.p2p import named_failures
 from . import precision, state
 from .commit import CheckpointError
 from .planning import shared_plan
+from .results import broadcast_results
 from .state_dicts import key_error, on_cpu
 step_mod = importlib.import_module(".step", __package__)  # by name: smp.step is the decorator (partitioner.lazy)
 
@@ -204,7 +205,7 @@ class DistributedModel(torch.nn.Module):
         waiting_on = [src] if not last else [r for r in runner.ranks if r != st.rank]
         with named_failures("receiving the step's results from the last stage" if not last else
                             "sending the step's results", waiting_on, st.rank, st.config.timeout_s):
-            results, run.backward_missing = step_mod.broadcast_results(
+            results, run.backward_missing = broadcast_results(
                 local if last else None, src, runner.transport.group, run.memo,
                 flag=last and train and run.without_backward())
         return results

@@ -29,6 +29,8 @@ GROUP_KINDS = ("world", "pipeline", "data-parallel")
 
 @dataclass
 class State:
+    """Everything ``smp.init`` set up in this process, and what the engine learns later (model, optimizer)."""
+
     config: Config
     topology: Topology
     rank: int
@@ -92,10 +94,12 @@ _state: State | None = None
 
 
 def is_initialized() -> bool:
+    """Has ``smp.init`` run in this process?"""
     return _state is not None
 
 
 def get() -> State:
+    """The state ``smp.init`` set up; an error that says to call it first when it has not run."""
     if _state is None:
         raise RuntimeError("smp is not initialised: call smp.init(config) before using smp")
     return _state

@@ -10,7 +10,8 @@ last stage. So each microbatch's call of the user function runs in its own threa
   when the forward of the last stage is done; the thread then computes the loss and calls
   ``model.backward(loss)``, which hands the loss to the executor for the backward the schedule runs later.
 * On earlier stages nothing downstream of ``model(...)`` is needed: the thread stops there and the
-  function's return values come from the last stage, broadcast over the model-parallel group.
+  function's return values come from the last stage, broadcast over the model-parallel group
+  (:mod:`smp.results`).
 
 Grad mode and autocast are thread-local in torch, so both are captured at ``model(...)`` and re-entered
 around the stage forwards. Return values come back as :class:`StepOutput`, one per returned leaf.
@@ -23,7 +24,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import math
 import queue
 import threading
 import warnings
@@ -33,13 +33,13 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 from partitioner.errors import EngineError
 from pipeline import microbatch
 
 from . import precision, state
+from .results import detach
 
 __all__ = ["step", "StepOutput", "StepTimeoutError", "current_microbatch"]
 
@@ -139,15 +139,19 @@ class StepOutput:
         return [o if isinstance(o, torch.Tensor) else torch.as_tensor(o) for o in self.outputs]
 
     def reduce_mean(self) -> torch.Tensor:
+        """The mean over microbatches (elementwise for tensors)."""
         return torch.stack(self._tensors()).mean(dim=0)
 
     def reduce_sum(self) -> torch.Tensor:
+        """The sum over microbatches."""
         return torch.stack(self._tensors()).sum(dim=0)
 
     def concat(self) -> torch.Tensor:
+        """The microbatches' values joined along dimension 0 (the batch, for per-sample outputs)."""
         return torch.cat(self._tensors())
 
     def stack(self) -> torch.Tensor:
+        """The microbatches' values stacked along a new dimension 0."""
         return torch.stack(self._tensors())
 
     def __len__(self) -> int:
@@ -238,6 +242,8 @@ class _StepRun:
 
     def _wait(self, micro: _Micro, ready: Callable[[], bool], doing: str) -> None:
         if not micro.wait(ready, self.timeout_s):
+            if doing == "did not return" and micro.backward_called:
+                doing += " after model.backward(loss)"
             raise StepTimeoutError(
                 f"rank {state.get().rank}: the @smp.step function {self.name} (microbatch {micro.index}) {doing} "
                 f"within {self.timeout_s:g} s, and the pipeline cannot go on without it; if it is only slow, raise "
@@ -298,8 +304,7 @@ class _StepRun:
             if not started:  # microbatches this rank never needed (no local stage reads model inputs)
                 self.call_of(k)
         for micro in self.micros:
-            self._wait(micro, lambda: micro.finished, "did not return" + (" after model.backward(loss)" if
-                                                                           micro.backward_called else ""))
+            self._wait(micro, lambda m=micro: m.finished, "did not return")
             if micro.error is not None:
                 raise micro.error
             if micro.backward_outside:
@@ -317,15 +322,11 @@ class _StepRun:
             micro.update(abandoned=True)
 
 
-def _detach(value: Any) -> Any:
-    return pytree.tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, value)
-
-
 def _wrap(results: list[Any]) -> Any:
     """Per-microbatch results -> the same structure with a StepOutput at every leaf."""
     flat = [pytree.tree_flatten(r) for r in results]
     spec = flat[0][1]
-    for leaves, s in flat[1:]:
+    for _, s in flat[1:]:
         if s != spec:
             raise RuntimeError(f"the @smp.step function returned differently shaped values across microbatches: "
                                f"{spec} vs {s}")
@@ -370,82 +371,7 @@ def step(fn: Callable | None = None, *, non_split_inputs: list[str] | tuple[str,
                           "model.backward(loss) in it, or run it under model.eval() or torch.no_grad() if it only "
                           "evaluates", UserWarning, stacklevel=2)
         if detach_outputs:
-            results = _detach(results)
+            results = detach(results)
         return _wrap(results)
 
     return wrapper
-
-
-def _signature(results: Any) -> tuple | None:
-    """Structure, and kind/dtype/shape of every leaf, of a step's return values; None when a leaf is not a
-    dense tensor or a Python bool/int/float (those always travel pickled)."""
-    leaves, spec = pytree.tree_flatten(results)
-    kinds = []
-    for x in leaves:
-        if isinstance(x, torch.Tensor):
-            if x.layout != torch.strided:
-                return None
-            kinds.append((x.dtype, tuple(x.shape)))
-        elif type(x) in (bool, float) or (type(x) is int and -2 ** 63 <= x < 2 ** 63):
-            kinds.append(type(x))
-        else:
-            return None
-    return spec, tuple(kinds)
-
-
-def _nbytes(kinds: tuple) -> int:
-    return sum(k[0].itemsize * math.prod(k[1]) if isinstance(k, tuple) else 8 for k in kinds)
-
-
-def broadcast_results(results: list[Any] | None, src: int, group: Any, memo: dict,
-                      flag: bool = False) -> tuple[list[Any], bool]:
-    """The last stage's per-microbatch return values and one flag (``flag`` there: a step that never called
-    ``model.backward``), to every rank of the model-parallel group.
-
-    The first step of a step function sends them pickled (two collectives). When a step returns values of
-    the same structure, dtypes and shapes as the step before (the usual case: a loss per microbatch), they
-    travel as the raw bytes of one tensor behind a flag byte instead: one collective, no pickling. Bit 0 of
-    the flag byte says the structure is the known one (0: the pickled path follows), bit 1 carries ``flag``.
-    ``memo`` keeps the known structure, per step function.
-    """
-    if dist.get_world_size(group) == 1:
-        return results, flag
-    st = state.get()
-    known = memo.get("signature")
-    if known is not None:
-        spec, kinds = known
-        buf = torch.zeros(1 + _nbytes(kinds), dtype=torch.uint8, device=st.device)
-        if results is not None and _signature(results) == known:
-            buf[0] = 1 | (2 if flag else 0)
-            parts = []
-            for x in pytree.tree_leaves(results):
-                if isinstance(x, torch.Tensor):
-                    parts.append(x.detach().to(st.device).contiguous().reshape(-1).view(torch.uint8))
-                else:
-                    t = torch.tensor([x], dtype=torch.float64 if type(x) is float else torch.int64, device=st.device)
-                    parts.append(t.view(torch.uint8))
-            if parts:
-                buf[1:].copy_(torch.cat(parts))
-        dist.broadcast(buf, src=src, group=group)
-        head = int(buf[0])
-        if head & 1:
-            if results is not None:
-                return results, flag
-            leaves, offset = [], 1
-            for kind in kinds:
-                if isinstance(kind, tuple):
-                    dtype, shape = kind
-                    n = dtype.itemsize * math.prod(shape)
-                    leaves.append(buf[offset:offset + n].clone().view(dtype).reshape(shape))
-                else:
-                    n = 8
-                    raw = buf[offset:offset + n].clone()
-                    leaves.append(kind(raw.view(torch.float64 if kind is float else torch.int64).item()))
-                offset += n
-            return pytree.tree_unflatten(leaves, spec), bool(head & 2)
-    # Only values travel: autograd graphs (and the hooks on the model outputs) stay on the last stage's rank.
-    box = [None if results is None else (_detach(results), flag)]
-    dist.broadcast_object_list(box, src=src, group=group)
-    got, flag = (results, flag) if results is not None else box[0]
-    memo["signature"] = _signature(got)
-    return got, flag

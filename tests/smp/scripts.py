@@ -106,3 +106,39 @@ def two_stage_mlp(*widths: int) -> nn.Sequential:
     net = nn.Sequential(*layers[:-1])
     smp.set_partition(net[-1], 1)
     return net
+
+
+def mlp_step(config: dict, widths: tuple[int, ...] = (16, 16, 4), after_backward=None):
+    """``smp.init`` (2 stages, 2 microbatches, manual placement, ``config`` on top), a :func:`two_stage_mlp` and
+    an ``@smp.step`` training step ``train_step`` over one fixed batch; returns ``(model, step)``, where
+    ``step()`` runs it. ``after_backward()``, if given, runs in the step right after ``model.backward``."""
+    import torch.nn.functional as F
+
+    import smp
+
+    smp.init({"pipeline_parallel_degree": 2, "microbatches": 2, **MANUAL, **config})
+    model = smp.DistributedModel(two_stage_mlp(*widths))
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(8, widths[0], generator=g), torch.randint(widths[-1], (8,), generator=g)
+
+    @smp.step
+    def train_step(model, x, y):
+        loss = F.cross_entropy(model(x), y)
+        model.backward(loss)
+        if after_backward is not None:
+            after_backward()
+        return loss
+
+    return model, lambda: train_step(model, x, y)
+
+
+def outcome(fn) -> tuple[str, str, float]:
+    """Call ``fn()``: ("ok", "", seconds), or the exception's class name, message and the seconds until it."""
+    import time
+
+    t0 = time.monotonic()
+    try:
+        fn()
+    except Exception as exc:
+        return type(exc).__name__, str(exc), time.monotonic() - t0
+    return "ok", "", time.monotonic() - t0

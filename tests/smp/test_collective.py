@@ -6,47 +6,20 @@ from __future__ import annotations
 import time
 
 import pytest
-import torch
-import torch.nn.functional as F
 
 from pipeline.p2p import FAILURE_KEY, PeerError
 from smp.collective import CallLog, CollectiveError
-from tests.smp.scripts import MANUAL, two_stage_mlp
+from tests.smp.scripts import mlp_step, outcome
 from tests.spawn import run_ranks
 
 
-def _train(timeout_s: float):
-    import smp
-
-    smp.init({"pipeline_parallel_degree": 2, "microbatches": 2, "timeout_s": timeout_s, **MANUAL})
-    model = smp.DistributedModel(two_stage_mlp(8, 8, 2))
-
-    @smp.step
-    def train_step(model, x, y):
-        loss = F.cross_entropy(model(x), y)
-        model.backward(loss)
-        return loss
-
-    x, y = torch.randn(4, 8), torch.randint(2, (4,))
-    train_step(model, x, y)
-    return smp, model, lambda: train_step(model, x, y)
-
-
-def _outcome(fn, t0: float):
-    try:
-        fn()
-    except Exception as exc:
-        return type(exc).__name__, str(exc), time.monotonic() - t0
-    return "ok", "", time.monotonic() - t0
-
-
 def _state_dict_on_rank_0(rank: int, world: int, others: str):
-    smp, model, step = _train(timeout_s=2)
-    t0 = time.monotonic()
+    model, step = mlp_step({"timeout_s": 2}, (8, 8, 2))
+    step()
     if rank == 0:
-        return _outcome(model.state_dict, t0)
+        return outcome(model.state_dict)
     if others == "step":
-        return _outcome(step, t0)
+        return outcome(step)
     time.sleep(4)  # not calling at all (the torch habit: only rank 0 saves)
     return "idle", "", 0.0
 
@@ -68,11 +41,13 @@ def test_state_dict_on_one_rank_while_the_other_does_not_call():
 
 
 def _collectives(rank: int, world: int):
-    smp, model, step = _train(timeout_s=5)
+    import smp
+
+    model, step = mlp_step({"timeout_s": 5}, (8, 8, 2))
+    step()
     sd = model.state_dict()  # on every rank: fine
     gathered = smp.allgather(rank)
-    t0 = time.monotonic()
-    mismatch = _outcome(smp.barrier if rank == 0 else lambda: smp.allgather(rank), t0)
+    mismatch = outcome(smp.barrier if rank == 0 else lambda: smp.allgather(rank))
     return sorted(sd), gathered, mismatch
 
 

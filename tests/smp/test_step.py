@@ -12,7 +12,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from tests.smp.scripts import MANUAL, two_stage_mlp
+from tests.smp.scripts import MANUAL, mlp_step, outcome, two_stage_mlp
 from tests.spawn import run_ranks
 
 
@@ -65,32 +65,23 @@ def test_memory_stays_flat_over_200_steps():
     assert results[1]["outputs_seen"] == 4 * steps  # the last stage's rank saw every output
 
 
-def _stall(rank: int, world: int, where: str):
+def _stall(rank: int, world: int):
     import smp
 
-    smp.init({"pipeline_parallel_degree": 2, "microbatches": 2, "timeout_s": 2, **MANUAL})
-    model = smp.DistributedModel(two_stage_mlp(16, 16, 4))
+    stalling = []
 
-    @smp.step
-    def train_step(model, x, y, stall):
-        loss = F.cross_entropy(model(x), y)
-        model.backward(loss)
-        if stall and smp.pp_rank() == 1:
+    def stall() -> None:
+        if stalling and smp.pp_rank() == 1:
             time.sleep(30)  # far past the timeout; the test's processes end long before
-        return loss
 
-    x, y = torch.randn(8, 16), torch.randint(4, (8,))
-    train_step(model, x, y, False)  # partitions, and shows that steps work
-    t0 = time.monotonic()
-    try:
-        train_step(model, x, y, True)
-    except Exception as exc:
-        return type(exc).__name__, str(exc), time.monotonic() - t0
-    return "no error", "", time.monotonic() - t0
+    _, step = mlp_step({"timeout_s": 2}, after_backward=stall)
+    step()  # steps work
+    stalling.append(True)
+    return outcome(step)
 
 
 def test_stalled_last_stage_ends_every_rank_within_the_timeout():
-    out = run_ranks(_stall, 2, "after_backward", timeout=120, allow_failure=True)
+    out = run_ranks(_stall, 2, timeout=120)
     (kind0, msg0, t0), (kind1, msg1, t1) = out
     assert kind1 == "StepTimeoutError" and "rank 1" in msg1 and "train_step" in msg1, out
     assert "did not return after model.backward(loss) within 2 s" in msg1 and "raise timeout_s" in msg1, msg1
