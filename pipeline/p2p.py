@@ -131,24 +131,38 @@ class Transport:
     store: Any = field(default_factory=default_store)
     pending: list[tuple[Any, int, str]] = field(default_factory=list)
 
-    def _named(self, what: str, peer: int) -> Any:
-        if self.group is None:  # never fall through to the default group
-            raise PeerError(f"rank {self.rank}: {what} with rank {peer}: the pipeline stopped after an earlier "
-                            f"failure ({failure_note(self.store) or 'see the first error'}); restart the job")
-        return named_failures(f"{what} with rank {peer}", [peer], self.rank, self.timeout_s, self.store)
+    def __post_init__(self) -> None:
+        self._timeout = datetime.timedelta(seconds=self.timeout_s)
 
+    def _failed(self, what: str, peer: int, exc: BaseException | None = None) -> PeerError:
+        """The error for ``what`` with ``peer``: the transport already closed, or ``exc`` from torch."""
+        if exc is None:
+            return PeerError(f"rank {self.rank}: {what} with rank {peer}: the pipeline stopped after an earlier "
+                             f"failure ({failure_note(self.store) or 'see the first error'}); restart the job")
+        return peer_error(self.rank, f"{what} with rank {peer}", [peer], exc, self.timeout_s, self.store)
+
+    # The hot path: a plain try/except (free unless it raises) rather than named_failures' context manager,
+    # and the group checked against None so that a closed transport never falls through to the default group.
     def isend(self, tensor: torch.Tensor, dst: int, tag: int, what: str) -> None:
         """Post a send; :meth:`flush` waits for it (``what`` describes it in errors)."""
-        with self._named(what, dst):  # posting fails at once when the peer has closed the connection
+        if self.group is None:
+            raise self._failed(what, dst)
+        try:  # posting fails at once when the peer has closed the connection
             work = dist.isend(tensor, dst=dst, group=self.group, tag=tag)
+        except RuntimeError as exc:
+            raise self._failed(what, dst, exc) from None
         self.pending.append((work, dst, what))
         if len(self.pending) > 64:  # keep the list short; completed sends need no wait
             self.pending = [p for p in self.pending if not p[0].is_completed()]
 
     def irecv(self, buffer: torch.Tensor, src: int, tag: int) -> Any:
         """Post one receive; :meth:`wait` on the returned work (with the peer and a description)."""
-        with self._named("posting a receive", src):
+        if self.group is None:
+            raise self._failed("posting a receive", src)
+        try:
             return dist.irecv(buffer, src=src, group=self.group, tag=tag)
+        except RuntimeError as exc:
+            raise self._failed("posting a receive", src, exc) from None
 
     def flush(self) -> None:
         """Wait for every posted send, each at most ``timeout_s``."""
@@ -159,8 +173,10 @@ class Transport:
     def wait(self, work: Any, peer: int, what: str) -> None:
         """Wait at most ``timeout_s`` for ``work`` with ``peer``; a failure is a :class:`PeerError` naming the
         rank that failed."""
-        with self._named(what, peer):
-            work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
+        try:
+            work.wait(timeout=self._timeout)
+        except RuntimeError as exc:
+            raise self._failed(what, peer, exc) from None
 
     def report_failure(self, exc: BaseException, also: Iterable[Any] = ()) -> None:
         """Leave a note for the other ranks and close our connections (and those of ``also``, the caller's
