@@ -22,14 +22,11 @@ from torch.utils.hooks import RemovableHandle
 
 from partitioner import PartitionOptions, PartitionPlan, trace
 from partitioner.partition import fixed_plan
-from partitioner.program import flatten_inputs
-from pipeline import PeerError, PipelineRunner
-from pipeline.p2p import named_failures
+from pipeline import PipelineRunner
 
-from . import precision, state
+from . import execution, precision, state
 from .commit import CheckpointError
 from .planning import shared_plan
-from .results import broadcast_results
 from .state_dicts import key_error, on_cpu
 step_mod = importlib.import_module(".step", __package__)  # by name: smp.step is the decorator (partitioner.lazy)
 
@@ -150,85 +147,8 @@ class DistributedModel(torch.nn.Module):
                 fn(self, state.get().optimizer)
 
     def run_step(self, run: "step_mod._StepRun") -> list[Any]:
-        """Run one call of an ``@smp.step`` function (see :mod:`smp.step`). A failure, here or on another rank,
-        ends the step on every rank within ``timeout_s``: this rank leaves a note naming itself (or the peer
-        it saw fail first) and closes smp's process groups, and re-raises."""
-        st = state.get()
-        st.group("pipeline")  # after a failure closed the groups, say so rather than fail on a closed group
-        call = f"@smp.step {run.name}"
-        st.calls["pipeline"].announce(call)
-        if not self.partitioned:
-            st.calls["world"].announce(call)  # the first step partitions: the plan goes to every rank
-        try:
-            return self._run_step(run, call)
-        except BaseException as exc:
-            run.abandon()
-            culprit = exc.culprit if isinstance(exc, PeerError) else None
-            why = next((x for x in (st.calls[k].explain(culprit) for k in ("pipeline", "data-parallel")) if x), "") \
-                if culprit is not None else ""
-            if why:  # a peer that did not answer: say where it is instead
-                exc = PeerError(f"{exc}; {why}", culprit=culprit)
-            st.report_failure(exc)
-            if why:
-                raise exc from None
-            raise
-
-    def _run_step(self, run: "step_mod._StepRun", call: str) -> list[Any]:
-        st = state.get()
-        if not self.partitioned:
-            self._partition(run.call_of(0))
-        runner = self.runner
-        sm = runner.split_model
-        runner.train(self.module.training)  # model.eval() turns dropout off and BatchNorm to running statistics
-        train = self.module.training and run.call_of(0).grad_enabled
-        if run.call_of(0).autocast != self._traced_autocast:
-            def name(ac: Any) -> str:
-                return f"torch.autocast({ac[0]!r}, dtype={ac[1]})" if ac else "no autocast"
-            raise RuntimeError(f"the model was partitioned under {name(self._traced_autocast)} but this step runs "
-                               f"under {name(run.call_of(0).autocast)}: the tensors that cross pipeline stages have "
-                               "the dtypes of the first step, so call the model under the same autocast setting in "
-                               "every step")
-
-        def inputs_of(k: int) -> dict[str, Any]:
-            call = run.call_of(k)
-            flat = flatten_inputs(sm.program, call.args, call.kwargs)
-            sm.check_inputs(flat)
-            return {n: (v.to(st.device) if isinstance(v, torch.Tensor) else v)
-                    for n, v in zip(sm.program.input_names, flat)}
-
-        last = self.is_last_stage_rank()
-        runner.run_microbatches(inputs_of, run.loss_hook if last else None, train, run.before_forward)
-        local = run.results()
-        if train and st.topology.dp > 1:
-            self._reduce_data_parallel(call)
-        src = runner.ranks[-1]
-        waiting_on = [src] if not last else [r for r in runner.ranks if r != st.rank]
-        with named_failures("receiving the step's results from the last stage" if not last else
-                            "sending the step's results", waiting_on, st.rank, st.config.timeout_s):
-            results, run.backward_missing = broadcast_results(
-                local if last else None, src, runner.transport.group, run.memo,
-                flag=last and train and run.without_backward())
-        return results
-
-    def _reduce_data_parallel(self, call: str) -> None:
-        """Average gradients over the replicas of this stage (one coalesced all-reduce on the dp group)."""
-        st = state.get()
-        st.calls["data-parallel"].announce(call)
-        params = [p for p in self.local_parameters() if p.requires_grad]
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        grads = [p.grad for p in params]
-        if not grads:
-            return
-        flat = torch._utils._flatten_dense_tensors(grads)
-        peers = [r for r in st.ranks("data-parallel") if r != st.rank]
-        with named_failures("averaging gradients over the data-parallel replicas", peers, st.rank,
-                            st.config.timeout_s):
-            dist.all_reduce(flat, group=st.dp_group)
-        flat /= st.topology.dp
-        for g, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
-            g.copy_(reduced)
+        """Run one call of an ``@smp.step`` function on this rank, as a unit (:func:`smp.execution.run_step`)."""
+        return execution.run_step(self, run)
 
     # -- partitioning ------------------------------------------------------------------------------------
     def _partition(self, call: "step_mod._Call") -> None:

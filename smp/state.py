@@ -82,12 +82,24 @@ class State:
             return
         self.failed = exc
         groups = [self.world_group, self.mp_group, self.dp_group]
-        self.world_group = self.mp_group = self.dp_group = None  # gloo closes a group once nothing holds it
+        # gloo closes a group's connections once nothing holds it; a placeholder (not None, which torch reads
+        # as the default group) makes any later collective on it fail at once
+        self.world_group, self.mp_group, self.dp_group = (_Closed(kind) for kind in GROUP_KINDS)
         runner = self.model.runner if self.model is not None else None
         if runner is not None:
             runner.report_failure(exc, also=groups)
         else:
             report_failure(exc, self.rank, groups, default_store())
+
+
+class _Closed:
+    """Stands for a process group smp closed after a failure; torch refuses it at once, naming it."""
+
+    def __init__(self, kind: str):
+        self.kind = kind
+
+    def __repr__(self) -> str:
+        return f"<smp's {self.kind} group, closed after an earlier failure: restart the job>"
 
 
 _state: State | None = None

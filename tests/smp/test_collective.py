@@ -9,8 +9,8 @@ import pytest
 
 from pipeline.p2p import FAILURE_KEY, PeerError
 from smp.collective import CallLog, CollectiveError
+from smp.spawn import run_ranks
 from tests.smp.scripts import mlp_step, outcome
-from tests.spawn import run_ranks
 
 
 def _state_dict_on_rank_0(rank: int, world: int, others: str):

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from tests.spawn import run_ranks
+from smp.spawn import run_ranks
 
 
 def _p2p(rank: int, world: int):

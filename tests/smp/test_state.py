@@ -8,8 +8,8 @@ import time
 import pytest
 
 from smp.config import DEFAULT_TIMEOUT_S, ConfigError, load_config
+from smp.spawn import run_ranks
 from tests.smp.scripts import mlp_step, outcome
-from tests.spawn import run_ranks
 
 
 def test_timeout_comes_from_config_then_environment(monkeypatch):

@@ -12,8 +12,8 @@ import weakref
 import torch
 import torch.nn.functional as F
 
+from smp.spawn import run_ranks
 from tests.smp.scripts import MANUAL, mlp_step, outcome, two_stage_mlp
-from tests.spawn import run_ranks
 
 
 def _rss_mib() -> float:

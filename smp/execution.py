@@ -1,0 +1,108 @@
+"""One call of an ``@smp.step`` function on this rank, run as a unit.
+
+The step announces itself to the rank's pipeline (:mod:`smp.collective`), partitions the model on its
+first call, walks this rank's schedule while the microbatches' threads run the user's function
+(:mod:`smp.step`), averages gradients over the data-parallel replicas and brings the last stage's return
+values to every rank (:mod:`smp.results`). Every wait in it is bounded by ``timeout_s``. When anything in it
+fails — here, or on a peer, seen as a closed connection or a silence — this rank releases the step's
+threads, explains a silent peer by the smp call that peer is in instead, leaves the failure note and
+closes smp's process groups (:meth:`smp.state.State.report_failure`), so that every rank ends the step with
+an error naming the rank that failed first.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from partitioner.program import flatten_inputs
+from pipeline import PeerError
+from pipeline.p2p import named_failures
+
+from . import state
+from .results import broadcast_results
+
+__all__ = ["run_step"]
+
+
+def run_step(model: Any, run: Any) -> list[Any]:
+    """Run ``run`` (a ``smp.step._StepRun``) on ``model`` (the DistributedModel); the per-microbatch return
+    values, on every rank of the pipeline."""
+    st = state.get()
+    st.group("pipeline")  # after a failure closed the groups, say so rather than fail on a closed group
+    call = f"@smp.step {run.name}"
+    st.calls["pipeline"].announce(call)
+    if not model.partitioned:
+        st.calls["world"].announce(call)  # the first step partitions: the plan goes to every rank
+    try:
+        return _run(model, run, call)
+    except BaseException as exc:
+        run.abandon()
+        culprit = exc.culprit if isinstance(exc, PeerError) else None
+        why = next((x for x in (st.calls[k].explain(culprit) for k in ("pipeline", "data-parallel")) if x), "") \
+            if culprit is not None else ""
+        if why:  # a peer that did not answer: say where it is instead
+            exc = PeerError(f"{exc}; {why}", culprit=culprit)
+        st.report_failure(exc)
+        if why:
+            raise exc from None
+        raise
+
+
+def _run(model: Any, run: Any, call: str) -> list[Any]:
+    st = state.get()
+    if not model.partitioned:
+        model._partition(run.call_of(0))
+    runner = model.runner
+    sm = runner.split_model
+    runner.train(model.module.training)  # model.eval() turns dropout off and BatchNorm to running statistics
+    train = model.module.training and run.call_of(0).grad_enabled
+    if run.call_of(0).autocast != model._traced_autocast:
+        def name(ac: Any) -> str:
+            return f"torch.autocast({ac[0]!r}, dtype={ac[1]})" if ac else "no autocast"
+        raise RuntimeError(f"the model was partitioned under {name(model._traced_autocast)} but this step runs "
+                           f"under {name(run.call_of(0).autocast)}: the tensors that cross pipeline stages have "
+                           "the dtypes of the first step, so call the model under the same autocast setting in "
+                           "every step")
+
+    def inputs_of(k: int) -> dict[str, Any]:
+        mb = run.call_of(k)
+        flat = flatten_inputs(sm.program, mb.args, mb.kwargs)
+        sm.check_inputs(flat)
+        return {n: (v.to(st.device) if isinstance(v, torch.Tensor) else v)
+                for n, v in zip(sm.program.input_names, flat)}
+
+    last = model.is_last_stage_rank()
+    runner.run_microbatches(inputs_of, run.loss_hook if last else None, train, run.before_forward)
+    local = run.results()
+    if train and st.topology.dp > 1:
+        _reduce_data_parallel([p for p in model.local_parameters() if p.requires_grad], call)
+    src = runner.ranks[-1]
+    waiting_on = [src] if not last else [r for r in runner.ranks if r != st.rank]
+    with named_failures("receiving the step's results from the last stage" if not last else
+                        "sending the step's results", waiting_on, st.rank, st.config.timeout_s):
+        results, run.backward_missing = broadcast_results(
+            local if last else None, src, runner.transport.group, run.memo,
+            flag=last and train and run.without_backward())
+    return results
+
+
+def _reduce_data_parallel(params: list[torch.nn.Parameter], call: str) -> None:
+    """Average the gradients of ``params`` over the replicas of this stage (one coalesced all-reduce on the
+    data-parallel group)."""
+    st = state.get()
+    st.calls["data-parallel"].announce(call)
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    grads = [p.grad for p in params]
+    if not grads:
+        return
+    flat = torch._utils._flatten_dense_tensors(grads)
+    peers = [r for r in st.ranks("data-parallel") if r != st.rank]
+    with named_failures("averaging gradients over the data-parallel replicas", peers, st.rank, st.config.timeout_s):
+        dist.all_reduce(flat, group=st.dp_group)
+    flat /= st.topology.dp
+    for g, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+        g.copy_(reduced)
