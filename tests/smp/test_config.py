@@ -7,7 +7,7 @@ import warnings
 import pytest
 
 from smp.compat import NoEffectWarning
-from smp.config import ConfigError, load_config
+from smp.config import DEFAULT_TIMEOUT_S, ConfigError, load_config
 
 BASE = {"pipeline_parallel_degree": 2}
 
@@ -76,3 +76,16 @@ def test_bad_values_and_unknown_keys_are_errors(config, needle):
     with pytest.raises(ConfigError) as err:
         load_config(config)
     assert needle in str(err.value)
+
+
+def test_timeout_comes_from_config_then_environment(monkeypatch):
+    monkeypatch.delenv("SMP_TIMEOUT_S", raising=False)
+    assert load_config({"partitions": 2}).timeout_s == DEFAULT_TIMEOUT_S == 60
+    monkeypatch.setenv("SMP_TIMEOUT_S", "600")
+    assert load_config({"partitions": 2}).timeout_s == 600
+    assert load_config({"partitions": 2, "timeout_s": 90}).timeout_s == 90  # the config wins
+    monkeypatch.setenv("SMP_TIMEOUT_S", "ten minutes")
+    with pytest.raises(ConfigError, match="SMP_TIMEOUT_S='ten minutes' is not valid: a number of seconds"):
+        load_config({"partitions": 2})
+    with pytest.raises(ConfigError, match="'timeout_s'=0 is not valid: a positive number of seconds"):
+        load_config({"partitions": 2, "timeout_s": 0})

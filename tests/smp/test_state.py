@@ -5,24 +5,8 @@ from __future__ import annotations
 import os
 import time
 
-import pytest
-
-from smp.config import DEFAULT_TIMEOUT_S, ConfigError, load_config
 from smp.spawn import run_ranks
 from tests.smp.scripts import mlp_step, outcome
-
-
-def test_timeout_comes_from_config_then_environment(monkeypatch):
-    monkeypatch.delenv("SMP_TIMEOUT_S", raising=False)
-    assert load_config({"partitions": 2}).timeout_s == DEFAULT_TIMEOUT_S == 60
-    monkeypatch.setenv("SMP_TIMEOUT_S", "600")
-    assert load_config({"partitions": 2}).timeout_s == 600
-    assert load_config({"partitions": 2, "timeout_s": 90}).timeout_s == 90  # the config wins
-    monkeypatch.setenv("SMP_TIMEOUT_S", "ten minutes")
-    with pytest.raises(ConfigError, match="SMP_TIMEOUT_S='ten minutes' is not valid: a number of seconds"):
-        load_config({"partitions": 2})
-    with pytest.raises(ConfigError, match="'timeout_s'=0 is not valid: a positive number of seconds"):
-        load_config({"partitions": 2, "timeout_s": 0})
 
 
 def _pause(rank: int, world: int, pause: float):
