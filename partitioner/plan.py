@@ -7,17 +7,22 @@ executable stages.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 import numpy as np
 
+from .errors import EngineError
 from .graph import OpGraph, unique_ints
 from .objective import Evaluation, Problem, check_acyclic, crossings
 from .split import split
 from .units import format_bytes
 
-__all__ = ["StageSummary", "PartitionPlan", "make_plan"]
+__all__ = ["StageSummary", "PartitionPlan", "PlanMismatchError", "make_plan"]
+
+
+class PlanMismatchError(EngineError, ValueError):
+    """A plan (from a file) that does not cut the model it is given to; the message says what differs."""
 
 
 @dataclass
@@ -120,6 +125,24 @@ class PartitionPlan:
             with open(text_or_path) as fh:
                 text = fh.read()
         return cls.from_dict(json.loads(text))
+
+    def bind(self, graph: OpGraph, source: str = "the plan", num_stages: int | None = None) -> "PartitionPlan":
+        """This plan attached to ``graph``, a trace of the model it is to cut, checked to fit: the same ops
+        (and ``num_stages`` stages when given), else a :class:`PlanMismatchError` naming ``source``."""
+        if num_stages is not None and self.num_stages != num_stages:
+            raise PlanMismatchError(f"{source} has {self.num_stages} stages but this run has {num_stages} "
+                                    f"pipeline stages: make the plan for {num_stages} stages, or run with "
+                                    f"{self.num_stages}")
+        ops, planned = set(graph.names), set(self.assignment)
+        if ops != planned:
+            order = {n: i for i, n in enumerate(graph.names)}
+            missing, extra = sorted(ops - planned, key=order.__getitem__), sorted(planned - ops)
+            raise PlanMismatchError(
+                f"{source} does not fit this model: {len(missing)} of its {len(ops)} traced ops are not in the plan "
+                f"(first: {missing[:3]}) and {len(extra)} of the plan's {len(planned)} ops are not in the model "
+                f"(first: {extra[:3]}); it was made for another model or other input shapes. Make the plan from "
+                "this model: smp replan on a profile of it, or partitioner.partition")
+        return replace(self, graph=graph)
 
     def stage_modules(self, graph: Any = None) -> list:
         """One executable ``nn.Module`` per stage (see :mod:`partitioner.split`)."""
