@@ -47,6 +47,7 @@ from .config import Config, ConfigError
 from .model import DistributedModel, partition, set_activation_checkpointing, set_partition
 from .optimizer import DistributedOptimizer
 from .state import init, is_initialized
+from .profiling import annotate, profile
 from .step import StepOutput, step
 from .tagged_checkpoint import resume_from_checkpoint, save_checkpoint
 from .tensor_parallel import tensor_parallelism
@@ -61,4 +62,5 @@ __all__ = [
     "rdp_rank", "rdp_size", "get_mp_group", "get_dp_group", "get_pp_process_group", "get_dp_process_group",
     "barrier", "broadcast", "allgather", "send", "recv_from", "CommGroup", "RankType",
     "nn", "optimizers", "utils", "tensor_parallelism", "NoEffectWarning", "__version__",
+    "profile", "annotate",
 ]

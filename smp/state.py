@@ -31,6 +31,7 @@ class State:
     placement: dict = field(default_factory=dict)    # module -> partition, from smp.partition / set_partition
     partition_blocks: list = field(default_factory=list)  # open smp.partition(i) blocks, innermost last
     checkpointed: set = field(default_factory=set)   # modules marked by smp.set_activation_checkpointing
+    profiling: Any = None      # the profiling session (smp.profile), once a step or smp.profile needed it
 
 
 _state: State | None = None

@@ -1,0 +1,152 @@
+"""Re-partitioning from what a profile measured: ``smp replan DIR`` and ``"auto_repartition"``.
+
+The plan was cut with the cost model's per-op estimates; a profile measures what each stage's forward and
+backward really cost per microbatch. :func:`fit_costs` turns those per-stage measurements into per-op
+costs: every op *kind* (``aten.addmm``, ``aten.sort``, ...) gets one factor on its estimate, the factors
+as close to 1 as the measurements allow (the least-norm solution of "per-stage sums equal the
+measurements", one equation per stage), then each stage's ops are rescaled so that their sums match the
+measurements exactly. A kind that runs on several stages is pinned by all of them, so a misjudged kind (a
+sort, a scatter, a Python-heavy block that the roofline prices by its few FLOPs) takes the blame rather
+than the ops beside it; with one kind per stage this is plain per-stage scaling (measured / predicted).
+The graph is then partitioned again with the fitted costs, and the schedule simulated under both plans
+gives the predicted gain.
+
+In flight (:func:`repartition_in_flight`), rank 0 re-plans from the gathered profile, every rank gets the
+plan, and :mod:`smp.migrate` moves parameters, gradients and optimizer state to their new stages.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+from dataclasses import dataclass, fields
+from typing import Any
+
+import numpy as np
+import torch.distributed as dist
+
+from partitioner import DeviceRates, NodeCosts, OpGraph, PartitionOptions, PartitionPlan, estimate, partition
+from pipeline.profile import GRAPH_FILE, Profiler, merge, plan_edges, run_description
+from pipeline.schedule import Schedule
+from pipeline.simulate import simulate
+
+from .config import AutoRepartition
+from .measurements import Measurements, ProfileError, load_profile, measure
+
+__all__ = ["Replan", "fit_costs", "replan", "replan_profile", "repartition_in_flight"]
+
+_MIN_FACTOR = 0.05  # no kind is taken to run more than 20x faster than estimated
+
+
+@dataclass
+class Replan:
+    """A new plan from measurements, and the steps the simulator predicts for the old and the new plan
+    (both under the costs fitted to the measurements; ``measured_step_s``: the profile's median step)."""
+
+    plan: PartitionPlan
+    old_step_s: float
+    new_step_s: float
+    measured_step_s: float
+
+    @property
+    def gain(self) -> float:
+        """Predicted speed-up of a step: old / new."""
+        return self.old_step_s / self.new_step_s if self.new_step_s > 0 else 1.0
+
+    def summary(self, old: PartitionPlan) -> str:
+        """Two lines: the predicted steps and gain, and where the stage boundaries moved."""
+        moved = sum(old.assignment[n] != s for n, s in self.plan.assignment.items())
+        stages = ", ".join(f"stage {s.index}: {s.nodes} ops {s.modules[0]} .. {s.modules[-1]}"
+                           for s in self.plan.stages)
+        return (f"predicted step {self.old_step_s * 1e3:.2f} ms with the profiled plan (measured "
+                f"{self.measured_step_s * 1e3:.2f} ms), {self.new_step_s * 1e3:.2f} ms re-planned: "
+                f"{self.gain:.2f}x; {moved} ops move\n{stages}")
+
+
+def _fit(kinds: np.ndarray, estimated: np.ndarray, stage: np.ndarray, measured: np.ndarray) -> np.ndarray:
+    """Per-op seconds whose per-stage sums are ``measured`` (see the module docstring)."""
+    k = len(measured)
+    groups = int(kinds.max(initial=-1)) + 1
+    c = np.zeros((k, groups))
+    np.add.at(c, (stage, kinds), estimated)
+    residual = measured - c.sum(axis=1)
+    lam = np.linalg.lstsq(c @ c.T, residual, rcond=None)[0]
+    factor = np.maximum(1.0 + c.T @ lam, _MIN_FACTOR)
+    fitted = estimated * factor[kinds]
+    sums = np.bincount(stage, weights=fitted, minlength=k)
+    scale = np.divide(measured, sums, out=np.ones(k), where=sums > 0)
+    return fitted * scale[stage]
+
+
+def fit_costs(graph: OpGraph, costs: NodeCosts, stage: np.ndarray, forward_s: list[float],
+              backward_s: list[float]) -> NodeCosts:
+    """``costs`` refitted so that each stage's ops sum to its measured ``forward_s`` / ``backward_s`` per
+    microbatch (``stage``: each op's stage in graph order)."""
+    _, kinds = np.unique(np.asarray(graph.kinds), return_inverse=True)
+    stage = np.asarray(stage, np.int64)
+    return NodeCosts(forward_s=_fit(kinds, costs.forward_s, stage, np.asarray(forward_s, float)),
+                     backward_s=_fit(kinds, costs.backward_s, stage, np.asarray(backward_s, float)),
+                     needs_grad=costs.needs_grad, measured=True)
+
+
+def _options(plan: PartitionPlan) -> PartitionOptions:
+    known = {f.name for f in fields(PartitionOptions)} - {"rates", "measure"}
+    rates = DeviceRates(**plan.rates) if plan.rates else None
+    return PartitionOptions.of(None, **{k: v for k, v in plan.options.items() if k in known}, rates=rates)
+
+
+def _step(schedule: Schedule, plan: PartitionPlan, graph: OpGraph) -> float:
+    edges = plan_edges(plan, graph)
+    return simulate(schedule, [s.forward_s for s in plan.stages], [s.backward_s for s in plan.stages],
+                    comm_s={(s, t): c for s, t, c in edges}, stage_deps=[(s, t) for s, t, _ in edges] or None).step_s
+
+
+def replan(m: Measurements, graph: OpGraph) -> Replan:
+    """Re-partition ``graph`` (the profiled run's) with op costs fitted to the measurements ``m``."""
+    old = m.plan
+    if set(graph.names) != set(old.assignment):
+        raise ProfileError("the op graph does not belong to the profiled plan (another model's?): profile again")
+    options = _options(old)
+    stage = np.array([old.assignment[n] for n in graph.names], np.int64)
+    costs = fit_costs(graph, estimate(graph, options.rates), stage, m.stage_forward_s, m.stage_backward_s)
+    new = partition(graph, old.num_stages, options, costs=costs)
+    measured = statistics.median(p.step_s for p in m.phases.values()) if m.phases else 0.0
+    # The old plan under the fitted costs has the measured stage times: the simulator's replay of them.
+    return Replan(plan=new, old_step_s=m.replayed.step_s, new_step_s=_step(m.schedule, new, graph),
+                  measured_step_s=measured)
+
+
+def replan_profile(directory: str | os.PathLike[str]) -> tuple[Replan, Measurements]:
+    """:func:`replan` for a profile directory (``smp replan DIR``)."""
+    m = load_profile(directory)
+    path = os.path.join(directory, GRAPH_FILE)
+    if not os.path.exists(path):
+        raise ProfileError(f"{os.fspath(directory)} has no {GRAPH_FILE}: it was profiled without its op graph, "
+                           "which re-planning needs; profile again with this version")
+    return replan(m, OpGraph.load(path)), m
+
+
+def repartition_in_flight(model: Any, profiler: Profiler, options: AutoRepartition) -> PartitionPlan | None:
+    """``"auto_repartition"``, between two steps on every rank (a collective): gather the profile of the
+    last ``after_steps`` steps, re-plan on rank 0, and when the predicted gain is at least ``min_gain`` move
+    every rank to the new plan (:func:`smp.migrate.migrate`). Returns the new plan, or None if kept."""
+    from .migrate import migrate
+
+    parts = profiler.gather()
+    graph = model.runner.plan.graph
+    box: list[Any] = [None]
+    if parts is not None:
+        info = run_description(model.runner)
+        info.pop("graph")
+        result = replan(measure(*merge(parts), info), graph)
+        move = result.gain >= 1.0 + options.min_gain and result.plan.assignment != model.runner.plan.assignment
+        verdict = "re-partitioning" if move else f"keeping the plan (gain below min_gain={options.min_gain:g})"
+        print(f"smp: auto_repartition after {options.after_steps} profiled steps: {result.summary(model.runner.plan)}"
+              f"\nsmp: {verdict}", file=sys.stderr, flush=True)
+        box = [result.plan.to_json() if move else None]
+    dist.broadcast_object_list(box, src=0)
+    if box[0] is None:
+        return None
+    plan = PartitionPlan.from_json(box[0]).bind(graph, "the re-planned partition")
+    migrate(model, plan)
+    return plan
