@@ -32,7 +32,7 @@ import torch.utils._pytree as pytree
 
 from pipeline import microbatch
 
-from . import precision, state
+from . import precision, profiling, state
 
 __all__ = ["step", "StepOutput", "current_microbatch"]
 
@@ -321,7 +321,8 @@ def step(fn: Callable | None = None, *, non_split_inputs: list[str] | tuple[str,
         run.result_cache = result_cache
         st.in_step = run
         try:
-            results = model.run_step(run)
+            with profiling.stepping(model):  # records the step when a profile records (smp.profile)
+                results = model.run_step(run)
         finally:
             st.in_step = None
         model.run_post_step_hooks()
