@@ -199,22 +199,26 @@ class DistributedModel(torch.nn.Module):
 
     # -- partitioning ------------------------------------------------------------------------------------
     def _partition(self, call: "step_mod._Call") -> None:
-        st = state.get()
-        cfg = st.config
-        pp = cfg.pipeline_parallel_degree
+        pp = state.get().config.pipeline_parallel_degree
         # Trace under the step's autocast: the dtypes of the tensors that cross stages (the receive buffers)
         # come from the trace, and under autocast they are the low-precision ones.
         self._traced_autocast = call.autocast
         with torch.autocast(call.autocast[0], dtype=call.autocast[1]) if call.autocast else nullcontext():
             plan = self._make_plan(call, pp)
-        self.runner = PipelineRunner(
+        self.runner = self._runner(plan)
+        self.partitioned = True
+        for fn in self._post_partition_hooks:
+            fn(self, state.get().optimizer)
+
+    def _runner(self, plan: PartitionPlan) -> PipelineRunner:
+        """This rank's pipeline of ``plan`` (at partitioning, and when re-partitioned in flight)."""
+        st = state.get()
+        cfg = st.config
+        return PipelineRunner(
             plan, schedule=cfg.schedule, microbatches=cfg.microbatches,
             max_in_flight=cfg.active_microbatches if cfg.schedule == "1f1b" else None,
             pipelines=st.topology.mp_groups(), device=st.device,
             checkpoint_modules=self._checkpointed_paths())
-        self.partitioned = True
-        for fn in self._post_partition_hooks:
-            fn(self, state.get().optimizer)
 
     def _make_plan(self, call: "step_mod._Call", pp: int) -> PartitionPlan:
         cfg = state.get().config
@@ -223,6 +227,9 @@ class DistributedModel(torch.nn.Module):
         plan = self._saved_plan(call, pp)
         if plan is not None:
             return plan
+        if cfg.partition_file is not None:  # a plan from `smp replan` (or PartitionPlan.to_json): it must fit
+            return PartitionPlan.from_json(cfg.partition_file).bind(
+                trace(self.module, call.args, call.kwargs), f"partition_file {cfg.partition_file!r}", pp)
         if cfg.auto_partition:
             plan = shared_plan(self.module, call.args, call.kwargs, pp,
                                PartitionOptions.of(options, measure=self.trace_execution_times))
