@@ -8,8 +8,8 @@ For every zoo model and stage count this prints one row:
 * ``uniform / params / layers``: the same number for the three baselines of :mod:`partitioner.baselines`,
   scored by the same cost model;
 * ``cut`` bytes per microbatch, ours and each baseline's;
-* ``dominated``: whether some baseline is at least as good as ours in both bottleneck and cut bytes and
-  strictly better in one (the goal is "no");
+* ``dominated``: whether some baseline is at least as good as ours in bottleneck, cut bytes and largest-stage
+  memory and strictly better in one (the goal is "no");
 * ``part s``: wall time of ``partition()``;
 * ``measured``: the balance of *real* per-stage time -- every stage's forward and backward timed separately
   in this process (median over ``--repeats``), ``max(stage) / (sum / stages)``.
@@ -24,6 +24,15 @@ Run: ``python benchmarks/partition_quality.py [--models gpt2,bert] [--stages 2,4
 One thread (``torch.set_num_threads(1)``), fp32, batch 4, ``size="base"`` (every model then has >= 8
 repeated blocks). The quality table uses ``memory_weight=0.0`` (pure speed); ``--memory-weight 0.2``
 shows SMP's default blend instead.
+
+``--llama`` prints predicted rows instead for Llama-shaped models built on the meta device (no weights):
+a Llama-2-7B shape (32 layers, hidden 4096) and a Llama-3-70B shape (80 layers, hidden 8192, 64 heads / 8
+KV heads, vocabulary 128256), sequence 2048, one sequence per microbatch, planned for ``--device``
+(``h100-80gb``) in ``--dtype`` (``bf16``) with 16 microbatches of 1F1B and no memory limit (at these stage
+counts a 70B model does not fit 80 GB with Adam; ``fits`` says whether our plan would); ``--stages``
+defaults to 4,8,16 there. Goals: balance <= 1.03 for the 70B shape on 8 stages (with the default
+``memory_weight=0.0``: a memory weight trades balance for memory on purpose), never dominated, under 30 s
+per plan.
 """
 from __future__ import annotations
 
@@ -38,9 +47,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import partitioner  # noqa: E402
+from benchmarks.common import load_average  # noqa: E402
 from partitioner.baselines import BASELINES, all_baselines  # noqa: E402
 from partitioner.dp import dp_partition  # noqa: E402
-from partitioner.objective import Problem, evaluate  # noqa: E402
+from partitioner.objective import Problem, dominates, evaluate  # noqa: E402
 from partitioner.partition import make_problem  # noqa: E402
 from partitioner.split import split  # noqa: E402
 from smp import zoo  # noqa: E402
@@ -62,12 +72,10 @@ def time_stages(graph: partitioner.OpGraph, assignment: dict[str, int], num_stag
     return partitioner.measure_stages(split(graph, assignment, num_stages), args, kwargs, repeats=repeats)
 
 
-def _dominates(b, ours, rel: float = 1e-9) -> bool:
-    """``b`` is at least as good as ``ours`` in bottleneck and cut bytes, and strictly better in one."""
-    bt, ot = b.bottleneck, ours.bottleneck
-    no_worse = bt <= ot * (1 + rel) and b.cut_bytes <= ours.cut_bytes
-    better = bt < ot * (1 - rel) or b.cut_bytes < ours.cut_bytes
-    return no_worse and better
+def _dominated_by(ours: partitioner.PartitionPlan, base: dict[str, partitioner.PartitionPlan]) -> list[str]:
+    """The baselines at least as good as ``ours`` in bottleneck, cut bytes and largest-stage memory, and
+    strictly better in one."""
+    return [b for b, bp in base.items() if dominates(bp.axes, ours.axes)]
 
 
 def _mib(n: float) -> str:
@@ -79,8 +87,69 @@ def granularity_floor(graph: partitioner.OpGraph, costs, k: int) -> float:
     communication: how far balance is limited by the size of the ops themselves."""
     free = dataclasses.replace(partitioner.DeviceRates(), link_bytes_per_s=1e30, link_latency_s=0.0)
     p = Problem(graph=graph, costs=costs, num_stages=k, rates=free, options=partitioner.PartitionOptions(memory_weight=0.0))
-    ev = evaluate(p, dp_partition(p))
+    ev = evaluate(p, dp_partition(p)[0])  # the fastest contiguous plan
     return float(ev.compute_s.max() / (ev.compute_s.sum() / k))
+
+
+# (layers, hidden, intermediate, heads, KV heads, vocabulary) of Llama-2-7B and Llama-3-70B.
+LLAMA_SHAPES = {"llama-7b": (32, 4096, 11008, 32, 32, 32000), "llama-70b": (80, 8192, 28672, 64, 8, 128256)}
+LLAMA_BALANCE_GOAL = 1.03
+PLAN_TIME_GOAL_S = 30.0
+
+
+def llama_meta(shape: str, seq: int = 2048) -> tuple[torch.nn.Module, tuple]:
+    """A Llama-shaped causal LM on the meta device (no weights) and one sequence of token ids."""
+    import transformers
+
+    layers, hidden, inter, heads, kv, vocab = LLAMA_SHAPES[shape]
+    cfg = transformers.LlamaConfig(num_hidden_layers=layers, hidden_size=hidden, intermediate_size=inter,
+                                   num_attention_heads=heads, num_key_value_heads=kv, vocab_size=vocab,
+                                   max_position_embeddings=seq, use_cache=False)
+    with torch.device("meta"):
+        return transformers.LlamaForCausalLM(cfg), (torch.zeros(1, seq, dtype=torch.long),)
+
+
+def llama_rows(opts: argparse.Namespace) -> list[str]:
+    """Predicted quality of our plans and the baselines' on meta-built Llama shapes; returns missed goals."""
+    stage_counts = [int(s) for s in (opts.stages if opts.stages != "2,4,8" else "4,8,16").split(",") if s]
+    options = partitioner.PartitionOptions(device=opts.device, dtype=opts.dtype, microbatches=16,
+                                           memory_weight=opts.memory_weight, device_memory="unlimited")
+    rates = options.resolve_rates()
+    print(f"# Llama shapes on the meta device, seq 2048, 1 sequence per microbatch; {opts.device}, {opts.dtype}, "
+          f"16 microbatches 1F1B, memory_weight={opts.memory_weight}, no memory limit; {load_average()}")
+    cols = "".join(f" {b:>8}" for b in BASELINES) + f" {'cut GiB':>8}" + "".join(f" {b[:6] + ' cut':>10}" for b in BASELINES)
+    cols += f" {'mem GiB':>8}" + "".join(f" {b[:6] + ' mem':>10}" for b in BASELINES)
+    head = f"{'model':<10} {'k':>3} {'ours':>6} {'method':>8}{cols} {'fits':>4} {'dominated':>9} {'part s':>7}"
+    print(head)
+    print("-" * len(head))
+    failures = []
+    for shape in LLAMA_SHAPES:
+        t0 = time.perf_counter()
+        model, args = llama_meta(shape)
+        graph = partitioner.trace(model, args)
+        print(f"# {shape}: {graph.describe()}, built and traced in {time.perf_counter() - t0:.0f} s", flush=True)
+        for k in stage_counts:
+            t0 = time.perf_counter()
+            plan = partitioner.partition(graph, k, options)
+            t_part = time.perf_counter() - t0
+            base = all_baselines(make_problem(graph, k, options))
+            dominated = _dominated_by(plan, base)
+            gib = 2.0 ** 30
+            fits = plan.max_memory_bytes <= rates.memory_bytes if rates.memory_bytes else True
+            print(f"{shape:<10} {k:>3} {plan.balance:>6.3f} {plan.method:>8}"
+                  + "".join(f" {bp.balance:>8.3f}" for bp in base.values())
+                  + f" {plan.cut_bytes / gib:>8.3f}" + "".join(f" {bp.cut_bytes / gib:>10.3f}" for bp in base.values())
+                  + f" {plan.max_memory_bytes / gib:>8.1f}"
+                  + "".join(f" {bp.max_memory_bytes / gib:>10.1f}" for bp in base.values())
+                  + f" {'yes' if fits else 'no':>4} {(','.join(dominated) or 'no'):>9} {t_part:>7.1f}", flush=True)
+            if shape == "llama-70b" and k == 8 and opts.memory_weight == 0 and plan.balance > LLAMA_BALANCE_GOAL:
+                failures.append(f"{shape} k={k}: balance {plan.balance:.3f} > {LLAMA_BALANCE_GOAL}")
+            if dominated:
+                failures.append(f"{shape} k={k}: dominated by {', '.join(dominated)}")
+            if t_part > PLAN_TIME_GOAL_S:
+                failures.append(f"{shape} k={k}: partition() took {t_part:.1f} s > {PLAN_TIME_GOAL_S:.0f} s")
+    print(f"# {load_average()}")
+    return failures
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,9 +166,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--measure-baselines", action="store_true",
                     help="also time the baselines' stages (measured balance per baseline)")
     ap.add_argument("--verbose", action="store_true", help="per-stage predicted vs measured milliseconds")
+    ap.add_argument("--llama", action="store_true",
+                    help="predicted rows for meta-built Llama 7B/70B shapes instead of the zoo (stages 4,8,16)")
+    ap.add_argument("--device", default="h100-80gb", choices=partitioner.DEVICES, help="with --llama")
+    ap.add_argument("--dtype", default="bf16", choices=partitioner.PRECISIONS, help="with --llama")
     opts = ap.parse_args(argv)
 
     torch.set_num_threads(1)
+    if opts.llama:
+        failures = llama_rows(opts)
+        for f in failures:
+            print(f"# MISSED: {f}")
+        if not failures:
+            print("# all goals met")
+        return 0
     models = [m for m in opts.models.split(",") if m]
     stage_counts = [int(s) for s in opts.stages.split(",") if s]
     with_costs = not (opts.no_measure or opts.no_measured_costs)
@@ -136,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
             t_part = time.perf_counter() - t0
             problem = make_problem(g, k, memory_weight=opts.memory_weight, rates=rates)
             base = all_baselines(problem)
-            dominated = [b for b, bp in base.items() if _dominates(bp, plan)]
+            dominated = _dominated_by(plan, base)
             measured = f"{'-':>8} {'-':>7}"
             times = None
             if not opts.no_measure:

@@ -6,27 +6,30 @@
     staged = plan.as_module()          # same outputs and gradients as ``model``
 
 One concept per file: ``trace`` (torch.export -> :class:`OpGraph`, in ``graph``), ``mutation`` (in-place
-updates as dependencies), ``flops``, ``devices`` and ``calibrate`` (device rates), ``cost`` (the roofline
+updates as dependencies), ``flops``, ``devices`` (datasheet profiles of rented GPUs, links) and
+``calibrate`` (this CPU, measured and cached), ``precision`` (bytes per training dtype), ``cost`` (the roofline
 cost model), ``measure`` (timing ops and stages for real), ``options``, ``objective`` (scoring a plan),
 ``dp``, ``metis``, ``refine`` and ``partition`` (the portfolio), ``baselines``, ``plan`` (the JSON-ready
 plan), ``split`` (executable stage modules), ``units``, ``errors``.
 """
 from .calibrate import calibrate
 from .cost import NodeCosts, estimate
-from .devices import DeviceRates
+from .devices import DEVICES, LINKS, DeviceRates, UnknownDeviceError, profile
 from .errors import EngineError
 from .graph import GraphError, OpGraph
 from .measure import StageTimes, measure, measure_stages
 from .objective import MemoryBudgetError
-from .options import METHODS, PartitionOptions
+from .options import METHODS, UNLIMITED, PartitionOptions
 from .partition import partition
 from .plan import PartitionPlan, StageSummary
+from .precision import PRECISIONS
 from .split import SplitModel, Stage, split
 from .trace import TraceError, trace
 from .units import format_bytes, parse_size
 
 __all__ = [
     "trace", "TraceError", "OpGraph", "GraphError", "partition", "PartitionOptions", "METHODS", "PartitionPlan",
-    "StageSummary", "DeviceRates", "NodeCosts", "calibrate", "estimate", "measure", "measure_stages",
+    "StageSummary", "DeviceRates", "DEVICES", "LINKS", "PRECISIONS", "UNLIMITED", "UnknownDeviceError", "profile",
+    "NodeCosts", "calibrate", "estimate", "measure", "measure_stages",
     "StageTimes", "MemoryBudgetError", "EngineError", "parse_size", "format_bytes", "split", "Stage", "SplitModel",
 ]

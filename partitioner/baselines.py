@@ -17,7 +17,7 @@ import numpy as np
 from .objective import Problem, evaluate
 from .plan import PartitionPlan, make_plan
 
-__all__ = ["BASELINES", "baseline", "all_baselines", "block_index"]
+__all__ = ["BASELINES", "baseline", "baseline_stage", "all_baselines", "block_index"]
 
 BASELINES = ("uniform", "params", "layers")
 _BLOCK = re.compile(r"^(.*?)\.(\d+)(?:\.|$)")
@@ -72,17 +72,20 @@ def _layers(p: Problem) -> np.ndarray:
     return _non_empty(np.maximum.accumulate(stage), k)
 
 
+def baseline_stage(p: Problem, name: str) -> np.ndarray:
+    """The named baseline's stage of every op of ``p``."""
+    if name == "uniform":
+        return _by_weight(np.ones(p.graph.num_nodes), p.num_stages)
+    if name == "params":
+        return _by_weight(p.graph.node_param_bytes().astype(np.float64), p.num_stages)
+    if name == "layers":
+        return _layers(p)
+    raise ValueError(f"unknown baseline {name!r}; use one of {BASELINES}")
+
+
 def baseline(p: Problem, name: str) -> PartitionPlan:
     """The named baseline's plan for ``p``, scored by the same objective as ours."""
-    if name == "uniform":
-        stage = _by_weight(np.ones(p.graph.num_nodes), p.num_stages)
-    elif name == "params":
-        stage = _by_weight(p.graph.node_param_bytes().astype(np.float64), p.num_stages)
-    elif name == "layers":
-        stage = _layers(p)
-    else:
-        raise ValueError(f"unknown baseline {name!r}; use one of {BASELINES}")
-    return make_plan(p, evaluate(p, stage), name)
+    return make_plan(p, evaluate(p, baseline_stage(p, name)), name)
 
 
 def all_baselines(p: Problem) -> dict[str, PartitionPlan]:

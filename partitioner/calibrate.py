@@ -1,21 +1,36 @@
 """Measuring this machine's device rates (:class:`partitioner.devices.DeviceRates`) for the cost model.
 
-Four microbenchmarks: a 512x512 matmul (FLOP/s), a streaming add over buffers larger than the last-level
-cache (memory bandwidth), an 8-element add (per-op dispatch overhead), and a write to freshly mapped memory
-(what a step's new weight gradients cost). Each takes the fastest of several runs on the thread's CPU time
-(see :func:`cost_clock`), because other load only ever slows a run down.
+Four microbenchmarks, the only rates the cost model reads from this device: a 512x512 matmul (FLOP/s), a
+streaming add over buffers larger than the last-level cache (memory bandwidth), an 8-element add (per-op
+dispatch overhead), and a write to freshly mapped memory (what a step's new weight gradients cost). Each
+takes the fastest of several runs on the thread's CPU time (see :func:`cost_clock`), because other load
+only ever slows a run down.
+
+Even so, a loaded machine measured 6.8e9 to 1.5e11 FLOP/s in five consecutive processes, and plans moved
+with it. So the CPU profile is measured once per machine and kept on disk (:func:`cache_file`:
+``$XDG_CACHE_HOME/smp-engine/``, by default ``~/.cache/smp-engine/``), keyed by CPU model, torch version and
+intra-op thread count: every later process reads the same rates and makes the same plan.
+``calibrate(refresh=True)``, or ``SMP_RECALIBRATE=1`` in the environment, measures again and replaces it.
 """
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import platform
+import tempfile
 import time
 from functools import cache
+from pathlib import Path
 from typing import Callable
 
 import torch
 
 from .devices import DeviceRates
 
-__all__ = ["calibrate", "best_time", "cost_clock"]
+__all__ = ["calibrate", "best_time", "cost_clock", "cache_file", "RECALIBRATE_ENV"]
+
+RECALIBRATE_ENV = "SMP_RECALIBRATE"
 
 
 def best_time(fn: Callable[[], object], repeats: int, clock: Callable[[], float] = time.perf_counter) -> float:
@@ -38,12 +53,76 @@ def cost_clock(device: torch.device) -> Callable[[], float]:
     return time.thread_time if device.type == "cpu" and torch.get_num_threads() == 1 else time.perf_counter
 
 
-@cache
-def calibrate(device: str = "cpu") -> DeviceRates:
-    """Measure this device's matmul rate, memory bandwidth and per-op overhead (about 0.2 s, cached).
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
-    Rates are rounded to two significant digits so that plans stay byte-identical across runs on one
-    machine unless the machine really changed speed.
+
+def _machine_key() -> dict[str, object]:
+    return {"cpu": _cpu_model(), "torch": torch.__version__, "threads": torch.get_num_threads()}
+
+
+def cache_file() -> Path:
+    """Where this machine's CPU profile is kept: one file per (CPU model, torch version, thread count)."""
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "smp-engine"
+    digest = hashlib.sha256(json.dumps(_machine_key(), sort_keys=True).encode()).hexdigest()[:16]
+    return base / f"cpu-rates-{digest}.json"
+
+
+# Per cache file, the profile this process uses (so SMP_RECALIBRATE measures once per process, not per call).
+_LOADED: dict[str, DeviceRates] = {}
+
+
+def calibrate(device: str = "cpu", *, refresh: bool = False) -> DeviceRates:
+    """This device's rates: on CPU, the profile cached on disk for this machine (measured, in about 0.5 s,
+    and stored on first use); ``refresh=True``, or ``SMP_RECALIBRATE=1`` when a process first asks,
+    measures again and replaces it. Other devices are measured once per process."""
+    if torch.device(device).type != "cpu":
+        return _measured(device)
+    path = cache_file()
+    if refresh or str(path) not in _LOADED:
+        from_env = os.environ.get(RECALIBRATE_ENV, "") not in ("", "0")
+        _LOADED[str(path)] = _cpu_profile(path, refresh or from_env)
+    return _LOADED[str(path)]
+
+
+def _cpu_profile(path: Path, refresh: bool) -> DeviceRates:
+    """The cached profile at ``path`` if it is this machine's, else a new measurement written there."""
+    key = _machine_key()
+    if not refresh:
+        try:
+            data = json.loads(path.read_text())
+            if data.get("key") == key:
+                return DeviceRates.from_dict(data["rates"])
+        except (OSError, ValueError, TypeError, KeyError, AttributeError):
+            pass  # missing or unreadable: measure and write it again
+    rates = _measure("cpu")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as fh:
+            json.dump({"key": key, "rates": rates.to_dict()}, fh, indent=1, sort_keys=True)
+        os.replace(fh.name, path)  # atomic: a concurrent reader sees the old file or the new one
+    except OSError:
+        pass  # a read-only home: plans are still made, just measured per process
+    return rates
+
+
+@cache
+def _measured(device: str) -> DeviceRates:
+    return _measure(device)
+
+
+def _measure(device: str) -> DeviceRates:
+    """Measure this device's matmul rate, memory bandwidth, per-op overhead and fresh-write rate.
+
+    Rates are rounded to two significant digits so that small differences between measurements do not
+    show in plans.
     """
     dev = torch.device(device)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
@@ -73,6 +152,7 @@ def calibrate(device: str = "cpu") -> DeviceRates:
         return float(f"{value:.2g}")
 
     return DeviceRates(
+        name=dev.type,
         flops_per_s=r2(2 * 512 ** 3 / mm),
         bytes_per_s=r2(3 * n_big * 4 / add),
         op_overhead_s=r2(small),

@@ -1,8 +1,12 @@
 """The cost model: seconds and bytes per op, per stage.
 
-Compute is a roofline with a dispatch floor: an op's forward takes
-``max(flops / flop_rate, moved_bytes / memory_bandwidth) + op_overhead`` seconds (Williams et al. 2009,
-"Roofline: an insightful visual performance model", CACM 52(4)) under a :class:`DeviceRates`. Backward is
+Compute is a roofline with a launch floor: an op's forward takes
+``max(flops / (flop_rate * compute_efficiency), moved_bytes / (bytes_per_s * memory_efficiency))
++ op_overhead`` seconds (Williams et al. 2009, "Roofline: an insightful visual performance model", CACM
+52(4)) under a :class:`DeviceRates`, where matmul-class ops (matmuls, convolutions, attention) run at the
+tensor-core rate of the training dtype and every other op at the fp32 vector rate, and bytes are counted
+at the training precision (:mod:`partitioner.precision`): on a GPU a GEMM is cheap next to the
+memory-bound elementwise ops around it. Backward is
 2x forward (two matmuls per forward matmul: the input gradient and the weight gradient) for ops that need
 a gradient, 1x for ops none of whose inputs needs one (the first layer: only its weight gradient), and 0
 for ops that need none (frozen teachers, index math); on top of that, every trainable parameter an op
@@ -11,9 +15,9 @@ uses costs its bytes written at ``grad_bytes_per_s``: the weight gradient is a n
 whose late layers hold most of the weights and few of the FLOPs, this is most of the backward time.
 :func:`partitioner.measure.measure` replaces the estimate by timing each op's forward and backward for real.
 
-Memory per stage: parameters (+ gradients + optimizer state for trainable ones, by optimizer kind) and
-the activations each op keeps for backward times the microbatches in flight on that stage
-(:func:`in_flight`).
+Memory per stage: parameters (+ gradients + optimizer state for trainable ones, by optimizer kind and
+precision, :func:`partitioner.precision.param_memory`) and the activations each op keeps for backward
+times the microbatches in flight on that stage (:func:`in_flight`).
 """
 from __future__ import annotations
 
@@ -23,12 +27,12 @@ import numpy as np
 
 from .calibrate import calibrate
 from .devices import DeviceRates
+from .flops import is_matmul_class
 from .graph import OpGraph
+from .precision import at_precision, weight_bytes
 
-__all__ = ["NodeCosts", "estimate", "needs_grad", "in_flight", "OPTIMIZER_STATE_FACTOR", "PIPELINES"]
+__all__ = ["NodeCosts", "estimate", "needs_grad", "in_flight", "PIPELINES"]
 
-# Optimizer state per trainable parameter byte (Adam keeps two moments; SGD with momentum one).
-OPTIMIZER_STATE_FACTOR = {"adam": 2.0, "adamw": 2.0, "sgd": 1.0, "none": 0.0}
 # How many microbatches' activations a pipeline keeps in flight (see in_flight).
 PIPELINES = ("1f1b", "gpipe")
 
@@ -65,10 +69,19 @@ def needs_grad(graph: OpGraph) -> np.ndarray:
     return needs
 
 
-def estimate(graph: OpGraph, rates: DeviceRates | None = None) -> NodeCosts:
-    """Analytic costs of every op under ``rates`` (the measured defaults of :func:`calibrate` if None)."""
+def _matmul_class(graph: OpGraph) -> np.ndarray:
+    """Per op, whether it runs at the tensor-core rate (:func:`partitioner.flops.is_matmul_class`)."""
+    return np.fromiter((is_matmul_class(k.rpartition(".")[2]) for k in graph.kinds), bool, count=graph.num_nodes)
+
+
+def estimate(graph: OpGraph, rates: DeviceRates | None = None, dtype: str = "fp32") -> NodeCosts:
+    """Analytic costs of every op under ``rates`` (this machine's :func:`calibrate` if None), trained in
+    ``dtype`` (``"fp32"``, ``"tf32"``, ``"bf16"``, ``"fp16"``)."""
     rates = rates or calibrate()
-    compute = np.maximum(graph.flops / rates.flops_per_s, graph.move_bytes / rates.bytes_per_s)
+    flop_rate = np.where(_matmul_class(graph), rates.matmul_flops_per_s(dtype), rates.flops_per_s)
+    moved = at_precision(graph.move_bytes, graph.move_float_bytes, dtype)
+    compute = np.maximum(graph.flops / (flop_rate * rates.compute_efficiency),
+                         moved / (rates.bytes_per_s * rates.memory_efficiency))
     is_op = np.array([k != "output" for k in graph.kinds], bool)
     fwd = np.where(is_op, compute + rates.op_overhead_s, 0.0)
     all_needs = needs_grad(graph)
@@ -79,9 +92,10 @@ def estimate(graph: OpGraph, rates: DeviceRates | None = None) -> NodeCosts:
     grad_bytes = np.zeros(graph.num_nodes)
     if len(graph.use_node):
         trainable = graph.param_trainable[graph.use_param]
-        np.add.at(grad_bytes, graph.use_node[trainable], graph.param_bytes[graph.use_param[trainable]])
+        np.add.at(grad_bytes, graph.use_node[trainable], weight_bytes(graph, dtype)[graph.use_param[trainable]])
     factor = np.where(input_grad, 2.0, 1.0)
-    bwd = np.where(needs, factor * compute + grad_bytes / rates.grad_bytes_per_s + rates.op_overhead_s, 0.0)
+    grad_s = grad_bytes / (rates.grad_bytes_per_s * rates.memory_efficiency)
+    bwd = np.where(needs, factor * compute + grad_s + rates.op_overhead_s, 0.0)
     return NodeCosts(forward_s=fwd, backward_s=bwd, needs_grad=needs)
 
 

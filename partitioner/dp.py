@@ -1,43 +1,56 @@
-"""The chain DP: the exact minimum-bottleneck partition among those contiguous in the op graph's topological order.
+"""The chain DP: the best partition among those contiguous in the op graph's topological order.
 
-Dynamic programming over cut positions, ``best[s][j] = min_i max(best[s-1][i], score(s, i, j))``, then a
-second pass that keeps that bottleneck and minimises the bytes cut (the classic chain-partitioning DP;
-Bokhari 1988 for chains-on-chains, cf. PipeDream, Narayanan et al. SOSP'19). A segment's score is its
-stage's blended time and memory exactly as :func:`partitioner.objective.evaluate` prices it, communication
-included: every value a segment receives or sends is counted once per (value, consumer stage), so a skip
-connection costs only the stages that produce and read it (:func:`grid_comm`).
+Dynamic programming over cut positions, ``best[s][j] = min_i max(best[s-1][i], time(s, i, j))`` (the
+classic chain-partitioning DP; Bokhari 1988 for chains-on-chains, cf. PipeDream, Narayanan et al.
+SOSP'19). A segment's time is its stage's compute plus communication exactly as
+:func:`partitioner.objective.evaluate` prices it: every value a segment receives or sends is counted once
+per (value, consumer stage), so a skip connection costs only the stages that produce and read it
+(:func:`grid_comm`).
 
-Graphs with more than ``MAX_POSITIONS`` ops are solved on the cheapest-cut position in each of
-``MAX_POSITIONS`` windows of equal compute, then each boundary is re-placed at full resolution.
+The objective blends the bottleneck with the largest stage's memory (:mod:`partitioner.objective`), which
+a min-max DP cannot score directly; but for a cap on every stage's memory the DP gives the least
+bottleneck, so the best blend lies on that Pareto front: the DP runs for a few caps between the least
+memory any plan needs and the memory of the fastest plan, and keeps the best. A second pass keeps every
+stage within 1% (:data:`partitioner.objective.NEAR`) of that plan's bottleneck and memory and, among
+those plans, cuts the fewest bytes, then holds the fewest activation bytes in flight. Both plans go to the
+portfolio, which picks between them (:func:`partitioner.objective.choose`).
+
+Graphs with more than ``MAX_POSITIONS`` ops are solved on a subset of the cut positions: the cheapest
+cut in each of many windows of equal compute, plus the cheapest cuts overall (in a transformer, the
+residual stream between blocks); the best plan's boundaries are then also re-placed at full resolution,
+a third candidate.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from .graph import OpGraph, unique_ints
-from .objective import Problem, evaluate
+from .objective import NEAR, Problem
 
 __all__ = ["dp_partition", "grid_comm", "MAX_POSITIONS"]
 
 MAX_POSITIONS = 1536
-
+CHEAP_POSITIONS = 512    # of MAX_POSITIONS, kept for the cheapest cuts of the whole graph
+CAP_GRID = 9             # memory caps tried between the least and the fastest plan's memory ...
+CAP_REFINE = 6           # ... then golden-section steps around the best of them
 
 
 def _prefix(p: Problem) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Prefix sums over the topological order and the bytes live across each cut position."""
+    """Prefix sums over the topological order (time, parameter memory, activation bytes) and the bytes
+    live across each cut position."""
     g = p.graph
     n = g.num_nodes
     T = np.concatenate([[0.0], np.cumsum(p.time)])
     P = np.concatenate([[0.0], np.cumsum(p.node_param_mem())])
-    A = np.concatenate([[0.0], np.cumsum(g.act_bytes.astype(np.float64))])
+    A = np.concatenate([[0.0], np.cumsum(p.act_bytes)])
     cut = np.zeros(n + 2)
-    first, last, nbytes = _value_spans(g)
+    first, last, nbytes = _value_spans(g, p.value_bytes)
     np.add.at(cut, first + 1, nbytes)
     np.add.at(cut, last + 1, -nbytes)
     return T, P, A, np.cumsum(cut)[: n + 1]
 
 
-def _value_spans(g: OpGraph) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _value_spans(g: OpGraph, value_bytes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """For each value read after the op that produces it: the producer's position, the last reader's
     position and its bytes (it crosses every cut in between)."""
     n, nv = g.num_nodes, len(g.value_bytes)
@@ -47,13 +60,13 @@ def _value_spans(g: OpGraph) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         np.minimum.at(first, g.value, g.src)
         np.maximum.at(last, g.value, g.dst)
     live = last > first
-    return first[live], last[live], g.value_bytes[live]
+    return first[live], last[live], value_bytes[live]
 
 
 def _live_values(g: OpGraph) -> np.ndarray:
     """Per cut position, how many values are live across it (each is one message)."""
     n = g.num_nodes
-    first, last, _ = _value_spans(g)
+    first, last, _ = _value_spans(g, g.value_bytes)
     count = np.bincount(first + 1, minlength=n + 2) - np.bincount(last + 1, minlength=n + 2)
     return np.cumsum(count)[: n + 1]
 
@@ -62,49 +75,16 @@ def _candidates(T: np.ndarray, cut: np.ndarray) -> np.ndarray:
     n = len(T) - 1
     if n + 1 <= MAX_POSITIONS:
         return np.arange(n + 1)
+    order = np.lexsort((np.arange(1, n), cut[1:n]))  # interior positions by cut, then position
     # One position per window of equal compute: the one with the fewest live bytes.
-    edges = np.unique(np.searchsorted(T, np.linspace(0, T[-1], MAX_POSITIONS - 1), side="left"))
+    windows = MAX_POSITIONS - CHEAP_POSITIONS
+    edges = np.unique(np.searchsorted(T, np.linspace(0, T[-1], windows - 1), side="left"))
     edges = edges[(edges > 0) & (edges < n)]
     starts = np.concatenate([[1], edges])
-    order = np.lexsort((np.arange(1, n), cut[1:n]))  # by cut, then position
     rank = np.empty(n - 1, np.int64)
     rank[order] = np.arange(n - 1)
     best_rank = np.minimum.reduceat(rank, starts - 1)
-    return np.unique(np.concatenate([[0], order[best_rank] + 1, [n]]))
-
-
-class _Scorer:
-    """score(s, i, j) for a segment [i, j) placed on stage s, vectorised; mirrors objective.evaluate."""
-
-    def __init__(self, p: Problem):
-        self.p = p
-        self.T, self.P, self.A, self.cut = _prefix(p)
-        r = p.rates
-        # One message per value live across the cut (objective.evaluate pays latency per value sent).
-        self.comm = 2.0 * (self.cut / r.link_bytes_per_s + _live_values(p.graph) * r.link_latency_s)
-        self.wt = (1 - p.options.memory_weight) / p.norm_time
-        self.wm = p.options.memory_weight / p.norm_mem
-
-    def __call__(self, s: int, i: np.ndarray, j: np.ndarray) -> np.ndarray:
-        time = self.T[j] - self.T[i] + self.comm[i] + self.comm[j]
-        mem = self.P[j] - self.P[i] + self.p.inflight[s] * (self.A[j] - self.A[i])
-        score = self.wt * time + self.wm * mem
-        bad = i >= j
-        if self.p.budget is not None:
-            bad = bad | (mem > self.p.budget)
-        return np.where(bad, np.inf, score)
-
-    def grid(self, s: int, cand: np.ndarray, comm: np.ndarray) -> np.ndarray:
-        """score(s, cand[a], cand[b]) for every candidate pair, with the segment communication ``comm``
-        of :func:`grid_comm` instead of the per-cut estimate."""
-        starts, ends = cand[:, None], cand[None, :]
-        time = self.T[ends] - self.T[starts] + comm
-        mem = self.P[ends] - self.P[starts] + self.p.inflight[s] * (self.A[ends] - self.A[starts])
-        score = self.wt * time + self.wm * mem
-        bad = starts >= ends
-        if self.p.budget is not None:
-            bad = bad | (mem > self.p.budget)
-        return np.where(bad, np.inf, score)
+    return np.unique(np.concatenate([[0], order[best_rank] + 1, order[:CHEAP_POSITIONS] + 1, [n]]))
 
 
 def grid_comm(p: Problem, cand: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -138,7 +118,7 @@ def grid_comm(p: Problem, cand: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
             last = np.ones(len(v), bool)
             last[:-1] = v[1:] != v[:-1]
             prev_q = np.where(first, interval[v], np.concatenate([[0], q[:-1]]))
-            nbytes = g.value_bytes[v].astype(np.float64)
+            nbytes = p.value_bytes[v]
             cost = 2.0 * (nbytes / r.link_bytes_per_s + r.link_latency_s)
 
             def rect(out, r0, r1, c0, c1, w):  # add w to out[r0..r1, c0..c1]
@@ -155,38 +135,140 @@ def grid_comm(p: Problem, cand: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return (secs.reshape(shape).cumsum(0).cumsum(1)[:N, :N], recv.reshape(shape).cumsum(0).cumsum(1)[:N, :N])
 
 
-def dp_partition(p: Problem) -> np.ndarray:
-    """Stage of every node under the best contiguous partition (see module docstring)."""
-    k, n = p.num_stages, p.graph.num_nodes
-    sc = _Scorer(p)
-    cand = _candidates(sc.T, sc.cut)
-    if n > 1 and not p.placeable[n - 1]:  # no stage of the output node alone: it would do no work
-        cand = cand[cand != n - 1]
-    N = len(cand)
-    comm, recv = grid_comm(p, cand)
-    mats = [sc.grid(s, cand, comm) for s in range(k)] if _stage_dependent(p) else [sc.grid(0, cand, comm)] * k
-    del comm
-    prev = mats[0][0].copy()
+class _Grid:
+    """Every segment between two candidate positions: its time (a matrix), the bytes it receives (a
+    matrix) and, per stage, its memory (from prefix sums, on demand)."""
+
+    def __init__(self, p: Problem):
+        self.p = p
+        self.T, self.P, self.A, self.cut = _prefix(p)
+        n = p.graph.num_nodes
+        cand = _candidates(self.T, self.cut)
+        if n > 1 and not p.placeable[n - 1]:  # no stage of the output node alone: it would do no work
+            cand = cand[cand != n - 1]
+        self.cand = cand
+        comm, self.recv = grid_comm(p, cand)
+        starts, ends = cand[:, None], cand[None, :]
+        self.time = np.where(starts < ends, self.T[ends] - self.T[starts] + comm, np.inf)
+        self.rows = np.arange(len(cand))[:, None]
+        self.budget = np.inf if p.budget is None else p.budget
+
+    def level(self, s: int) -> np.ndarray:
+        """Stage ``s``'s memory of the segment [cand[0], cand[b]) for every b (nondecreasing)."""
+        return self.P[self.cand] + self.p.inflight[s] * self.A[self.cand]
+
+    def first_start(self, s: int, cap: float) -> np.ndarray:
+        """Per segment end, the first start whose segment fits ``cap`` bytes on stage ``s`` (memory grows
+        with the segment, so the starts that fit are a suffix)."""
+        lv = self.level(s)
+        return np.searchsorted(lv, lv - min(cap, self.budget) * (1 + 1e-12), side="left")
+
+    def memory(self, s: int) -> np.ndarray:
+        lv = self.level(s)
+        return np.where(self.rows < self.rows.T, lv[None, :] - lv[:, None], np.inf)
+
+    def axes(self, bounds: list[int]) -> tuple[float, float]:
+        """Bottleneck seconds and largest stage memory of the plan cut at candidates ``bounds``."""
+        segs = list(zip(bounds[:-1], bounds[1:]))
+        return (max(float(self.time[a, b]) for a, b in segs),
+                max(float(self.level(s)[b] - self.level(s)[a]) for s, (a, b) in enumerate(segs)))
+
+    def blend(self, bounds: list[int] | None) -> float:
+        if bounds is None:
+            return np.inf
+        t, m = self.axes(bounds)
+        w = self.p.options.memory_weight
+        return (1 - w) * t / self.p.norm_time + w * m / self.p.norm_mem
+
+
+def _min_max(cost, k: int, N: int) -> tuple[float, list[int] | None]:
+    """The partition into k segments (from candidate 0 to N-1) with the least largest ``cost(s)[a, b]``."""
+    prev = cost(0)[0]
     parents = []
     for s in range(1, k):
-        both = np.maximum(prev[:, None], mats[s])
+        both = np.maximum(prev[:, None], cost(s))
         parents.append(both.argmin(axis=0))
         prev = both[parents[-1], np.arange(N)]
-    best = prev[N - 1]
-    bounds = _backtrack(parents, N)
-    if np.isfinite(best) and k > 1:
-        bounds = _fewest_cut_bytes(mats, recv, best) or bounds
-    pos = cand[bounds]
-    stage = np.searchsorted(pos, np.arange(n), side="right") - 1
-    if N < n + 1:  # boundaries were placed on a coarse grid: refine them at full resolution, keep the better
-        moved = np.searchsorted(_reposition(sc, pos), np.arange(n), side="right") - 1
-        if evaluate(p, moved).key(p.budget) < evaluate(p, stage).key(p.budget):
-            stage = moved
-    return stage
+    best = float(prev[N - 1])
+    return best, (_backtrack(parents, N) if np.isfinite(best) else None)
 
 
-def _stage_dependent(p: Problem) -> bool:
-    return (p.options.memory_weight > 0 or p.budget is not None) and len(set(p.inflight.tolist())) > 1
+def _fastest(grid: _Grid, k: int, cap: float) -> list[int] | None:
+    """The least-bottleneck partition whose every stage fits ``cap`` bytes."""
+    return _min_max(lambda s: np.where(grid.rows >= grid.first_start(s, cap)[None, :], grid.time, np.inf),
+                    k, len(grid.cand))[1]
+
+
+def _best_blend(grid: _Grid, k: int) -> list[int] | None:
+    """The partition with the best objective: the fastest one when memory does not count, else the best
+    of the fastest ones under a range of memory caps (golden-section search around the best cap)."""
+    fastest = _fastest(grid, k, np.inf)
+    if grid.p.options.memory_weight == 0 or fastest is None:
+        return fastest
+    least, _ = _min_max(grid.memory, k, len(grid.cand))
+    most = grid.axes(fastest)[1]
+    if most <= least * (1 + 1e-9):
+        return fastest
+    tried = {most: fastest}
+    for cap in least * (most / least) ** np.linspace(0, 1, CAP_GRID)[:-1]:
+        tried[cap] = _fastest(grid, k, cap)
+    caps = sorted(tried)
+    i = min(range(len(caps)), key=lambda j: grid.blend(tried[caps[j]]))
+    lo, hi = caps[max(i - 1, 0)], caps[min(i + 1, len(caps) - 1)]
+    for _ in range(CAP_REFINE):  # golden section on log(cap)
+        a = lo * (hi / lo) ** 0.382
+        b = lo * (hi / lo) ** 0.618
+        for cap in (a, b):
+            if cap not in tried:
+                tried[cap] = _fastest(grid, k, cap)
+        lo, hi = (lo, b) if grid.blend(tried[a]) <= grid.blend(tried[b]) else (a, hi)
+    return min(tried.values(), key=grid.blend)
+
+
+def _fewest_cut_bytes(grid: _Grid, k: int, time_limit: float, mem_limit: float) -> list[int] | None:
+    """Among partitions whose every stage takes <= ``time_limit`` and fits ``mem_limit``, the one that
+    cuts the fewest bytes (the sum over stages of the bytes each receives), then holds the fewest
+    activation bytes in flight."""
+    N = len(grid.cand)
+    A = grid.A[grid.cand]
+    act = A[None, :] - A[:, None]
+    fast = grid.time <= time_limit
+
+    def ok(s):
+        return fast & (grid.rows >= grid.first_start(s, mem_limit)[None, :])
+
+    cut = np.where(ok(0)[0], grid.recv[0], np.inf)
+    held = grid.p.inflight[0] * act[0]
+    parents = []
+    for s in range(1, k):
+        total = np.where(ok(s), cut[:, None] + grid.recv, np.inf)
+        least = total.min(axis=0)
+        held_all = np.where(total <= least[None, :], held[:, None] + grid.p.inflight[s] * act, np.inf)
+        parents.append(held_all.argmin(axis=0))
+        cut, held = total[parents[-1], np.arange(N)], held_all[parents[-1], np.arange(N)]
+    return _backtrack(parents, N) if np.isfinite(cut[N - 1]) else None
+
+
+def dp_partition(p: Problem) -> list[np.ndarray]:
+    """Stage of every node under two contiguous partitions: the one with the best objective, then the one
+    with the fewest bytes cut among those within 1% of it (see module docstring); when the DP ran on a
+    subset of the cut positions, also the first with its boundaries re-placed at full resolution."""
+    k, n = p.num_stages, p.graph.num_nodes
+    grid = _Grid(p)
+    N = len(grid.cand)
+    best = _best_blend(grid, k)
+    fits = best is not None
+    if not fits:  # nothing fits the budget: the fastest plan, for the error's numbers
+        best = _min_max(lambda s: grid.time, k, N)[1] or list(np.linspace(0, N - 1, k + 1).astype(int))
+    found = [best]
+    if k > 1 and fits:
+        t, m = grid.axes(best)
+        mem_limit = m * (1 + NEAR) if p.options.memory_weight > 0 else np.inf
+        found.append(_fewest_cut_bytes(grid, k, t * (1 + NEAR), mem_limit) or best)
+    positions = [grid.cand[b] for b in found]
+    if N < n + 1:  # boundaries were placed on a subset of positions: re-place the best at full resolution
+        positions.append(_reposition(p, grid, positions[0]))
+    return [np.searchsorted(pos, np.arange(n), side="right") - 1 for pos in positions]
 
 
 def _backtrack(parents: list[np.ndarray], N: int) -> list[int]:
@@ -197,34 +279,38 @@ def _backtrack(parents: list[np.ndarray], N: int) -> list[int]:
     return bounds[::-1]
 
 
-def _fewest_cut_bytes(mats: list[np.ndarray], recv: np.ndarray, best: float) -> list[int] | None:
-    """Among partitions whose every stage scores <= best, the one that cuts the fewest bytes (the sum over
-    stages of the bytes each receives, ``recv[a, b]`` for the segment between candidates a and b)."""
-    limit = best * (1 + 1e-9) + 1e-15
-    k, N = len(mats), len(recv)
-    prev = np.where(mats[0][0] <= limit, 0.0, np.inf)
-    parents = []
-    for s in range(1, k):
-        total = np.where(mats[s] <= limit, prev[:, None] + recv, np.inf)
-        parents.append(total.argmin(axis=0))
-        prev = total[parents[-1], np.arange(N)]
-    return _backtrack(parents, N) if np.isfinite(prev[N - 1]) else None
+def _reposition(p: Problem, grid: _Grid, pos: np.ndarray, sweeps: int = 3) -> np.ndarray:
+    """Move each boundary to its best full-resolution position between its neighbours: the least
+    objective, ties to the fewest live bytes, then the earliest position. Segment communication is
+    estimated per cut (every value live across a boundary is sent once)."""
+    r, w = p.rates, p.options.memory_weight
+    T, P, A, cut = grid.T, grid.P, grid.A, grid.cut
+    comm = 2.0 * (cut / r.link_bytes_per_s + _live_values(p.graph) * r.link_latency_s)
 
+    def time(i, j):
+        return T[j] - T[i] + comm[i] + comm[j]
 
-def _reposition(sc: _Scorer, pos: np.ndarray, sweeps: int = 3) -> np.ndarray:
-    """Move each boundary to its best full-resolution position between its neighbours."""
+    def mem(s, i, j):
+        return P[j] - P[i] + p.inflight[s] * (A[j] - A[i])
+
     pos = pos.copy()
+    k = len(pos) - 1
     for _ in range(sweeps):
         before = pos.copy()
-        for b in range(1, len(pos) - 1):
+        for b in range(1, k):
             xs = np.arange(pos[b - 1] + 1, pos[b + 1])
             if len(xs) == 0:
                 continue
-            worst = np.maximum(sc(b - 1, np.full_like(xs, pos[b - 1]), xs), sc(b, xs, np.full_like(xs, pos[b + 1])))
-            # The lowest worst score, ties to the fewest live bytes, then the earliest position (what a
-            # stable lexsort on (cut, worst) picks, without sorting 10^5 positions).
-            tied = np.flatnonzero(worst == worst.min())
-            pos[b] = xs[tied[np.argmin(sc.cut[xs[tied]])]]
+            others = [s for s in range(k) if s not in (b - 1, b)]
+            t_rest = max((time(pos[s], pos[s + 1]) for s in others), default=0.0)
+            m_rest = max((mem(s, pos[s], pos[s + 1]) for s in others), default=0.0)
+            left, right = np.full_like(xs, pos[b - 1]), np.full_like(xs, pos[b + 1])
+            m = np.maximum(mem(b - 1, left, xs), mem(b, xs, right))
+            t = np.maximum(time(left, xs), time(xs, right))
+            score = (1 - w) * np.maximum(t, t_rest) / p.norm_time + w * np.maximum(m, m_rest) / p.norm_mem
+            score = np.where(m <= grid.budget, score, np.inf)
+            tied = np.flatnonzero(score == score.min())
+            pos[b] = xs[tied[np.argmin(cut[xs[tied]])]]
         if np.array_equal(pos, before):  # a sweep that moves nothing would repeat itself
             break
     return pos

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.fx
 
-__all__ = ["op_flops_and_bytes", "tensor_bytes", "float_bytes", "op_name", "VIEW_OPS", "NORM_OPS"]
+__all__ = ["op_flops_and_bytes", "is_matmul_class", "tensor_bytes", "float_bytes", "op_name", "VIEW_OPS", "NORM_OPS"]
 
 # Ops that return a view (or nothing at all) and cost no memory traffic of their own.
 VIEW_OPS = frozenset({
@@ -67,32 +67,44 @@ def _numel(v: Any) -> int:
     return 0
 
 
-def op_flops_and_bytes(node: torch.fx.Node) -> tuple[float, int, bool]:
-    """Forward FLOPs, bytes moved and whether the op is a free view, from the traced shapes."""
+def is_matmul_class(name: str) -> bool:
+    """Whether the op of this short name (:func:`op_name`) runs on tensor cores where a device has them:
+    matmuls, convolutions and attention."""
+    return name in _MATMULS or name in _CONVS or _is_attention(name)
+
+
+def _is_attention(name: str) -> bool:
+    return name.startswith("scaled_dot_product") or "flash_attention" in name or "efficient_attention" in name
+
+
+def op_flops_and_bytes(node: torch.fx.Node) -> tuple[float, int, int, bool]:
+    """Forward FLOPs, bytes moved, the floating-point part of those bytes and whether the op is a free
+    view, from the traced shapes."""
     name = op_name(node)
     if name in VIEW_OPS:
-        return 0.0, 0, True
+        return 0.0, 0, 0, True
     vals = [a.meta.get("val") if isinstance(a, torch.fx.Node) else a for a in node.args]
     out = node.meta.get("val")
     out_numel = _numel(out)
     moved = tensor_bytes(out) + sum(tensor_bytes(v) for v in vals)
+    moved_float = float_bytes(out) + sum(float_bytes(v) for v in vals)
     t = [v for v in vals if isinstance(v, torch.Tensor)]
     if name in _MATMULS and len(t) >= 2:
         a = t[1] if name in ("addmm", "baddbmm") and len(t) >= 3 else t[0]
         k = a.shape[-1] if a.dim() else 1
-        return 2.0 * out_numel * k, moved, False
+        return 2.0 * out_numel * k, moved, moved_float, False
     if name in _CONVS and len(t) >= 2:
         w = t[1]
         if "transpose" in name:  # each input element scatters into Cout/groups * kernel outputs
-            return 2.0 * t[0].numel() * w.shape[1] * math.prod(w.shape[2:]), moved, False
-        return 2.0 * out_numel * w.shape[1] * math.prod(w.shape[2:]), moved, False
-    if name.startswith("scaled_dot_product") or "flash_attention" in name or "efficient_attention" in name:
+            return 2.0 * t[0].numel() * w.shape[1] * math.prod(w.shape[2:]), moved, moved_float, False
+        return 2.0 * out_numel * w.shape[1] * math.prod(w.shape[2:]), moved, moved_float, False
+    if _is_attention(name):
         q, k = t[0], t[1]
         batch = q.numel() // (q.shape[-2] * q.shape[-1])
         scores = batch * q.shape[-2] * k.shape[-2]
-        return 4.0 * scores * q.shape[-1] + 5.0 * scores, moved, False
-    if name == "embedding":
-        return 0.0, 2 * tensor_bytes(out), False
+        return 4.0 * scores * q.shape[-1] + 5.0 * scores, moved, moved_float, False
+    if name == "embedding":  # reads the looked-up rows, writes them out
+        return 0.0, 2 * tensor_bytes(out), 2 * float_bytes(out), False
     if name in NORM_OPS:
-        return 5.0 * out_numel, moved, False
-    return float(out_numel), moved, False
+        return 5.0 * out_numel, moved, moved_float, False
+    return float(out_numel), moved, moved_float, False

@@ -52,6 +52,9 @@ class OpGraph:
     ``0 .. num_values-1``) and ``value_bytes[value[e]]``.
     Parameters: ``param_names[p]``, ``param_bytes[p]``, ``param_trainable[p]``; usage pairs
     ``use_node[u]`` uses ``use_param[u]``.
+    ``act_float_bytes``, ``move_float_bytes``, ``value_float_bytes`` and ``param_float_bytes``: the part
+    of ``act_bytes``, ``move_bytes``, ``value_bytes`` and ``param_bytes`` held in floating-point tensors,
+    which a 16-bit training precision halves (:mod:`partitioner.precision`); None (synthetic graphs): all.
     ``members[i]`` lists the fx node names folded into op ``i`` (its getitems, asserts, buffer updates);
     ``fx`` holds what :mod:`partitioner.split` needs to rebuild executable stages (absent for synthetic
     graphs).
@@ -73,6 +76,10 @@ class OpGraph:
     param_trainable: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))
     use_node: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     use_param: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    act_float_bytes: np.ndarray | None = None
+    move_float_bytes: np.ndarray | None = None
+    value_float_bytes: np.ndarray | None = None
+    param_float_bytes: np.ndarray | None = None
     members: list[tuple[str, ...]] | None = None
     fx: Any = None
 
@@ -81,6 +88,11 @@ class OpGraph:
         for key in ("kinds", "modules", "flops", "out_bytes", "act_bytes", "move_bytes"):
             if len(getattr(self, key)) != n:
                 raise GraphError(f"OpGraph.{key} has {len(getattr(self, key))} entries for {n} nodes")
+        for key, like in (("act_float_bytes", "act_bytes"), ("move_float_bytes", "move_bytes"),
+                          ("value_float_bytes", "value_bytes"), ("param_float_bytes", "param_bytes")):
+            part = getattr(self, key)
+            if part is not None and len(part) != len(getattr(self, like)):
+                raise GraphError(f"OpGraph.{key} has {len(part)} entries for {len(getattr(self, like))} {like}")
         if not (len(self.src) == len(self.dst) == len(self.value)):
             raise GraphError(f"edge arrays differ in length: src {len(self.src)}, dst {len(self.dst)}, "
                              f"value {len(self.value)}")

@@ -27,8 +27,8 @@ from .cost import NodeCosts, estimate
 from .devices import DeviceRates
 from .graph import OpGraph
 from .mutation import written_inputs
+from .program import flatten_inputs
 from .split import MODEL_INPUT, SplitModel, check_runnable
-from .trace import flatten_inputs
 
 __all__ = ["measure", "measure_stages", "run_stages", "StageTimes"]
 

@@ -27,7 +27,7 @@ def metis_partition(p: Problem) -> np.ndarray:
     key = np.unique(g.src * n + g.dst, return_inverse=True)
     pairs, inverse = key
     weight = np.zeros(len(pairs))
-    np.add.at(weight, inverse, g.edge_bytes)
+    np.add.at(weight, inverse, p.value_bytes[g.value])
     a, b = pairs // n, pairs % n
     rows = np.concatenate([a, b])
     cols = np.concatenate([b, a])
@@ -37,7 +37,8 @@ def metis_partition(p: Problem) -> np.ndarray:
     xadj = np.concatenate([[0], np.cumsum(np.bincount(rows, minlength=n))]).astype(np.int64)
     ew = (1 + np.round(w / max(w.max(), 1.0) * 1e5)).astype(np.int64)
     t = p.time / max(p.time.sum(), 1e-30)
-    m = (p.node_param_mem() + g.act_bytes) / max(float((p.node_param_mem() + g.act_bytes).sum()), 1.0)
+    mem = p.node_param_mem() + p.act_bytes
+    m = mem / max(float(mem.sum()), 1.0)
     vw = np.stack([1 + np.round(t * 1e6), 1 + np.round(m * 1e6)], axis=1).astype(np.int64).ravel()
     opts = pymetis.Options(seed=p.options.seed)
     result = pymetis.part_graph(k, adjacency=pymetis.CSRAdjacency(xadj, cols.astype(np.int64)),

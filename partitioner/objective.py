@@ -3,10 +3,18 @@
 Every method (METIS, the DP, the baselines) is scored here, so their bottlenecks and cut bytes compare
 like with like. A stage's cost per microbatch is its compute (forward + backward) plus its communication:
 each value it receives or sends, once per (value, consumer stage) pair — tensors that skip stages go
-straight from producer to consumer — both ways (activations forward, gradients back).
-The objective blends time and memory balance with SMP's ``memory_weight`` ``w``:
-``score(s) = (1 - w) * cost(s) / mean_cost + w * memory(s) / mean_memory``; the plan minimises the largest
-score, then the cut bytes.
+straight from producer to consumer — both ways (activations forward, gradients back). Bytes are counted at
+the training precision (:mod:`partitioner.precision`).
+
+The objective blends the two balances with SMP's ``memory_weight`` ``w``:
+``objective = (1 - w) * bottleneck / mean_cost + w * largest_memory / mean_memory``. It is monotone in the
+bottleneck and in the largest stage's memory, so a plan that is no worse in either never scores worse.
+(The largest *per-stage blend*, which this replaced, is not: on a Llama-3-70B-shaped model it preferred a
+plan that was slower and needed more memory than the ``params`` baseline, because its slow stage and its
+big stage were different stages.) Among plans whose objective is within :data:`NEAR` (1%) of the best,
+the one with the fewest bytes crossing stages wins, then the fewest activation bytes in flight
+(:func:`choose`); a plan that another is as good as in bottleneck, cut bytes and largest-stage memory and
+better in one is never chosen (:func:`dominates`).
 """
 from __future__ import annotations
 
@@ -14,15 +22,19 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .cost import OPTIMIZER_STATE_FACTOR, NodeCosts, in_flight
+from .cost import NodeCosts, in_flight
 from .devices import DeviceRates
 from .errors import EngineError
 from .graph import OpGraph, unique_ints
 from .options import PartitionOptions
+from .precision import at_precision, param_memory, weight_bytes
 from .units import format_bytes
 
 __all__ = ["Problem", "Evaluation", "evaluate", "crossings", "stage_crossings", "check_acyclic", "budget_error",
-           "MemoryBudgetError"]
+           "MemoryBudgetError", "dominates", "choose", "NEAR"]
+
+NEAR = 0.01  # objectives within 1% of the best count as the same: fewer bytes cut and in flight decide
+_REL = 1e-9  # float noise when comparing seconds and bytes summed in different orders
 
 
 class MemoryBudgetError(EngineError, ValueError):
@@ -32,7 +44,9 @@ class MemoryBudgetError(EngineError, ValueError):
 @dataclass
 class Problem:
     """A graph priced under some rates, to be cut into ``num_stages`` stages under ``options``; the per-node
-    quantities every method and :func:`evaluate` read are derived once here."""
+    quantities every method and :func:`evaluate` read are derived once here, bytes at the training
+    precision (``act_bytes`` per op, ``value_bytes`` per value, ``weights`` and ``param_mem`` per
+    parameter)."""
 
     graph: OpGraph
     costs: NodeCosts
@@ -42,24 +56,29 @@ class Problem:
     # Derived per-node quantities (filled in __post_init__).
     time: np.ndarray = field(init=False, repr=False)
     param_mem: np.ndarray = field(init=False, repr=False)
+    weights: np.ndarray = field(init=False, repr=False)
+    act_bytes: np.ndarray = field(init=False, repr=False)
+    value_bytes: np.ndarray = field(init=False, repr=False)
     inflight: np.ndarray = field(init=False, repr=False)
     placeable: np.ndarray = field(init=False, repr=False)  # False for output nodes: they do no work
     norm_time: float = field(init=False)
     norm_mem: float = field(init=False)
-    budget: float | None = field(init=False)  # options.device_memory in bytes
+    budget: float | None = field(init=False)  # bytes every stage must fit (options.budget)
 
     def __post_init__(self) -> None:
         g, o = self.graph, self.options
-        self.budget = None if o.device_memory is None else float(o.device_memory)
+        self.budget = o.budget(self.rates)
         self.time = self.costs.total_s
-        factor = np.where(g.param_trainable, 2.0 + OPTIMIZER_STATE_FACTOR[o.optimizer], 1.0)
-        self.param_mem = g.param_bytes * factor  # weights (+ gradient + optimizer state when trainable)
+        self.weights = weight_bytes(g, o.dtype)
+        self.param_mem = param_memory(g, o.dtype, o.optimizer)  # + gradients, optimizer state, master copy
+        self.act_bytes = at_precision(g.act_bytes, g.act_float_bytes, o.dtype)
+        self.value_bytes = at_precision(g.value_bytes, g.value_float_bytes, o.dtype)
         self.inflight = np.array([in_flight(s, self.num_stages, o.microbatches, o.pipeline)
                                   for s in range(self.num_stages)], np.float64)
         self.placeable = np.fromiter((kind != "output" for kind in g.kinds), bool, count=g.num_nodes)
         k = self.num_stages
         self.norm_time = max(float(self.time.sum()) / k, 1e-30)
-        self.norm_mem = max((float(self.param_mem.sum()) + float(g.act_bytes.sum())) / k, 1.0)
+        self.norm_mem = max((float(self.param_mem.sum()) + float(self.act_bytes.sum())) / k, 1.0)
 
     def node_param_mem(self) -> np.ndarray:
         """Parameter memory per node, each parameter attributed to its first user (for prefix sums)."""
@@ -83,7 +102,9 @@ class Evaluation:
     param_bytes: np.ndarray
     memory: np.ndarray
     score: np.ndarray
+    objective: float
     cut_bytes: int
+    act_in_flight: float
     empty: bool
 
     @property
@@ -96,14 +117,47 @@ class Evaluation:
         """The slowest stage's cost."""
         return float(self.cost_s.max())
 
-    def key(self, budget: float | None) -> tuple[int, float, int]:
-        """Sort key: plans that fit and have no empty stage first, then lowest worst score, then cut bytes."""
-        fits = budget is None or bool(np.all(self.memory <= budget))
-        return (0 if fits and not self.empty else 1, round(float(self.score.max()), 12), self.cut_bytes)
+    @property
+    def axes(self) -> tuple[float, int, float]:
+        """What a user compares plans by: bottleneck seconds, cut bytes and the largest stage's memory."""
+        return self.bottleneck, self.cut_bytes, float(self.memory.max())
+
+    def usable(self, budget: float | None) -> bool:
+        """Every stage fits ``budget`` and has an op to run."""
+        return not self.empty and (budget is None or bool(np.all(self.memory <= budget)))
+
+    def key(self, budget: float | None) -> tuple[int, float, int, float]:
+        """Sort key: usable plans first, then the lowest objective, then cut bytes, then activations in flight."""
+        return (0 if self.usable(budget) else 1, round(self.objective, 12), self.cut_bytes, self.act_in_flight)
 
 
-def crossings(g: OpGraph, stage: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Unique (value, consumer stage) pairs that cross stages: producer stage, consumer stage, bytes."""
+def dominates(a: tuple[float, float, float], b: tuple[float, float, float]) -> bool:
+    """Whether plan axes ``a`` (bottleneck, cut bytes, largest stage memory: :attr:`Evaluation.axes`) are
+    at least as good as ``b`` in all three and better in one (beyond float noise)."""
+    no_worse = all(x <= y * (1 + _REL) for x, y in zip(a, b))
+    return no_worse and any(x < y * (1 - _REL) for x, y in zip(a, b))
+
+
+def choose(candidates: list[tuple[str, Evaluation]], budget: float | None) -> tuple[str, Evaluation]:
+    """The plan to keep among named candidates: usable ones first; among those whose objective is within
+    :data:`NEAR` of the lowest, the fewest cut bytes, then the fewest activation bytes in flight; then, while
+    other candidates dominate it (:func:`dominates`), the one of those with the lowest objective."""
+    usable = [c for c in candidates if c[1].usable(budget)] or candidates
+    best = min(ev.objective for _, ev in usable)
+    near = [c for c in usable if c[1].objective <= best * (1 + NEAR) + 1e-15]
+    name, pick = min(near, key=lambda c: (c[1].cut_bytes, c[1].act_in_flight, c[1].objective))
+    for _ in usable:  # each step strictly improves an axis, so this ends; the bound guards float ties
+        better = [c for c in usable if dominates(c[1].axes, pick.axes)]
+        if not better:
+            break
+        name, pick = min(better, key=lambda c: c[1].key(budget))
+    return name, pick
+
+
+def crossings(g: OpGraph, stage: np.ndarray, k: int,
+              value_bytes: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Unique (value, consumer stage) pairs that cross stages: producer stage, consumer stage, bytes (of
+    ``value_bytes``, by default as traced)."""
     if not g.num_edges:
         z = np.zeros(0, np.int64)
         return z, z, z
@@ -113,7 +167,7 @@ def crossings(g: OpGraph, stage: np.ndarray, k: int) -> tuple[np.ndarray, np.nda
     val, consumer = key // k, key % k
     producer_of_value = np.zeros(len(g.value_bytes), np.int64)
     producer_of_value[g.value] = stage[g.src]
-    return producer_of_value[val], consumer, g.value_bytes[val]
+    return producer_of_value[val], consumer, (g.value_bytes if value_bytes is None else value_bytes)[val]
 
 
 def stage_crossings(g: OpGraph, stage: np.ndarray, k: int) -> dict[tuple[int, int], tuple[int, int]]:
@@ -132,7 +186,7 @@ def evaluate(p: Problem, stage: np.ndarray) -> Evaluation:
     stage = np.asarray(stage, np.int64)
     counts = np.bincount(stage[p.placeable], minlength=k)  # a stage with only the output idles a device
     compute = np.bincount(stage, weights=p.time, minlength=k)
-    prod, cons, nbytes = crossings(g, stage, k)
+    prod, cons, nbytes = crossings(g, stage, k, p.value_bytes)
     b_in = np.bincount(cons, weights=nbytes, minlength=k)
     b_out = np.bincount(prod, weights=nbytes, minlength=k)
     msgs = np.bincount(cons, minlength=k) + np.bincount(prod, minlength=k)
@@ -141,14 +195,17 @@ def evaluate(p: Problem, stage: np.ndarray) -> Evaluation:
     n_params = max(len(g.param_names), 1)
     pairs = unique_ints(stage[g.use_node] * n_params + g.use_param) if len(g.use_node) else np.zeros(0, np.int64)
     p_stage, p_idx = pairs // n_params, pairs % n_params
-    param_bytes = np.bincount(p_stage, weights=g.param_bytes[p_idx], minlength=k)
+    param_bytes = np.bincount(p_stage, weights=p.weights[p_idx], minlength=k)
     param_mem = np.bincount(p_stage, weights=p.param_mem[p_idx], minlength=k)
-    act = np.bincount(stage, weights=g.act_bytes, minlength=k)
-    memory = param_mem + act * p.inflight
+    act = np.bincount(stage, weights=p.act_bytes, minlength=k) * p.inflight
+    memory = param_mem + act
     w = p.options.memory_weight
-    score = (1 - w) * (compute + comm) / p.norm_time + w * memory / p.norm_mem
+    cost = (compute + comm) / p.norm_time
+    score = (1 - w) * cost + w * memory / p.norm_mem
+    objective = (1 - w) * float(cost.max()) + w * float(memory.max()) / p.norm_mem
     return Evaluation(stage=stage, compute_s=compute, comm_s=comm, bytes_in=b_in, bytes_out=b_out,
-                      param_bytes=param_bytes, memory=memory, score=score, cut_bytes=int(nbytes.sum()),
+                      param_bytes=param_bytes, memory=memory, score=score, objective=objective,
+                      cut_bytes=int(round(float(nbytes.sum()))), act_in_flight=float(act.sum()),
                       empty=bool(np.any(counts == 0)))
 
 
@@ -165,9 +222,9 @@ def check_acyclic(g: OpGraph, stage: np.ndarray) -> None:
 def budget_error(p: Problem, ev: Evaluation) -> MemoryBudgetError:
     """The error for a budget no plan fits, with the numbers of ``ev`` (the most memory-balanced plan)."""
     worst = int(np.argmax(ev.memory))
-    total = float(p.param_mem.sum() + p.graph.act_bytes.sum())
+    total = float(p.param_mem.sum() + p.act_bytes.sum())
     need = int(np.ceil(total / p.budget))
-    op_mem = p.node_param_mem() + p.graph.act_bytes  # one op alone, one microbatch in flight
+    op_mem = p.node_param_mem() + p.act_bytes  # one op alone, one microbatch in flight
     big = int(np.argmax(op_mem))
     ops = int(p.placeable.sum())  # the most stages any plan can have (partition's own limit)
     if need > ops or op_mem[big] > p.budget:

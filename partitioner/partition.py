@@ -1,14 +1,16 @@
 """Cutting an op graph into balanced, acyclic pipeline stages: the portfolio.
 
-Two methods run side by side (``method="auto"`` keeps the better plan under the exact objective of
-:mod:`partitioner.objective`):
+Two methods run side by side (``method="auto"`` keeps the best plan, :func:`partitioner.objective.choose`):
 
-* ``"dp"`` (:mod:`partitioner.dp`): the exact minimum-bottleneck partition among those contiguous in the
-  graph's topological order, cut bytes minimised at that bottleneck;
+* ``"dp"`` (:mod:`partitioner.dp`): the best partition among those contiguous in the graph's
+  topological order, the fewest bytes cut among those within 1% of it;
 * ``"metis"`` (:mod:`partitioner.metis`): multilevel k-way partitioning with compute and memory
   constraints and bytes on the edges, repaired into acyclic stages.
 
-Both results then go through the same boundary refinement (:mod:`partitioner.refine`).
+Both results then go through the same boundary refinement (:mod:`partitioner.refine`); the DP's plan is
+also kept as it was. Under ``"auto"`` the baselines' plans (:mod:`partitioner.baselines`) are candidates
+too, so the plan is never worse than a baseline printed beside it: no baseline is as good in bottleneck,
+cut bytes and largest-stage memory and better in one.
 """
 from __future__ import annotations
 
@@ -18,14 +20,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from .calibrate import calibrate
+from .baselines import BASELINES, baseline_stage
 from .cost import NodeCosts, estimate
 from .dp import dp_partition
 from .graph import OpGraph
 from .measure import measure as measure_costs
 from .metis import metis_partition
-from .objective import Evaluation, Problem, budget_error, evaluate
-from .options import PartitionOptions
+from .objective import Evaluation, Problem, budget_error, choose, evaluate
+from .options import UNLIMITED, PartitionOptions
 from .plan import PartitionPlan, make_plan
 from .refine import refine
 from .trace import trace
@@ -55,7 +57,7 @@ def make_problem(graph_or_model: Any, num_stages: int, options: PartitionOptions
     if num_stages > ops:
         raise ValueError(f"num_stages={num_stages} but the model has only {ops} ops to place; "
                          f"use at most {ops} stages")
-    rates = opts.rates or calibrate()
+    rates = opts.resolve_rates()
     if costs is not None:
         if len(costs.forward_s) != graph.num_nodes or len(costs.backward_s) != graph.num_nodes:
             raise ValueError(f"costs has {len(costs.forward_s)} ops but the graph has {graph.num_nodes}")
@@ -64,7 +66,7 @@ def make_problem(graph_or_model: Any, num_stages: int, options: PartitionOptions
             raise ValueError("measure=True needs a traced model, not a synthetic graph")
         costs = measure_costs(graph, args, kwargs, rates=rates)
     else:
-        costs = estimate(graph, rates)
+        costs = estimate(graph, rates, opts.dtype)
     return Problem(graph=graph, costs=costs, num_stages=num_stages, rates=rates, options=opts)
 
 
@@ -86,12 +88,15 @@ def partition(graph_or_model: Any, num_stages: int, options: PartitionOptions | 
     method = p.options.method
     candidates: list[tuple[str, Evaluation]] = []
     if method in ("dp", "auto"):
-        candidates.append(("dp", refine(p, dp_partition(p))))
+        for stage in dp_partition(p):
+            candidates += [("dp", evaluate(p, stage)), ("dp", refine(p, stage))]
     if method in ("metis", "auto") and num_stages > 1:
         candidates.append(("metis", refine(p, metis_partition(p))))
     if not candidates:  # metis with one stage: nothing to cut
         candidates.append(("metis", evaluate(p, np.zeros(p.graph.num_nodes, np.int64))))
-    name, best = min(candidates, key=lambda c: c[1].key(p.budget))
+    if method == "auto":
+        candidates += [(name, evaluate(p, baseline_stage(p, name))) for name in BASELINES]
+    name, best = choose(candidates, p.budget)
     if p.budget is not None and np.any(best.memory > p.budget):
         raise budget_error(p, _least_memory(p))
     return make_plan(p, best, name)
@@ -99,8 +104,8 @@ def partition(graph_or_model: Any, num_stages: int, options: PartitionOptions | 
 
 def _least_memory(p: Problem) -> Evaluation:
     """The plan whose largest stage needs the least memory (for the numbers in a budget error)."""
-    q = dataclasses.replace(p, options=dataclasses.replace(p.options, memory_weight=1.0, device_memory=None))
-    return refine(q, dp_partition(q))
+    q = dataclasses.replace(p, options=dataclasses.replace(p.options, memory_weight=1.0, device_memory=UNLIMITED))
+    return refine(q, dp_partition(q)[0])
 
 
 def fixed_plan(graph: OpGraph, num_stages: int, stage: Any, options: PartitionOptions | None = None, *,

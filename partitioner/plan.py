@@ -73,6 +73,17 @@ class PartitionPlan:
     # JSON names carry units; attributes keep the short names the API documents.
     _RENAMED = {"lower_bound": "lower_bound_s", "bottleneck": "bottleneck_s"}
 
+    @property
+    def max_memory_bytes(self) -> int:
+        """The largest stage's memory."""
+        return max(s.memory_bytes for s in self.stages)
+
+    @property
+    def axes(self) -> tuple[float, int, int]:
+        """What plans are compared by (:func:`partitioner.objective.dominates`): bottleneck seconds, cut
+        bytes and the largest stage's memory."""
+        return self.bottleneck, self.cut_bytes, self.max_memory_bytes
+
     def to_dict(self) -> dict[str, Any]:
         """The plan as JSON-ready data (the op graph is not included; ``extra`` keys sit at the top level)."""
         out: dict[str, Any] = {}
@@ -244,6 +255,6 @@ def make_plan(p: Problem, ev: Evaluation, method: str) -> PartitionPlan:
         num_stages=k, method=method, assignment=dict(zip(g.names, stage_list)), stages=stages,
         cut_bytes=ev.cut_bytes, lower_bound=lb, bottleneck=ev.bottleneck,
         balance=ev.bottleneck / lb if lb > 0 else 1.0, shared_params=shared,
-        options={**p.options.to_dict(), "measured": p.costs.measured},
+        options={**p.options.to_dict(p.rates), "measured": p.costs.measured},
         rates=p.rates.to_dict(), graph=g,
     )

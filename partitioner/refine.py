@@ -23,7 +23,7 @@ def refine(p: Problem, stage: np.ndarray, max_rounds: int | None = None) -> Eval
         return best
     fixed = np.array([kind == "output" for kind in g.kinds])
     node_w = ((1 - p.options.memory_weight) * p.time / p.norm_time
-              + p.options.memory_weight * (g.act_bytes * 1.0) / p.norm_mem)
+              + p.options.memory_weight * p.act_bytes / p.norm_mem)
     rounds = max_rounds if max_rounds is not None else (8 * k if g.num_nodes <= 100_000 else 2 * k)
     budget = p.budget
     for _ in range(rounds):

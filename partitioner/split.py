@@ -31,7 +31,7 @@ import torch.utils._pytree as pytree
 from .errors import EngineError
 from .graph import OpGraph
 from .mutation import written_inputs
-from .trace import TracedProgram, flatten_inputs, tensor_aliases
+from .program import TracedProgram, flatten_inputs, tensor_aliases
 
 __all__ = ["Stage", "SplitModel", "split", "MODEL_INPUT", "MetaTensorError", "check_runnable"]
 

@@ -26,8 +26,9 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from partitioner import PartitionPlan
+from partitioner.program import flatten_inputs, set_device
 from partitioner.split import MODEL_INPUT, SplitModel, split
-from partitioner.trace import flatten_inputs, trace
+from partitioner.trace import trace
 
 from . import microbatch
 from .executor import Executor
@@ -121,6 +122,7 @@ class PipelineRunner:
         self.local_stages = [self.split_model.stages[s] for s in self.schedule.stages_of(self.rank)]
         for st in self.local_stages:
             st.module.to(self.device)
+            set_device(st.module, self.device)
         self.executor = Executor(self.split_model, self.schedule, self.rank, self.ranks, self.transport,
                                  boundary_requires_grad(self.split_model), self.device, self.recorder,
                                  checkpointed=_stages_running(plan, checkpoint_modules))

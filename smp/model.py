@@ -21,14 +21,14 @@ from torch.utils.hooks import RemovableHandle
 
 from partitioner import PartitionOptions, PartitionPlan, trace
 from partitioner.partition import fixed_plan
-from partitioner.trace import flatten_inputs
+from partitioner.program import flatten_inputs
 from pipeline import PipelineRunner
 
 from . import precision, state
-from .commit import CheckpointError
-from .state_dicts import key_error, on_cpu
 from . import step as step_mod
+from .commit import CheckpointError
 from .planning import shared_plan
+from .state_dicts import key_error, on_cpu
 
 __all__ = ["DistributedModel", "partition", "set_partition", "set_activation_checkpointing"]
 
