@@ -13,7 +13,9 @@ at its end every rank sends its spans, on rank 0's time axis, to rank 0, which w
 * ``trace.json`` -- one Chrome trace (Perfetto, chrome://tracing), one track per rank;
 * ``profile.json`` -- the run: ranks and pipelines, the schedule, the plan, transfer times per stage edge,
   clock offsets, and what profiling cost (its own spans, timed on each rank after the window);
-* ``graph.npz`` -- the traced op graph the plan cuts, so that ``smp replan`` can cut it again.
+* ``graph.npz`` -- the traced op graph the plan cuts, so that ``smp replan`` can cut it again;
+* ``timeline.png`` -- the median step as measured, above the simulator's prediction of it
+  (:mod:`pipeline.profile_run`).
 
 Recording costs two clock reads and an append per span, tens of spans per step, so the overhead is a few
 microseconds per pass; it is measured and written with the profile.
@@ -28,23 +30,17 @@ from dataclasses import dataclass
 from time import perf_counter
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
-from partitioner import DeviceRates
-from partitioner.objective import stage_crossings
+from partitioner.calibrate import cost_clock
 
 from .clock import ClockOffset, clock_offset
-from .simulate import compute_only
-from .timeline import Counter, Event, Recorder, to_chrome_trace
+from .profile_run import GRAPH_FILE, PROFILE_FILE, TIMELINE_FILE, TRACE_FILE, merge, write_gantt
+from .timeline import Recorder, to_chrome_trace
 
-__all__ = ["ProfileOptions", "Profiler", "memory_sample", "run_description", "plan_edges", "merge", "TRACE_FILE",
-           "PROFILE_FILE", "GRAPH_FILE"]
+__all__ = ["ProfileOptions", "Profiler", "memory_sample"]
 
-TRACE_FILE = "trace.json"
-PROFILE_FILE = "profile.json"
-GRAPH_FILE = "graph.npz"
 _NULL = nullcontext()
 
 
@@ -84,40 +80,6 @@ class ProfileOptions:
         raise TypeError(f"record must be a bool, a directory or pipeline.profile.ProfileOptions, got {record!r}")
 
 
-def run_description(runner: Any) -> dict[str, Any]:
-    """What ``profile.json`` says about a :class:`pipeline.PipelineRunner`'s run: its pipelines, the compute
-    schedule every rank walks (action names per rank), the plan, the predicted transfer seconds per stage
-    edge (the plan's link rates), and, under ``"graph"``, the op graph (written as ``graph.npz``)."""
-    plan, schedule = runner.plan, compute_only(runner.schedule)
-    return {
-        "pipelines": [list(p) for p in runner.pipelines],
-        "schedule": {"name": schedule.name, "num_ranks": schedule.num_ranks, "num_stages": schedule.num_stages,
-                     "microbatches": schedule.microbatches, "stage_to_rank": list(schedule.stage_to_rank),
-                     "split_backward": schedule.split_backward,
-                     "actions": [[str(a) for a in order] for order in schedule.actions]},
-        "plan": plan.to_dict(),
-        "edges": plan_edges(plan, plan.graph),
-        "graph": plan.graph,
-    }
-
-
-def plan_edges(plan: Any, graph: Any) -> list[list[Any]]:
-    """[producer stage, consumer stage, predicted seconds per microbatch] of every stage edge of ``plan``:
-    the bytes crossing it over the plan's link rates."""
-    rates = DeviceRates(**plan.rates) if plan.rates else DeviceRates()
-    stage = np.array([plan.assignment[n] for n in graph.names], np.int64)
-    crossing = stage_crossings(graph, stage, plan.num_stages)
-    return [[s, t, rates.comm_s(b, messages=c)] for (s, t), (b, c) in crossing.items()]
-
-
-def merge(parts: list[dict[str, Any]]) -> tuple[list[Event], list[Counter]]:
-    """The events and counters of every rank's part (:meth:`Profiler.gather`), on rank 0's time axis."""
-    events = [Event(p["rank"], name, start, end, cat, thread)
-              for p in parts for name, cat, start, end, thread in p["events"]]
-    counters = [Counter(p["rank"], name, t, values) for p in parts for name, t, values in p["counters"]]
-    return events, counters
-
-
 def memory_sample(device: torch.device | None = None) -> dict[str, float]:
     """This process's resident host memory and, when CUDA is in use, the caching allocator's allocated and
     peak allocated bytes on ``device``."""
@@ -146,7 +108,8 @@ class Profiler:
         self.clock = clock
         self.describe = describe
         self.device = device
-        self.recorder = Recorder(rank, clock, detail=options.detail)
+        cost = cost_clock(device or torch.device("cpu"))
+        self.recorder = Recorder(rank, clock, detail=options.detail, cost_clock=None if cost is perf_counter else cost)
         self.index = 0              # steps begun so far (the next step's number)
         self.active = False         # inside the window
         self.done = False           # the window is over
@@ -224,7 +187,7 @@ class Profiler:
         shift = self.offset.to_rank0
         part = {
             "rank": self.rank, "offset_s": self.offset.offset_s, "offset_error_s": self.offset.error_s,
-            "events": [(e.action, e.cat, shift(e.start), shift(e.end), e.thread) for e in self.recorder.events],
+            "events": [(e.action, shift(e.start), shift(e.end), e.cat, e.thread, e.cost) for e in self.recorder.events],
             "counters": [(c.name, shift(c.time), dict(c.values)) for c in self.recorder.counters],
             "overhead": self._overhead(),
         }
@@ -255,16 +218,21 @@ class Profiler:
                         metadata={"clock_offsets_s": {r: v["offset_s"] for r, v in ranks.items()}})
         with open(os.path.join(directory, PROFILE_FILE), "w") as f:
             json.dump(info, f, indent=1, sort_keys=True)
+        if "schedule" in info and any(e.cat == "step" for e in events):
+            try:
+                write_gantt(events, info, os.path.join(directory, TIMELINE_FILE))
+            except ImportError:  # matplotlib is optional (the "viz" extra): the trace is written regardless
+                pass
         self.written = directory
         return directory
 
     def _overhead(self) -> dict[str, float]:
         """What recording cost this rank: its spans and samples, each timed here on a scratch recorder."""
-        scratch = Recorder(self.rank, self.clock)
+        scratch = Recorder(self.rank, self.clock, cost_clock=self.recorder.cost_clock)
         n = 2000
         t0 = perf_counter()
         for _ in range(n):
-            with scratch.span("x", "wait"):
+            with scratch.span("x"):  # a pass: the dearest kind of span
                 pass
         per_span = (perf_counter() - t0) / n
         t0 = perf_counter()

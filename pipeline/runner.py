@@ -34,7 +34,8 @@ from . import microbatch
 from .executor import Executor
 from .lowering import lower
 from .p2p import Transport
-from .profile import ProfileOptions, Profiler, run_description
+from .profile import ProfileOptions, Profiler
+from .profile_run import run_description
 from .schedule import make_schedule
 from .simulate import validate
 

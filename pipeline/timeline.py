@@ -48,6 +48,7 @@ class Event:
     end: float
     cat: str = ""
     thread: int = 0
+    cost: float | None = None  # the pass's seconds on the recorder's cost clock (thread CPU time), if kept
 
     @property
     def duration(self) -> float:
@@ -66,18 +67,25 @@ class Counter:
 
 
 class _Span:
-    """The context manager of :meth:`Recorder.span`: two clock reads and one append (no generator)."""
+    """The context manager of :meth:`Recorder.span`: two clock reads and one append (no generator), and two
+    reads of the cost clock for a pass when the recorder keeps costs."""
 
-    __slots__ = ("_recorder", "_name", "_cat", "_start")
+    __slots__ = ("_recorder", "_name", "_cat", "_start", "_cost_clock", "_cost_start")
 
     def __init__(self, recorder: Recorder, name: str, cat: str) -> None:
         self._recorder, self._name, self._cat = recorder, name, cat
+        self._cost_clock = recorder.cost_clock if not cat else None
 
     def __enter__(self) -> None:
         self._start = self._recorder.clock()
+        if self._cost_clock is not None:
+            self._cost_start = self._cost_clock()
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
-        self._recorder._spans.append((self._name, self._cat, self._start, self._recorder.clock(), self._recorder.thread()))
+        rec = self._recorder
+        end = rec.clock()
+        cost = None if self._cost_clock is None else self._cost_clock() - self._cost_start
+        rec._spans.append((self._name, self._cat, self._start, end, rec.thread(), cost))
 
 
 class Recorder:
@@ -87,16 +95,20 @@ class Recorder:
     ``events`` is read.  The clock is ``perf_counter`` (CLOCK_MONOTONIC on Linux: ranks on one host share
     a time base; :mod:`pipeline.clock` aligns hosts). Spans recorded from another thread than the one
     that made the recorder land on that rank's second track (``Event.thread == 1``). ``detail`` tells the
-    executor to record receive waits, sends and receives besides the passes.
+    executor to record receive waits, sends and receives besides the passes; ``cost_clock`` (e.g. the
+    thread's CPU time, :func:`partitioner.calibrate.cost_clock`) times the passes (spans without a category)
+    a second time, robust to other processes on the cores (``Event.cost``).
     """
 
-    def __init__(self, rank: int, clock: Callable[[], float] = perf_counter, detail: bool = True) -> None:
+    def __init__(self, rank: int, clock: Callable[[], float] = perf_counter, detail: bool = True,
+                 cost_clock: Callable[[], float] | None = None) -> None:
         self.rank = rank
         self.clock = clock
         self.detail = detail
+        self.cost_clock = cost_clock
         main = threading.get_ident()
         self.thread: Callable[[], int] = lambda: 0 if threading.get_ident() == main else 1
-        self._spans: list[tuple[str, str, float, float, int]] = []
+        self._spans: list[tuple[str, str, float, float, int, float | None]] = []
         self._counters: list[tuple[str, float, dict[str, float]]] = []
 
     def span(self, action: str | Action, cat: str = "") -> _Span:
@@ -105,7 +117,7 @@ class Recorder:
 
     def add(self, name: str, start: float, end: float, cat: str = "") -> None:
         """Record a span whose times were taken elsewhere (on this recorder's clock)."""
-        self._spans.append((name, cat, start, end, self.thread()))
+        self._spans.append((name, cat, start, end, self.thread(), None))
 
     def counter(self, name: str, values: Mapping[str, float]) -> None:
         """Record ``values`` (e.g. memory in bytes) under ``name`` at this moment."""
@@ -117,7 +129,8 @@ class Recorder:
     @property
     def events(self) -> list[Event]:
         """Every span recorded so far, in the order they ended."""
-        return [Event(self.rank, name, start, end, cat, thread) for name, cat, start, end, thread in self._spans]
+        return [Event(self.rank, name, start, end, cat, thread, cost)
+                for name, cat, start, end, thread, cost in self._spans]
 
     @property
     def counters(self) -> list[Counter]:
@@ -156,6 +169,7 @@ def to_chrome_trace(events: Sequence[Event], path: str | os.PathLike[str] | None
             "dur": (e.end - e.start) * 1e6,
             "pid": 0,
             "tid": e.rank + e.thread * THREAD_TID,
+            **({"args": {"cost_s": e.cost}} if e.cost is not None else {}),
         }
         for e in events
     ]
@@ -183,7 +197,8 @@ def load_trace(path: str | os.PathLike[str]) -> tuple[list[Event], list[Counter]
             cat = e.get("cat", "")
             thread, rank = divmod(int(e["tid"]), THREAD_TID)
             events.append(Event(rank, e["name"], e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6,
-                                "" if cat in ("F", "B", "W", "other") else cat, thread))
+                                "" if cat in ("F", "B", "W", "other") else cat, thread,
+                                e.get("args", {}).get("cost_s")))
         elif e.get("ph") == "C":
             rank = int(e["tid"])
             counters.append(Counter(rank, e["name"].removeprefix(f"rank {rank} "), e["ts"] / 1e6, e["args"]))

@@ -9,6 +9,10 @@ peer was still busy (pipeline fill and drain, an imbalance). The part after is t
 its sends to complete. ``idle`` is the rest of the step: dependency waits, the engine's own work around
 the passes, and the broadcast of the step's results.
 
+A stage's *cost* per microbatch is the median of its passes on the recorder's cost clock: the thread's CPU
+time on a CPU with one intra-op thread (what :func:`partitioner.measure` times ops with, unmoved by other
+processes on the cores), else the wall-clock compute. Straggling is wall-clock: the same work taking longer.
+
 The measured bubble is the simulator's definition applied to the real run: ``1 - sum(compute) /
 (ranks * makespan)`` over one pipeline's passes. The simulator (:func:`pipeline.simulate.simulate`) replays
 the same schedule twice: once with the plan's stage times (the *prediction*) and once with the measured
@@ -25,9 +29,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from partitioner import PartitionPlan
-from pipeline.profile import PROFILE_FILE, TRACE_FILE
+from pipeline.profile_run import PROFILE_FILE, TRACE_FILE, predict, schedule_of
 from pipeline.schedule import Action, Schedule
-from pipeline.simulate import SimResult, simulate
+from pipeline.simulate import SimResult
 from pipeline.timeline import Counter, Event, load_trace
 
 __all__ = ["Phases", "Measurements", "load_profile", "measure", "ProfileError"]
@@ -77,9 +81,9 @@ class Measurements:
     steps: list[int]
     ranks: list[int]
     phases: dict[tuple[int, int], Phases]          # (step, rank) -> phases
-    stage_forward_s: list[float]                    # per stage, median forward compute per microbatch
-    stage_backward_s: list[float]                   # per stage, median backward (B + W) per microbatch
-    rank_stage_s: dict[int, dict[int, float]]       # rank -> stage -> its median compute per microbatch
+    stage_forward_s: list[float]                    # per stage, median forward cost per microbatch
+    stage_backward_s: list[float]                   # per stage, median backward (B + W) cost per microbatch
+    rank_stage_s: dict[int, dict[int, float]]       # rank -> stage -> its median wall compute per microbatch
     bubble: dict[int, float]                        # step -> measured bubble (median over pipelines)
     predicted: SimResult                            # the schedule under the plan's stage times
     replayed: SimResult                             # the schedule under the measured stage times
@@ -133,12 +137,6 @@ def load_profile(directory: str | os.PathLike[str]) -> Measurements:
     return measure(events, counters, info)
 
 
-def _schedule(info: dict[str, Any]) -> Schedule:
-    s = info["schedule"]
-    return Schedule(s["name"], s["num_ranks"], s["num_stages"], s["microbatches"], list(s["stage_to_rank"]),
-                    [[Action.parse(a) for a in order] for order in s["actions"]], s["split_backward"])
-
-
 def _median(values: list[float]) -> float:
     return statistics.median(values) if values else 0.0
 
@@ -146,28 +144,29 @@ def _median(values: list[float]) -> float:
 def measure(events: list[Event], counters: list[Counter], info: dict[str, Any]) -> Measurements:
     """The measurements of a run's ``events`` (on one time axis), ``counters`` and ``info`` (profile.json)."""
     plan = PartitionPlan.from_dict(info["plan"])
-    schedule = _schedule(info)
+    schedule = schedule_of(info)
     n = schedule.num_stages
     by_rank: dict[int, list[Event]] = defaultdict(list)
     for e in events:
         by_rank[e.rank].append(e)
-    # Sends by (pipeline, kind, microbatch, receiving stage): when the data left, to split waits in two.
+    # When each message left its sender, to split the receive waits in two.
     pipelines = info["pipelines"]
     pipeline_of = {r: i for i, p in enumerate(pipelines) for r in p}
-    sent: dict[tuple[int, str, int, int], float] = {}
-    for e in events:
-        if e.cat == "comm" and e.action.startswith("SEND"):
-            a = Action.parse(e.action)
-            key = (pipeline_of[e.rank], a.kind[-1], a.microbatch, a.peer)
-            sent[key] = max(sent.get(key, e.start), e.start)
+    placed = {rank: _by_step(evs) for rank, evs in by_rank.items()}
+    sent: dict[tuple[int, int, str, int, int], float] = {}  # (step, pipeline, kind, microbatch, to stage)
+    for rank, evs in placed.items():
+        for step, e in evs:
+            if e.cat == "comm" and e.action.startswith("SEND"):
+                a = Action.parse(e.action)
+                key = (step, pipeline_of[rank], a.kind[-1], a.microbatch, a.peer)
+                sent[key] = max(sent.get(key, e.start), e.start)
     phases: dict[tuple[int, int], Phases] = {}
     samples: dict[tuple[str, int], list[float]] = defaultdict(list)        # (kind, stage) -> compute seconds
     per_rank: dict[tuple[int, str, int], list[float]] = defaultdict(list)  # (rank, kind, stage) -> seconds
     spans: dict[tuple[int, int, int], list[tuple[float, float, float]]] = defaultdict(list)  # (step, pipe, rank)
-    for rank, evs in by_rank.items():
-        placed = _by_step(evs)
-        waits = {(step, e.action[5:]): e for step, e in placed if e.cat == "wait" and e.thread == 0}
-        for step, e in placed:
+    for rank, evs in placed.items():
+        waits = {(step, e.action[5:]): e for step, e in evs if e.cat == "wait" and e.thread == 0}
+        for step, e in evs:
             ph = phases.setdefault((step, rank), Phases())
             if e.cat == "step":
                 ph.step_s = e.duration
@@ -183,7 +182,7 @@ def measure(events: list[Event], counters: list[Counter], info: dict[str, Any]) 
                     ph.comm_s += e.duration
                 else:
                     a = Action.parse(e.action[5:])
-                    sent_at = sent.get((pipeline_of[rank], a.kind, a.microbatch, a.stage))
+                    sent_at = sent.get((step, pipeline_of[rank], a.kind, a.microbatch, a.stage))
                     if sent_at is not None:
                         ph.comm_s += max(e.end - max(e.start, sent_at), 0.0)
             elif not e.cat:
@@ -194,7 +193,7 @@ def measure(events: list[Event], counters: list[Counter], info: dict[str, Any]) 
                     ph.forward_s += compute
                 else:
                     ph.backward_s += compute
-                samples[a.kind, a.stage].append(compute)
+                samples[a.kind, a.stage].append(e.cost if e.cost is not None else compute)
                 per_rank[rank, a.kind, a.stage].append(compute)
                 spans[step, pipeline_of[rank], rank].append((e.start, e.end, compute))
     for ph in phases.values():  # the optimizer ran in the gap before the step: the rest is data and user code
@@ -205,11 +204,7 @@ def measure(events: list[Event], counters: list[Counter], info: dict[str, Any]) 
     for (r, _, s), values in sorted(per_rank.items()):
         rank_stage[r][s] = rank_stage[r].get(s, 0.0) + _median(values)
     bubble = _bubbles(spans, schedule.num_ranks)
-    deps = [(s, t) for s, t, _ in info["edges"]]
-    comm = {(s, t): c for s, t, c in info["edges"]}
-    predicted = simulate(schedule, [s.forward_s for s in plan.stages], [s.backward_s for s in plan.stages],
-                         comm_s=comm, stage_deps=deps or None)
-    replayed = simulate(schedule, fwd, bwd, comm_s=comm, stage_deps=deps or None)
+    predicted, replayed = predict(info), predict(info, fwd, bwd)
     memory: dict[int, dict[str, float]] = defaultdict(dict)
     for c in counters:
         for k, v in c.values.items():
@@ -221,18 +216,16 @@ def measure(events: list[Event], counters: list[Counter], info: dict[str, Any]) 
 
 
 def _by_step(events: list[Event]) -> list[tuple[int, Event]]:
-    """One rank's events with the step each belongs to: the step whose span holds it, and for the time
-    between two steps the step after it; events outside every step are left out."""
+    """One rank's events with the step each belongs to: the step whose span holds it; what happened
+    between two steps (the gap itself, the optimizer step, annotations) belongs to the step after it.
+    Events after the last step are left out."""
     steps = sorted((e.start, e.end, int(e.action.split()[1])) for e in events if e.cat == "step")
     starts = [s for s, _, _ in steps]
     out = []
     for e in events:
-        if e.cat == "between":
-            i = bisect.bisect_left(starts, e.end - 1e-9)
-        else:
-            i = bisect.bisect_right(starts, e.start + 1e-9) - 1
-            if i >= 0 and e.start > steps[i][1] + 1e-9:
-                continue
+        i = bisect.bisect_right(starts, e.start + 1e-9) - 1
+        if e.cat == "between" or i < 0 or e.start > steps[i][1] - 1e-9:
+            i = bisect.bisect_left(starts, e.end - 1e-9)  # in the gap before step i
         if 0 <= i < len(steps):
             out.append((steps[i][2], e))
     return out

@@ -20,7 +20,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from typing import Any
 
-from pipeline.profile import ProfileOptions, Profiler, run_description
+from pipeline.profile import ProfileOptions, Profiler
+from pipeline.profile_run import run_description
 
 from . import state
 

@@ -19,14 +19,15 @@ from __future__ import annotations
 import os
 import statistics
 import sys
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch.distributed as dist
 
 from partitioner import DeviceRates, NodeCosts, OpGraph, PartitionOptions, PartitionPlan, estimate, partition
-from pipeline.profile import GRAPH_FILE, Profiler, merge, plan_edges, run_description
+from pipeline.profile import Profiler
+from pipeline.profile_run import GRAPH_FILE, merge, plan_edges, run_description
 from pipeline.schedule import Schedule
 from pipeline.simulate import simulate
 
@@ -89,12 +90,6 @@ def fit_costs(graph: OpGraph, costs: NodeCosts, stage: np.ndarray, forward_s: li
                      needs_grad=costs.needs_grad, measured=True)
 
 
-def _options(plan: PartitionPlan) -> PartitionOptions:
-    known = {f.name for f in fields(PartitionOptions)} - {"rates", "measure"}
-    rates = DeviceRates(**plan.rates) if plan.rates else None
-    return PartitionOptions.of(None, **{k: v for k, v in plan.options.items() if k in known}, rates=rates)
-
-
 def _step(schedule: Schedule, plan: PartitionPlan, graph: OpGraph) -> float:
     edges = plan_edges(plan, graph)
     return simulate(schedule, [s.forward_s for s in plan.stages], [s.backward_s for s in plan.stages],
@@ -106,9 +101,10 @@ def replan(m: Measurements, graph: OpGraph) -> Replan:
     old = m.plan
     if set(graph.names) != set(old.assignment):
         raise ProfileError("the op graph does not belong to the profiled plan (another model's?): profile again")
-    options = _options(old)
+    options = PartitionOptions.from_dict(old.options, rates=DeviceRates.from_dict(old.rates))
     stage = np.array([old.assignment[n] for n in graph.names], np.int64)
-    costs = fit_costs(graph, estimate(graph, options.rates), stage, m.stage_forward_s, m.stage_backward_s)
+    estimated = estimate(graph, options.resolve_rates(), options.dtype)
+    costs = fit_costs(graph, estimated, stage, m.stage_forward_s, m.stage_backward_s)
     new = partition(graph, old.num_stages, options, costs=costs)
     measured = statistics.median(p.step_s for p in m.phases.values()) if m.phases else 0.0
     # The old plan under the fitted costs has the measured stage times: the simulator's replay of them.
