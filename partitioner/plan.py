@@ -148,11 +148,13 @@ class PartitionPlan:
         if ops != planned:
             order = {n: i for i, n in enumerate(graph.names)}
             missing, extra = sorted(ops - planned, key=order.__getitem__), sorted(planned - ops)
+            parts = [f"{len(missing)} of its {len(ops)} traced ops are not in the plan (first: {missing[:3]})"
+                     if missing else "", f"{len(extra)} of the plan's {len(planned)} ops are not in the model "
+                     f"(first: {extra[:3]})" if extra else ""]
             raise PlanMismatchError(
-                f"{source} does not fit this model: {len(missing)} of its {len(ops)} traced ops are not in the plan "
-                f"(first: {missing[:3]}) and {len(extra)} of the plan's {len(planned)} ops are not in the model "
-                f"(first: {extra[:3]}); it was made for another model or other input shapes. Make the plan from "
-                "this model: smp replan on a profile of it, or partitioner.partition")
+                f"{source} does not fit this model: {' and '.join(p for p in parts if p)}; it was made for another "
+                "model or other input shapes. Make the plan from this model: smp replan on a profile of it, or "
+                "partitioner.partition")
         return replace(self, graph=graph)
 
     def stage_modules(self, graph: Any = None) -> list:

@@ -48,7 +48,8 @@ _NULL = nullcontext()
 class ProfileOptions:
     """What to profile: ``dir`` to write the profile to (None: keep it in memory), ``steps`` = (start, stop):
     the steps numbered start .. stop - 1, counting from 0 (None: every step, until written), and ``detail``:
-    also record receive waits, sends and receives (not only the passes)."""
+    record the steps, the gaps between them, memory, receive waits, sends and receives too (False: only the
+    passes, the timeline ``PipelineRunner(record=True).events`` has always been)."""
 
     dir: str | None = None
     steps: tuple[int, int] | None = None
@@ -136,7 +137,7 @@ class Profiler:
         steps = self.options.steps
         if not self.active and not self.done and (steps is None or self.index == steps[0]):
             self._enter()
-        if self.active:
+        if self.active and self.options.detail:
             now = self.clock()
             if self._last_end is not None:
                 self.recorder.add("between steps", self._last_end, now, "between")
@@ -160,9 +161,10 @@ class Profiler:
         self.index += 1
         if not self.active:
             return
-        self.recorder.add(f"step {index}", self._step_start, self.clock(), "step")
-        self.recorder.counter("memory", memory_sample(self.device))
-        self._last_end = self.clock() if ok else None
+        if self.options.detail:
+            self.recorder.add(f"step {index}", self._step_start, self.clock(), "step")
+            self.recorder.counter("memory", memory_sample(self.device))
+            self._last_end = self.clock() if ok else None
         steps = self.options.steps
         if steps is not None and self.index >= steps[1]:
             self.active, self.done = False, True

@@ -123,9 +123,6 @@ class Recorder:
         """Record ``values`` (e.g. memory in bytes) under ``name`` at this moment."""
         self._counters.append((name, self.clock(), dict(values)))
 
-    def __len__(self) -> int:
-        return len(self._spans) + len(self._counters)
-
     @property
     def events(self) -> list[Event]:
         """Every span recorded so far, in the order they ended."""

@@ -2,12 +2,13 @@
 
 The plan was cut with the cost model's per-op estimates; a profile measures what each stage's forward and
 backward really cost per microbatch. :func:`fit_costs` turns those per-stage measurements into per-op
-costs: every op *kind* (``aten.addmm``, ``aten.sort``, ...) gets one factor on its estimate, the factors
-as close to 1 as the measurements allow (the least-norm solution of "per-stage sums equal the
-measurements", one equation per stage), then each stage's ops are rescaled so that their sums match the
-measurements exactly. A kind that runs on several stages is pinned by all of them, so a misjudged kind (a
-sort, a scatter, a Python-heavy block that the roofline prices by its few FLOPs) takes the blame rather
-than the ops beside it; with one kind per stage this is plain per-stage scaling (measured / predicted).
+costs. Each stage has a ratio, measured / planned. An op *kind* (``aten.linear``, ``aten.sort``, ...) that
+also runs on a stage with a lower ratio is taken at that lower ratio: a linear layer on a stage that met its
+plan is believed to run as planned everywhere. What these ops leave of a stage's measurement is spread over
+the stage's other ops, in proportion to their estimates. So a misjudged kind (a sort, a scatter, a
+Python-heavy block that the roofline prices by its few FLOPs) takes the blame rather than the ops beside it,
+and every stage's ops sum exactly to its measurement; with one kind per stage this is plain per-stage
+scaling. Forward and backward are fitted apart.
 The graph is then partitioned again with the fitted costs, and the schedule simulated under both plans
 gives the predicted gain.
 
@@ -34,10 +35,7 @@ from pipeline.simulate import simulate
 from .config import AutoRepartition
 from .measurements import Measurements, ProfileError, load_profile, measure
 
-__all__ = ["Replan", "fit_costs", "replan", "replan_profile", "repartition_in_flight"]
-
-_MIN_FACTOR = 0.05  # no kind is taken to run more than 20x faster than estimated
-
+__all__ = ["Replan", "fit_costs", "replan", "replan_profile", "replan_to_file", "repartition_in_flight"]
 
 @dataclass
 class Replan:
@@ -67,16 +65,22 @@ class Replan:
 def _fit(kinds: np.ndarray, estimated: np.ndarray, stage: np.ndarray, measured: np.ndarray) -> np.ndarray:
     """Per-op seconds whose per-stage sums are ``measured`` (see the module docstring)."""
     k = len(measured)
-    groups = int(kinds.max(initial=-1)) + 1
-    c = np.zeros((k, groups))
-    np.add.at(c, (stage, kinds), estimated)
-    residual = measured - c.sum(axis=1)
-    lam = np.linalg.lstsq(c @ c.T, residual, rcond=None)[0]
-    factor = np.maximum(1.0 + c.T @ lam, _MIN_FACTOR)
-    fitted = estimated * factor[kinds]
-    sums = np.bincount(stage, weights=fitted, minlength=k)
-    scale = np.divide(measured, sums, out=np.ones(k), where=sums > 0)
-    return fitted * scale[stage]
+    planned = np.bincount(stage, weights=estimated, minlength=k)
+    ratio = np.divide(measured, planned, out=np.ones(k), where=planned > 0)
+    # Each kind at the lowest measured/planned ratio of the stages that run it ...
+    kind_ratio = np.full(int(kinds.max(initial=-1)) + 1, np.inf)
+    busy = estimated > 0
+    np.minimum.at(kind_ratio, kinds[busy], ratio[stage[busy]])
+    op_ratio = np.where(busy, kind_ratio[kinds], 1.0)
+    pinned = busy & (op_ratio < ratio[stage] * (1 - 1e-9))
+    # ... and on each stage, what those pinned ops leave of the measurement is spread over its other ops.
+    fixed = np.bincount(stage, weights=np.where(pinned, estimated * op_ratio, 0.0), minlength=k)
+    free = np.bincount(stage, weights=np.where(pinned, 0.0, estimated), minlength=k)
+    left = measured - fixed
+    ok = (free > 0) & (left > 0)
+    scale = np.divide(left, free, out=np.zeros(k), where=ok)
+    fitted = np.where(pinned, estimated * op_ratio, estimated * scale[stage])
+    return np.where(ok[stage], fitted, estimated * ratio[stage])  # else: the whole stage at its own ratio
 
 
 def fit_costs(graph: OpGraph, costs: NodeCosts, stage: np.ndarray, forward_s: list[float],
@@ -146,3 +150,15 @@ def repartition_in_flight(model: Any, profiler: Profiler, options: AutoRepartiti
     plan = PartitionPlan.from_json(box[0]).bind(graph, "the re-planned partition")
     migrate(model, plan)
     return plan
+
+
+def replan_to_file(directory: str | os.PathLike[str], out: str | os.PathLike[str]) -> str:
+    """``smp replan DIR -o OUT``: re-plan the profile in ``directory`` and write the plan to ``out`` (the
+    profiled plan itself when the new one is not predicted faster); returns what to tell the user."""
+    result, m = replan_profile(directory)
+    faster = result.gain > 1.0 and result.plan.assignment != m.plan.assignment
+    (result.plan if faster else m.plan).to_json(os.fspath(out))
+    verdict = (f"wrote the re-planned partition to {os.fspath(out)}" if faster else
+               f"the re-planned partition is not predicted faster: wrote the profiled plan to {os.fspath(out)}")
+    return (f"{result.summary(m.plan)}\n{verdict}; run with the smp config key \"partition_file\": "
+            f"\"{os.fspath(out)}\" (or PipelineRunner.from_plan_file)")
