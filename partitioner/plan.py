@@ -7,8 +7,11 @@ executable stages.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, fields, replace
-from typing import Any
+import json
+import math
+import os
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
+from typing import Any, Iterable
 
 import numpy as np
 
@@ -18,10 +21,14 @@ from .objective import Evaluation, Problem, check_acyclic, crossings
 from .split import split
 from .units import format_bytes
 
-__all__ = ["StageSummary", "PartitionPlan", "PlanMismatchError", "make_plan"]
+__all__ = ["StageSummary", "PartitionPlan", "PlanError", "PlanMismatchError", "make_plan"]
 
 
-class PlanMismatchError(EngineError, ValueError):
+class PlanError(EngineError, ValueError):
+    """A partition plan's JSON is malformed; the message names the key and the value."""
+
+
+class PlanMismatchError(PlanError):
     """A plan (from a file) that does not cut the model it is given to; the message says what differs."""
 
 
@@ -109,7 +116,10 @@ class PartitionPlan:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "PartitionPlan":
-        """The plan of :meth:`to_dict`'s data; unknown keys go to ``extra``."""
+        """The plan of :meth:`to_dict`'s data; unknown keys go to ``extra``. Malformed data (a missing key, a
+        value of the wrong type, a stage out of range) is a :class:`PlanError` naming the key and value."""
+        if not isinstance(data, dict):
+            raise PlanError(f"not a partition plan: expected a JSON object, got {type(data).__name__}")
         back = {v: k for k, v in cls._RENAMED.items()}
         known = {f.name for f in fields(cls)}
         kwargs: dict[str, Any] = {}
@@ -120,22 +130,35 @@ class PartitionPlan:
                 kwargs[name] = value
             else:
                 extra[key] = value
-        missing = {"num_stages", "method", "assignment", "stages"} - set(kwargs)
+        missing = sorted({"num_stages", "method", "assignment", "stages"} - set(kwargs))
         if missing:
-            raise ValueError(f"not a partition plan: missing {sorted(missing)}")
+            raise PlanError(f"not a partition plan: missing {missing}")
+        required = [f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING]
+        missing = [cls._RENAMED.get(n, n) for n in required if n not in kwargs]
+        if missing:
+            raise PlanError(f"the partition plan is missing {missing}")
+        _check_plan(kwargs)
         kwargs["stages"] = [StageSummary(**s) for s in kwargs["stages"]]
-        kwargs["assignment"] = {k: int(v) for k, v in kwargs["assignment"].items()}
+        kwargs["assignment"] = dict(kwargs["assignment"])
         kwargs["shared_params"] = {k: list(v) for k, v in kwargs.get("shared_params", {}).items()}
         return cls(**kwargs, extra=extra)
 
     @classmethod
-    def from_json(cls, text_or_path: str) -> "PartitionPlan":
+    def from_json(cls, text_or_path: str | os.PathLike[str]) -> "PartitionPlan":
         """The plan of :meth:`to_json`'s text, or of the JSON file at that path."""
-        text = text_or_path
-        if not text_or_path.lstrip().startswith("{"):
+        from_file = isinstance(text_or_path, os.PathLike) or not text_or_path.lstrip().startswith(("{", "["))
+        if from_file:
             with open(text_or_path) as fh:
                 text = fh.read()
-        return cls.from_dict(json.loads(text))
+        else:
+            text = str(text_or_path)
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            where = f" in {os.fspath(text_or_path)}" if from_file else ""
+            raise PlanError(f"not a partition plan: invalid JSON{where} at line {exc.lineno} column {exc.colno}: "
+                            f"{exc.msg}") from None
+        return cls.from_dict(data)
 
     def bind(self, graph: OpGraph, source: str = "the plan", num_stages: int | None = None) -> "PartitionPlan":
         """This plan attached to ``graph``, a trace of the model it is to cut, checked to fit: the same ops
@@ -172,6 +195,17 @@ class PartitionPlan:
                              "synthetic graph): pass graph=partitioner.trace(model, args, kwargs)")
         return graph
 
+    def stage_tensors(self, stages: Iterable[int], graph: Any = None) -> set[str]:
+        """Names of the parameters and buffers the given stages use (a tied weight by its first name).
+        Tensors no op uses belong to stage 0, so that some rank holds (and saves) them."""
+        g = self._bound(graph)
+        want = set(stages)
+        stage = np.array([self.assignment[n] for n in g.names], np.int64)
+        used = {int(q) for q, s in zip(g.use_param.tolist(), stage[g.use_node].tolist()) if s in want}
+        if 0 in want:
+            used |= set(range(len(g.param_names))) - set(g.use_param.tolist())
+        return {g.param_names[q] for q in used}
+
     def stage_of_module(self) -> dict[str, list[int]]:
         """Module path -> the stages that run some of its ops (for explaining a plan in model terms)."""
         out: dict[str, set[int]] = {}
@@ -198,6 +232,78 @@ class PartitionPlan:
             rows.append("shared parameters (replicated, gradients summed): " +
                         ", ".join(f"{k} on stages {v}" for k, v in sorted(self.shared_params.items())))
         return "\n".join(rows)
+
+
+def _check_int(key: str, value: Any, lo: int = 0, hi: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise PlanError(f"plan key {key}: expected an integer, got {value!r}")
+    if value < lo or (hi is not None and value >= hi):
+        bound = f"in [{lo}, {hi})" if hi is not None else f">= {lo}"
+        raise PlanError(f"plan key {key}: {value} is out of range, expected an integer {bound}")
+
+
+def _check_number(key: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise PlanError(f"plan key {key}: expected a finite number >= 0, got {value!r}")
+
+
+def _check_type(key: str, value: Any, kind: type) -> None:
+    if not isinstance(value, kind):
+        raise PlanError(f"plan key {key}: expected a JSON {'object' if kind is dict else kind.__name__}, "
+                        f"got {value!r}")
+
+
+def _check_stage(i: int, stage: Any, k: int) -> None:
+    """One ``stages[i]`` object: exactly StageSummary's keys, each of its type, stage numbers in [0, k)."""
+    _check_type(f"stages[{i}]", stage, dict)
+    spec = {f.name: f for f in fields(StageSummary)}
+    unknown = sorted(set(stage) - set(spec))
+    missing = [n for n, f in spec.items() if n not in stage and f.default is MISSING]
+    if unknown or missing:
+        raise PlanError(f"plan key stages[{i}]: " + (f"unknown key(s) {unknown}" if unknown else
+                        f"missing {missing}") + f"; a stage has {sorted(spec)}")
+    _check_int(f"stages[{i}].index", stage["index"], i, i + 1)
+    for name in ("nodes", "param_bytes", "memory_bytes", "bytes_in", "bytes_out"):
+        _check_int(f"stages[{i}].{name}", stage[name])
+    for name in ("flops", "forward_s", "backward_s", "comm_s", "cost_s"):
+        _check_number(f"stages[{i}].{name}", stage[name])
+    if stage.get("measured_s") is not None:
+        _check_number(f"stages[{i}].measured_s", stage["measured_s"])
+    _check_type(f"stages[{i}].modules", stage["modules"], list)
+    for j, m in enumerate(stage["modules"]):
+        _check_type(f"stages[{i}].modules[{j}]", m, str)
+    for name in ("inputs_from", "outputs_to"):
+        _check_type(f"stages[{i}].{name}", stage[name], list)
+        for j, s in enumerate(stage[name]):
+            _check_int(f"stages[{i}].{name}[{j}]", s, 0, k)
+
+
+def _check_plan(kw: dict[str, Any]) -> None:
+    """Every key :meth:`PartitionPlan.from_dict` reads, before any of it is used."""
+    _check_int("num_stages", kw["num_stages"], 1)
+    k = kw["num_stages"]
+    _check_type("method", kw["method"], str)
+    _check_type("assignment", kw["assignment"], dict)
+    for op, s in kw["assignment"].items():
+        _check_int(f"assignment[{op!r}]", s, 0, k)
+    _check_type("stages", kw["stages"], list)
+    if len(kw["stages"]) != k:
+        raise PlanError(f"plan key stages: {len(kw['stages'])} stage(s) listed but num_stages is {k}")
+    for i, stage in enumerate(kw["stages"]):
+        _check_stage(i, stage, k)
+    _check_int("cut_bytes", kw["cut_bytes"])
+    for name in ("lower_bound", "bottleneck", "balance"):
+        _check_number(PartitionPlan._RENAMED.get(name, name), kw[name])
+    _check_type("shared_params", kw.get("shared_params", {}), dict)
+    for param, held in kw.get("shared_params", {}).items():
+        _check_type(f"shared_params[{param!r}]", held, list)
+        for j, s in enumerate(held):
+            _check_int(f"shared_params[{param!r}][{j}]", s, 0, k)
+    _check_type("options", kw.get("options", {}), dict)
+    _check_type("rates", kw.get("rates", {}), dict)
+    for name, value in kw.get("rates", {}).items():
+        if value is not None and not isinstance(value, str):  # a rate, or a profile name / None (DeviceRates)
+            _check_number(f"rates[{name!r}]", value)
 
 
 def _module_range(modules: list[str]) -> str:

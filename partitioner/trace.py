@@ -23,11 +23,12 @@ from typing import Any, Iterator
 import torch
 import torch.fx
 import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from .build import build_graph
 from .errors import EngineError
 from .graph import OpGraph
-from .program import DEVICE_ARGS, graph_modules, set_device
+from .program import DEVICE_ARGS, graph_modules
 
 __all__ = ["trace", "TraceError"]
 
@@ -86,40 +87,46 @@ def _export(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.export.E
 def trace(model: torch.nn.Module, args: tuple | list | Any = (), kwargs: dict | None = None) -> OpGraph:
     """Trace ``model(*args, **kwargs)`` into an :class:`OpGraph` whose ``fx`` field can rebuild stages.
 
-    The export runs on a weightless copy of the model (its parameters and buffers on the meta device, with the
-    example inputs moved there too), then the traced program is pointed back at the model's own tensors: a
-    trace costs no memory for weights, a model built on meta (how a model larger than this machine is
-    planned) traces like any other, and the exporter's fake-tensor caches never hold the model's tensors,
-    which the engine later materialises or releases in place (:func:`torch.utils.swap_tensors`)."""
+    The export runs on a weightless copy of the model — its parameters, buffers and the example inputs are fake
+    tensors (shapes, dtypes and a device, no data) of one fake-tensor mode — then the traced program is pointed
+    back at the model's own tensors: a trace costs no memory for weights, a model built on the meta device (how a
+    model larger than this machine is planned) traces like any other, on the CPU, and the exporter's caches never
+    hold the model's tensors, which the engine later materialises or releases in place
+    (:func:`torch.utils.swap_tensors` refuses tensors with weak references). The fakes live on the model's
+    device, so autocast applies as it will at run time and the traced dtypes are the real ones."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"trace() needs a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(args, (tuple, list)):
         args = (args,)
     kwargs = dict(kwargs or {})
-    shadow = _weightless_copy(model)
-    args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (tuple(args), kwargs))
+    device = next((t.device for t in itertools.chain(model.parameters(), model.buffers()) if not t.is_meta),
+                  torch.device("cpu"))
+    mode = FakeTensorMode()
+    shadow = _weightless_copy(model, mode, device)
+    with mode:
+        args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: torch.empty(t.shape, dtype=t.dtype, device=device),
+                                            (tuple(args), kwargs))
     ep = _export(shadow, tuple(args), kwargs)
     gm = ep.module()
     _point_at(gm, model)
-    for graph_module in graph_modules(gm):  # device constants the trace baked in: meta, to be retargeted
+    for graph_module in graph_modules(gm):  # the device constants the trace baked in, for set_device
         for node in graph_module.graph.nodes:
             spots = [k for k, v in itertools.chain(enumerate(node.args), node.kwargs.items())
-                     if isinstance(v, torch.device) and v.type == "meta"]
+                     if isinstance(v, torch.device) and v == device]
             if spots:
                 node.meta[DEVICE_ARGS] = spots
-    home = next((t.device for t in itertools.chain(model.parameters(), model.buffers()) if not t.is_meta), "cpu")
-    set_device(gm, home)
     return build_graph(gm, ep.call_spec.in_spec, ep.call_spec.out_spec, model.training)
 
 
-def _weightless_copy(model: torch.nn.Module) -> torch.nn.Module:
-    """A deep copy of ``model`` whose parameters and buffers are meta tensors of the same shapes (tied ones
-    stay tied): the module structure and Python state without a byte of weights."""
+def _weightless_copy(model: torch.nn.Module, mode: FakeTensorMode, device: torch.device) -> torch.nn.Module:
+    """A deep copy of ``model`` whose parameters and buffers are fake tensors of ``mode`` on ``device`` with
+    the same shapes and dtypes (tied ones stay tied): the module structure and Python state, no weights."""
     memo: dict[int, Any] = {}
-    for t in itertools.chain(model.parameters(), model.buffers()):
-        if id(t) not in memo:
-            empty = torch.empty_like(t, device="meta")
-            memo[id(t)] = torch.nn.Parameter(empty, t.requires_grad) if isinstance(t, torch.nn.Parameter) else empty
+    with mode:
+        for t in itertools.chain(model.parameters(), model.buffers()):
+            if id(t) not in memo:
+                empty = torch.empty(t.shape, dtype=t.dtype, device=device)
+                memo[id(t)] = torch.nn.Parameter(empty, t.requires_grad) if isinstance(t, torch.nn.Parameter) else empty
     return copy.deepcopy(model, memo)
 
 

@@ -5,8 +5,8 @@ The picture is the space-time diagram that GPipe (Huang et al. 2019, arXiv:1811.
 one bar per forward (F), backward (B) or weight-grad (W, Qi et al. 2023, arXiv:2401.10241) pass.
 The same ``Event`` list comes from real runs (``Recorder``, which also keeps ``Counter`` samples such as
 memory, and the waits, sends and steps around the passes) and from ``pipeline.simulate``, and goes out as
-a Chrome trace (opens in Perfetto / chrome://tracing) or a PNG Gantt chart (one or more panels on one time
-scale: a measured step above its simulated prediction).
+a Chrome trace (opens in Perfetto / chrome://tracing), a PNG Gantt chart (one or more panels on one time
+scale: a measured step above its simulated prediction), or text for a terminal.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 
 from .schedule import Action
 
-__all__ = ["Event", "Counter", "Recorder", "to_chrome_trace", "to_png", "to_png_panels", "load_events",
+__all__ = ["Event", "Counter", "Recorder", "to_chrome_trace", "to_png", "to_png_panels", "to_text", "load_events",
            "load_trace", "THREAD_TID"]
 
 _COLOURS = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868", "wait": "#C44E52"}
@@ -32,6 +32,7 @@ _LABELS = {"F": "forward", "B": "backward", "W": "weight grad", "wait": "receive
 # A rank's events from other threads than its pipeline's (the @smp.step function's) get their own track:
 # Chrome-trace tid = rank + thread * THREAD_TID, so they never overlap the pipeline's nested spans.
 THREAD_TID = 1 << 20
+_BACKWARD_LETTERS = "abcdefghij"  # microbatch k's backward in to_text, k mod 10
 
 
 @dataclass(frozen=True)
@@ -274,3 +275,34 @@ def _gantt(ax: Any, events: Sequence[Event], span: float, width_px: float, heigh
         handles=[Patch(color=_COLOURS.get(k, _OTHER_COLOUR), label=_LABELS.get(k, "other")) for k in kinds],
         loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=len(kinds), frameon=False, fontsize=8,
     )
+
+def to_text(events: Sequence[Event], width: int = 96) -> str:
+    """The space-time diagram as text, one row per rank (rank 0 first), time left to right in ``width``
+    columns: the digit k is a forward of microbatch k (mod 10), the letter a-j its backward, ``w`` a
+    weight-gradient pass, ``#`` any other span, ``.`` idle. Sends and receives are instants and not drawn.
+
+        rank  0 |0011..aabb..|
+        rank  1 |..0011aabb..|
+
+    Returns "" when there is nothing to draw."""
+    if not events:
+        return ""
+    origin = min(e.start for e in events)
+    span = max(e.end for e in events) - origin
+    if span <= 0:
+        return ""
+    ranks = sorted({e.rank for e in events})
+    rows = {rank: ["."] * width for rank in ranks}
+    for e in events:
+        kind, label = _kind_and_label(e.action)
+        if kind in ("F", "B", "W"):
+            mb = int(label) % 10
+            ch = str(mb) if kind == "F" else _BACKWARD_LETTERS[mb] if kind == "B" else "w"
+        elif kind:
+            continue  # a transfer
+        else:
+            ch = "#"
+        a = int(round((e.start - origin) / span * width))
+        b = max(a + 1, int(round((e.end - origin) / span * width)))
+        rows[e.rank][a:min(b, width)] = [ch] * (min(b, width) - a)
+    return "\n".join(f"rank {r:>2} |{''.join(rows[r])}|" for r in ranks)

@@ -13,44 +13,52 @@
 
     loss = train_step(model, x, y).reduce_mean()
     optimizer.step()
+
+The names below are imported on first use (PEP 562, :mod:`partitioner.lazy`): ``import smp`` and the ``smp``
+command's ``--help`` do not import torch.
 """
-from . import amp, nn, optimizers, utils
-from .checkpoint import load, save
-from .commit import CheckpointError
-from .comm import (
-                   CommGroup,
-                   RankType,
-                   allgather,
-                   barrier,
-                   broadcast,
-                   dp_rank,
-                   dp_size,
-                   get_dp_group,
-                   get_dp_process_group,
-                   get_mp_group,
-                   get_pp_process_group,
-                   local_rank,
-                   local_size,
-                   mp_rank,
-                   mp_size,
-                   pp_rank,
-                   pp_size,
-                   rank,
-                   rdp_rank,
-                   rdp_size,
-                   recv_from,
-                   send,
-                   size,
-)
-from .compat import NoEffectWarning
-from .config import Config, ConfigError
-from .model import DistributedModel, partition, set_activation_checkpointing, set_partition
-from .optimizer import DistributedOptimizer
-from .state import init, is_initialized
-from .profiling import annotate, profile
-from .step import StepOutput, step
-from .tagged_checkpoint import resume_from_checkpoint, save_checkpoint
-from .tensor_parallel import tensor_parallelism
+from typing import TYPE_CHECKING
+
+from partitioner.lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from . import amp, nn, optimizers, utils
+    from .checkpoint import load, save
+    from .comm import (
+        CommGroup,
+        RankType,
+        allgather,
+        barrier,
+        broadcast,
+        dp_rank,
+        dp_size,
+        get_dp_group,
+        get_dp_process_group,
+        get_mp_group,
+        get_pp_process_group,
+        local_rank,
+        local_size,
+        mp_rank,
+        mp_size,
+        pp_rank,
+        pp_size,
+        rank,
+        rdp_rank,
+        rdp_size,
+        recv_from,
+        send,
+        size,
+    )
+    from .commit import CheckpointError
+    from .compat import NoEffectWarning
+    from .config import Config, ConfigError
+    from .model import DistributedModel, partition, set_activation_checkpointing, set_partition
+    from .optimizer import DistributedOptimizer
+    from .profiling import annotate, profile
+    from .state import init, is_initialized
+    from .step import StepOutput, step
+    from .tagged_checkpoint import resume_from_checkpoint, save_checkpoint
+    from .tensor_parallel import tensor_parallelism
 
 __version__ = "0.1.0"  # pyproject.toml reads it from here
 
@@ -64,3 +72,5 @@ __all__ = [
     "nn", "optimizers", "utils", "tensor_parallelism", "NoEffectWarning", "__version__",
     "profile", "annotate",
 ]
+
+__getattr__, __dir__ = lazy_exports(__name__)

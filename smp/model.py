@@ -9,6 +9,7 @@ built over ``model.parameters()`` and ``state_dict`` keys work unchanged.
 """
 from __future__ import annotations
 
+import importlib
 import warnings
 from collections import OrderedDict
 from contextlib import contextmanager, nullcontext
@@ -25,10 +26,10 @@ from partitioner.program import flatten_inputs
 from pipeline import PipelineRunner
 
 from . import precision, state
-from . import step as step_mod
 from .commit import CheckpointError
 from .planning import shared_plan
 from .state_dicts import key_error, on_cpu
+step_mod = importlib.import_module(".step", __package__)  # by name: smp.step is the decorator (partitioner.lazy)
 
 __all__ = ["DistributedModel", "partition", "set_partition", "set_activation_checkpointing"]
 

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.schedule import Action, zero_bubble_h1
+from pipeline.schedule import Action, make_schedule, zero_bubble_h1
 from pipeline.simulate import simulate
-from pipeline.timeline import Event, Recorder, load_events, to_chrome_trace, to_png
+from pipeline.timeline import Event, Recorder, load_events, to_chrome_trace, to_png, to_text
 
 
 @pytest.fixture(scope="module")
@@ -109,3 +109,24 @@ def test_png_panels_share_one_time_scale(events: list[Event], tmp_path: Path) ->
     assert path.read_bytes()[:4] == b"\x89PNG"
     with pytest.raises(ValueError, match="at least one event"):
         to_png_panels([("empty", [])], path)
+
+
+def test_text_timeline_draws_each_pass_where_it_runs() -> None:
+    """1F1B on 2 ranks, backward twice the forward: rank 1 starts one forward late, and each rank's row holds
+    every microbatch's forward (digit) before its backward (letter)."""
+    text = to_text(simulate(make_schedule("1f1b", 2, 4), 1e-3, 2e-3).events, width=48)
+    rows = text.splitlines()
+    assert [r[:9] for r in rows] == ["rank  0 |", "rank  1 |"] and all(len(r) == 9 + 48 + 1 for r in rows)
+    zero, one = rows[0][9:-1], rows[1][9:-1]
+    assert zero.startswith("000111") and one.startswith("...000")
+    for row in (zero, one):
+        for k, letter in zip("0123", "abcd"):
+            assert row.index(k) < row.index(letter)
+    assert set(zero + one) == set("0123abcd.")
+
+
+def test_text_timeline_marks_weight_grads_and_other_spans(events: list[Event]) -> None:
+    assert "w" in to_text(events)  # ZB-H1 splits out the weight gradients
+    spans = [Event(0, "optimizer", 0.0, 1.0), Event(1, "F12@s1", 0.5, 1.0)]
+    assert to_text(spans, width=10) == "rank  0 |##########|\nrank  1 |.....22222|"
+    assert to_text([]) == ""

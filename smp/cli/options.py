@@ -1,0 +1,178 @@
+"""The arguments of the ``smp`` commands, and the one :class:`Options` object a plan request becomes.
+
+The partitioner's options are not copied here: the arguments that set them are named after the fields of
+:class:`partitioner.PartitionOptions` and left out of the namespace unless given, so :meth:`Options.from_args`
+hands them over unchanged and the partitioner applies its own defaults and checks. ``--pipeline`` takes
+SMP's names (:data:`pipeline.schedule.SMP_PIPELINES`). Argument types only read text, with
+:mod:`partitioner.units` for sizes and durations; nothing here imports torch until a command runs.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import math
+import os
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+from partitioner.units import parse_duration, parse_size
+
+from .errors import CLIError
+from .limits import DEFAULT_MAX_ACTIONS
+
+__all__ = ["Options", "Parser", "add_target_args", "add_plan_args", "positive_int", "size", "duration",
+           "check_output"]
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with one-line errors that point at the right ``--help``, and values such as ``-1GB``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # argparse takes any token that starts with '-' for an option unless it is a plain negative number,
+        # so `--device-memory -1GB` would lose its value; none of our options starts with a digit.
+        self._negative_number_matcher = re.compile(r"^-\.?\d")
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        """Raise the parse error as a CLIError instead of printing usage and exiting."""
+        raise CLIError(f"{message} (see '{self.prog} --help')")
+
+
+def _typed(convert: Callable[[str], Any]) -> Callable[[str], Any]:
+    """An argparse type whose ValueError message is shown as is (argparse would replace it)."""
+    @functools.wraps(convert)
+    def parse(text: str) -> Any:
+        try:
+            return convert(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return parse
+
+
+def _positive_int(text: str) -> int:
+    """``"4"`` or ``"3e7"`` -> the integer; zero, negative, fractional and non-finite text is an error."""
+    try:
+        value = int(text)
+    except ValueError:
+        try:
+            number = float(text)
+        except ValueError:
+            number = math.nan
+        if not math.isfinite(number) or number != int(number):
+            raise ValueError(f"{text!r} is not an integer") from None
+        value = int(number)
+    if value < 1:
+        raise ValueError(f"{text!r} must be a positive integer")
+    return value
+
+
+def _weight(text: str) -> float:
+    """``"0.2"`` -> 0.2; anything outside [0, 1] (NaN included) is an error."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"{text!r} is not a number") from None
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"{text!r} must be between 0 and 1")
+    return value
+
+
+positive_int = _typed(_positive_int)
+size = _typed(parse_size)
+duration = _typed(parse_duration)
+memory_weight = _typed(_weight)
+
+
+def add_target_args(p: argparse.ArgumentParser) -> None:
+    """TARGET and how to build a zoo model."""
+    p.add_argument("target", metavar="TARGET",
+                   help="zoo:NAME (gpt2, bert, vit, resnet, t5, mlp, unet, inception) or path/to/file.py:factory, "
+                        "a function returning (model, example_args) or (model, args, kwargs); the example inputs "
+                        "are one microbatch")
+    p.add_argument("--size", choices=("small", "base"), default="small", help="zoo model size (default small)")
+    p.add_argument("--batch", type=positive_int, default=4, help="zoo microbatch size (default 4)")
+    p.add_argument("--quiet", "-q", action="store_true", help="no progress lines on stderr")
+
+
+def add_plan_args(p: argparse.ArgumentParser, *, microbatches_required: bool = False) -> None:
+    """The plan request; the partitioner's options are absent from the namespace unless given."""
+    keep = argparse.SUPPRESS
+    p.add_argument("--partitions", "-p", type=positive_int, required=True, help="pipeline stages")
+    p.add_argument("--microbatches", "-m", type=positive_int, required=microbatches_required, default=keep,
+                   help="microbatches per step" + ("" if microbatches_required else " (default 1)"))
+    p.add_argument("--pipeline", dest="smp_pipeline", metavar="NAME", default="interleaved",
+                   help="SMP's pipeline names: interleaved = 1F1B (default), simple = GPipe")
+    p.add_argument("--method", metavar="NAME", default=keep,
+                   help="partitioner: auto (default, the best of dp and metis), dp or metis")
+    p.add_argument("--memory-weight", type=memory_weight, default=keep,
+                   help="0..1, how much memory balance counts next to time (SMP's memory_weight, default 0.2)")
+    p.add_argument("--device-memory", metavar="SIZE", type=size, default=keep,
+                   help="per-device memory budget, e.g. 16GiB or 512MB (default: no limit)")
+    p.add_argument("--optimizer", metavar="NAME", default=keep,
+                   help="optimizer whose state counts in memory: adam (default), adamw, sgd or none")
+    p.add_argument("--max-actions", type=positive_int, default=DEFAULT_MAX_ACTIONS,
+                   help=f"refuse to simulate more schedule actions (stages x microbatches x passes, all schedules "
+                        f"together) than this (default {DEFAULT_MAX_ACTIONS:.0e}, a few minutes and GB)")
+
+
+def check_output(path: str | None, flag: str, exts: Sequence[str]) -> None:
+    """Check an output file's extension and folder before any work is done."""
+    if path is None:
+        return
+    ext = os.path.splitext(path)[1].lower()
+    if ext not in exts:
+        raise CLIError(f"{flag} {path!r}: the file name must end in {' or '.join(exts)}")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise CLIError(f"{flag} {path!r}: folder {folder!r} does not exist")
+
+
+@dataclass(frozen=True, init=False)
+class Options:
+    """A plan request: ``partitions`` stages under ``partition``, the :class:`partitioner.PartitionOptions`
+    (microbatches and schedule included), for the pipeline SMP calls ``pipeline``; ``measure_stages`` also
+    times each stage for real; ``max_actions`` bounds the simulation.
+
+    ``Options(4, microbatches=8, memory_weight=0)``: keywords other than these go to PartitionOptions."""
+
+    partitions: int
+    partition: Any
+    pipeline: str
+    measure_stages: bool
+    max_actions: int
+
+    def __init__(self, partitions: int, pipeline: str = "interleaved", *, measure_stages: bool = False,
+                 max_actions: int = DEFAULT_MAX_ACTIONS, **partition: Any) -> None:
+        from partitioner.options import PartitionOptions
+        from pipeline.schedule import SMP_PIPELINES
+
+        if pipeline not in SMP_PIPELINES:
+            raise CLIError(f"--pipeline {pipeline!r}: SMP's pipelines are {' and '.join(SMP_PIPELINES)}")
+        try:
+            options = PartitionOptions.of(pipeline=SMP_PIPELINES[pipeline], **partition)
+        except (TypeError, ValueError) as exc:
+            raise CLIError(str(exc)) from None
+        for name, value in (("partitions", partitions), ("partition", options), ("pipeline", pipeline),
+                            ("measure_stages", measure_stages), ("max_actions", max_actions)):
+            object.__setattr__(self, name, value)
+
+    @classmethod
+    def from_args(cls, ns: argparse.Namespace) -> "Options":
+        """The options of a parsed command line (arguments named after PartitionOptions fields pass through)."""
+        from partitioner.options import PartitionOptions
+
+        given = {f.name: getattr(ns, f.name) for f in fields(PartitionOptions) if hasattr(ns, f.name)}
+        return cls(ns.partitions, ns.smp_pipeline, measure_stages=getattr(ns, "measure_stages", False),
+                   max_actions=getattr(ns, "max_actions", DEFAULT_MAX_ACTIONS), **given)
+
+    @property
+    def microbatches(self) -> int:
+        """Microbatches per step."""
+        return self.partition.microbatches
+
+    @property
+    def schedule(self) -> str:
+        """The schedule's name in :mod:`pipeline.schedule` (``1f1b`` or ``gpipe``)."""
+        return self.partition.pipeline

@@ -1,0 +1,121 @@
+"""Stage costs and links for ``smp simulate``: what each of P stages costs per microbatch, and each boundary.
+
+Up to ``EXACT_MAX_STAGES`` stages (and no more than the model has ops) the costs are a real plan's. Beyond
+that no real plan is made: every stage gets the model's total forward and backward time divided by P, as if
+the model were proportionally deeper, and every boundary carries the mean boundary of a real plan of up to 16
+stages. A boundary costs nothing between stages on one rank, the plan's link within a node, and the
+inter-node link between nodes (ranks fill nodes in order, SMP's "cluster" placement).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from partitioner.units import format_bytes
+
+from .analysis import simulate_stages, stage_of_ops
+from .options import Options
+from .text import ms
+
+__all__ = ["EXACT_MAX_STAGES", "PipelineCosts", "pipeline_costs", "sim_row"]
+
+# Above this many stages `smp simulate` prices stages as total / P instead of partitioning for real.
+EXACT_MAX_STAGES = 64
+
+
+@dataclass
+class PipelineCosts:
+    """Per-stage forward/backward seconds and per-boundary bytes of a pipeline to simulate."""
+
+    forward_s: list[float]
+    backward_s: list[float]
+    deps: list[tuple[int, int]]
+    edge_bytes: dict[tuple[int, int], tuple[int, int]]
+    exact: bool
+    note: str = ""
+    rates: dict[str, float] = field(default_factory=dict)
+    act_bytes: list[float] = field(default_factory=list)  # activations one microbatch leaves on each stage
+
+
+def pipeline_costs(graph: Any, opts: Options, stages: int, *, exact: bool = True) -> PipelineCosts:
+    """A real plan for ``stages`` stages when ``exact`` and ``stages <= min(ops, EXACT_MAX_STAGES)``; otherwise
+    the model's totals scaled to total / P per stage, with the mean boundary of a real plan of up to 16 stages."""
+    import numpy as np
+
+    from partitioner import partition
+    from partitioner.objective import stage_crossings
+
+    ops = sum(k != "output" for k in graph.kinds)
+
+    def acts(plan: Any) -> list[float]:
+        return np.bincount(stage_of_ops(plan, graph), weights=graph.act_bytes, minlength=plan.num_stages).tolist()
+
+    if exact and stages <= min(ops, EXACT_MAX_STAGES):
+        plan = partition(graph, stages, opts.partition)
+        crossing = stage_crossings(graph, stage_of_ops(plan, graph), stages)
+        return PipelineCosts([s.forward_s for s in plan.stages], [s.backward_s for s in plan.stages],
+                             sorted(crossing), crossing, True,
+                             f"a real {stages}-stage plan ({plan.method}, balance {plan.balance:.3f})", plan.rates,
+                             acts(plan))
+    k0 = max(1, min(ops, 16, stages))
+    plan = partition(graph, k0, opts.partition, device_memory=None)
+    fwd = sum(s.forward_s for s in plan.stages)
+    bwd = sum(s.backward_s for s in plan.stages)
+    crossing = stage_crossings(graph, stage_of_ops(plan, graph), k0)
+    per_boundary = plan.cut_bytes / max(k0 - 1, 1)
+    tensors = max(1, round(sum(c for _, c in crossing.values()) / max(k0 - 1, 1)))
+    why = (f"P={stages} > the model's {ops} ops, so no real plan exists" if stages > ops
+           else f"P={stages} > {EXACT_MAX_STAGES}")
+    deeper = f", as if the model were {stages / ops:.1f}x deeper" if stages > ops else ""
+    note = (f"{why}: every stage gets total/P = ({ms(fwd)} + {ms(bwd)} ms)/{stages} per microbatch{deeper}; "
+            f"each boundary carries {format_bytes(per_boundary)}, the mean boundary of a real {k0}-stage plan")
+    chain = [(s, s + 1) for s in range(stages - 1)]
+    total_act = float(graph.act_bytes.sum())
+    return PipelineCosts([fwd / stages] * stages, [bwd / stages] * stages, chain,
+                         {e: (int(per_boundary), tensors) for e in chain}, False, note, plan.rates,
+                         [total_act / stages] * stages)
+
+
+def _link_comm(costs: PipelineCosts, stage_rank: Sequence[int], ranks_per_node: int,
+               inter_bw: float, inter_lat: float) -> dict[tuple[int, int], float]:
+    """Seconds per boundary: 0 on one rank, the plan's link within a node, the inter-node link across."""
+    from partitioner import DeviceRates
+
+    intra = DeviceRates(**costs.rates) if costs.rates else DeviceRates()
+    inter = DeviceRates(link_bytes_per_s=inter_bw, link_latency_s=inter_lat)
+    comm = {}
+    for (s, t), (b, c) in costs.edge_bytes.items():
+        ra, rb = stage_rank[s], stage_rank[t]
+        if ra == rb:
+            comm[(s, t)] = 0.0
+        else:
+            link = intra if ra // ranks_per_node == rb // ranks_per_node else inter
+            comm[(s, t)] = link.comm_s(b, messages=c)
+    return comm
+
+
+def _peak_activation_bytes(schedule: Any, act_bytes: Sequence[float]) -> float:
+    """The most activation bytes a rank holds: per rank, its stages' activations at their peaks in flight
+    (:func:`pipeline.schedule.peak_in_flight`; with several stages per rank, an upper bound)."""
+    from pipeline.schedule import peak_in_flight
+
+    held = [0.0] * schedule.num_ranks
+    for s, peak in enumerate(peak_in_flight(schedule)):
+        held[schedule.stage_to_rank[s]] += peak * act_bytes[s]
+    return max(held)
+
+
+def sim_row(name: str, costs: PipelineCosts, microbatches: int, ranks: int, ranks_per_node: int,
+            inter: tuple[float, float], virtual: int = 1) -> dict[str, Any]:
+    """Simulate one schedule (zero-bubble splits each backward into equal B and W halves): step, bubble,
+    throughput and peak activations per rank, as the JSON row of that schedule."""
+    fwd, bwd = costs.forward_s, costs.backward_s
+    stage_rank = [s % ranks for s in range(len(fwd))]
+    comm = _link_comm(costs, stage_rank, ranks_per_node, *inter)
+    sim = simulate_stages(name, microbatches, fwd, bwd, deps=costs.deps, comm=comm, num_ranks=ranks,
+                          virtual_stages=virtual)
+    peak = _peak_activation_bytes(sim.schedule, costs.act_bytes) if costs.act_bytes else None
+    return {"schedule": name, "virtual_stages": virtual, "predicted_step_s": sim.step_s, "bubble": sim.bubble,
+            "throughput_microbatches_per_s": microbatches / sim.step_s if sim.step_s > 0 else 0.0,
+            "peak_activation_bytes": peak}

@@ -1,0 +1,171 @@
+"""TARGET: the model a command works on, with one example microbatch, as named on the command line.
+
+``zoo:NAME`` builds a model of :mod:`smp.zoo` (random weights, nothing downloaded); ``path/to/file.py:factory``
+imports the file and calls the function, which returns ``(model, example_args)`` or ``(model, args, kwargs)``.
+Everything that can go wrong in the user's file (a syntax error, an exception, ``sys.exit``, a wrong return
+value) becomes a :class:`~smp.cli.errors.CLIError` that names the file and the factory.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import inspect
+import io
+import logging
+import os
+import re
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import CLIError
+
+__all__ = ["Target", "parse_target", "load_target", "trace_target"]
+
+SHAPE = "(model, example_args) or (model, args, kwargs)"
+
+
+@dataclass
+class Target:
+    """A model with one example microbatch, as named on the command line."""
+
+    spec: str
+    model: Any
+    args: tuple
+    kwargs: dict
+    blocks: str = ""
+
+
+def parse_target(spec: str) -> tuple[str, str]:
+    """``zoo:gpt2`` -> ("zoo", "gpt2"); ``models/net.py:build`` -> ("models/net.py", "build")."""
+    spec = spec.strip()
+    if spec.startswith("zoo:"):
+        name = spec[4:]
+        if not name:
+            raise CLIError("TARGET 'zoo:' names no model: write zoo:NAME, e.g. zoo:gpt2")
+        return "zoo", name
+    if ":" not in spec:
+        if spec.endswith(".py"):
+            raise CLIError(f"TARGET {spec!r} names no factory: write {spec}:FUNCTION, where FUNCTION() returns {SHAPE}")
+        raise CLIError(f"TARGET {spec!r} is neither zoo:NAME nor path/to/file.py:factory (did you mean zoo:{spec}?)")
+    path, factory = spec.rsplit(":", 1)
+    if not path or not factory:
+        raise CLIError(f"TARGET {spec!r} must look like path/to/file.py:factory")
+    return path, factory
+
+
+def load_target(spec: str, *, size: str = "small", batch: int = 4,
+                progress: Callable[[str], None] = lambda m: None) -> Target:
+    """Build the model and its example inputs named by ``spec`` (see :func:`parse_target`)."""
+    where, name = parse_target(spec)
+    if where == "zoo":
+        progress(f"building {spec} ({size}, batch {batch})")
+        from smp import zoo
+
+        if name not in zoo.NAMES:
+            raise CLIError(f"unknown zoo model {name!r} in TARGET {spec!r}; built-in models: {', '.join(zoo.NAMES)}")
+        try:
+            z = zoo.build(name, batch=batch, size=size)
+        except ImportError as exc:
+            raise CLIError(f"zoo:{name} needs a missing package ({exc}); install it with pip install "
+                           "'smp-engine[zoo]'") from None
+        return Target(spec, z.model, tuple(z.args), dict(z.kwargs), z.blocks)
+    return _load_factory(spec, where, name, progress)
+
+
+def _import_file(spec: str, path: str) -> Any:
+    """The user's file as a module; its folder goes on ``sys.path`` so that it can import its neighbours."""
+    if not os.path.exists(path):
+        raise CLIError(f"TARGET {spec!r}: no such file {path!r}")
+    if not os.path.isfile(path):
+        raise CLIError(f"TARGET {spec!r}: {path!r} is not a file")
+    mod_name = "_smp_target_" + re.sub(r"\W", "_", os.path.splitext(os.path.basename(path))[0])
+    folder = os.path.dirname(os.path.abspath(path))
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    module_spec = importlib.util.spec_from_file_location(mod_name, path)
+    if module_spec is None or module_spec.loader is None:
+        raise CLIError(f"TARGET {spec!r}: cannot import {path!r} as Python (is it a .py file?)")
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[mod_name] = module
+    try:
+        module_spec.loader.exec_module(module)
+    except SyntaxError as exc:
+        raise CLIError(f"cannot import {path}: SyntaxError at line {exc.lineno}: {exc.msg}") from None
+    except SystemExit as exc:
+        raise CLIError(f"cannot import {path}: it called sys.exit({exc.code!r}) while being imported; keep "
+                       "script code under if __name__ == '__main__':") from None
+    except Exception as exc:
+        raise CLIError(f"cannot import {path}: {type(exc).__name__}: {_first_line(exc)}") from None
+    return module
+
+
+def _missing_factory(spec: str, path: str, factory: str, module: Any) -> CLIError:
+    """The error for a factory the file does not define, listing what it does define."""
+    mine = {k: v for k, v in vars(module).items()
+            if not k.startswith("_") and callable(v) and getattr(v, "__module__", None) == module.__name__}
+    functions = sorted(k for k, v in mine.items() if not inspect.isclass(v))
+    classes = sorted(k for k, v in mine.items() if inspect.isclass(v))
+    hint = f"; functions defined there: {', '.join(functions)}" if functions else "; it defines no functions"
+    if classes:
+        hint += f" (classes, not factories: {', '.join(classes)})"
+    return CLIError(f"TARGET {spec!r}: {path} has no function {factory!r}{hint}")
+
+
+def _load_factory(spec: str, path: str, factory: str, progress: Callable[[str], None]) -> Target:
+    progress(f"importing {path}")
+    module = _import_file(spec, path)
+    fn = getattr(module, factory, None)
+    if fn is None:
+        raise _missing_factory(spec, path, factory, module)
+    if not callable(fn):
+        raise CLIError(f"TARGET {spec!r}: {factory!r} in {path} is a {type(fn).__name__}, not a function")
+    progress(f"calling {factory}()")
+    try:
+        result = fn()
+    except SystemExit as exc:
+        raise CLIError(f"{path}:{factory}() called sys.exit({exc.code!r}); a factory must return {SHAPE}") from None
+    except Exception as exc:
+        raise CLIError(f"{path}:{factory}() raised {type(exc).__name__}: {_first_line(exc)}") from None
+    import torch
+
+    if not isinstance(result, (tuple, list)) or len(result) not in (2, 3):
+        raise CLIError(f"{path}:{factory}() returned {type(result).__name__}; it must return {SHAPE}")
+    model, args = result[0], result[1]
+    kwargs = result[2] if len(result) == 3 else {}
+    if not isinstance(model, torch.nn.Module):
+        raise CLIError(f"{path}:{factory}() returned a {type(model).__name__} as the model; it must be a "
+                       f"torch.nn.Module ({SHAPE})")
+    if not isinstance(args, (tuple, list)):
+        args = (args,)
+    if kwargs is None:
+        kwargs = {}
+    if not isinstance(kwargs, dict):
+        raise CLIError(f"{path}:{factory}() returned {type(kwargs).__name__} as kwargs; it must be a dict")
+    return Target(spec, model, tuple(args), dict(kwargs))
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def trace_target(target: Target, progress: Callable[[str], None]) -> Any:
+    """The target's :class:`partitioner.OpGraph`; torch.export's own logs are kept out of the terminal."""
+    import partitioner
+
+    progress(f"tracing {target.spec} with torch.export")
+    # torch.export logs pages of warnings and graph dumps before it raises; the one-line error says what went
+    # wrong and how to fix it (SMP_TRACEBACK=1 keeps the logs and shows the traceback).
+    if os.environ.get("SMP_TRACEBACK"):
+        graph = partitioner.trace(target.model, target.args, target.kwargs)
+    else:
+        logging.disable(logging.CRITICAL)
+        try:
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+                graph = partitioner.trace(target.model, target.args, target.kwargs)
+        finally:
+            logging.disable(logging.NOTSET)
+    progress(f"traced {graph.describe()}")
+    return graph

@@ -1,0 +1,17 @@
+"""``smp demo``: GPT-2's plan, its simulated schedule as text, and pipelined training (slow)."""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tests.cli.helpers import ok, smp
+
+
+@pytest.mark.slow
+def test_demo_prints_plan_schedule_and_trains() -> None:
+    out = ok(smp("demo", timeout=600))
+    assert "GPT-2" in out and "lower bound" in out and "simulated schedule" in out
+    assert re.search(r"rank  0 \|[0-9a-j.]+\|", out) and re.search(r"rank  1 \|[0-9a-j.]+\|", out)
+    losses = [float(x) for x in re.findall(r"step\s+\d+/\d+\s+loss ([0-9.]+)", out)]
+    assert len(losses) == 8 and losses[-1] < losses[0], out

@@ -1,0 +1,72 @@
+"""``smp inspect`` (:mod:`smp.cli.inspect`), run as a user runs it: the report, the plan JSON and its round trip,
+the pictures, ``--measure``, and a ``file.py:factory`` target. GPT-2 is marked slow."""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.cli.helpers import check_dot, check_plan_json, check_png, ok, smp
+
+
+def test_inspect_zoo_writes_json_graph_and_timeline(tmp_path: Path) -> None:
+    result = smp("inspect", "zoo:mlp", "--partitions", "3", "--microbatches", "4",
+                 "--json", str(tmp_path / "plan.json"),
+                 "--graph", str(tmp_path / "graph.png"), "--timeline", str(tmp_path / "timeline.png"))
+    out = ok(result)
+    for needle in ("stage", "modules", "total", "lower bound", "balance", "predicted step", "bubble",
+                   "baselines", "uniform", "params", "layers"):
+        assert needle in out, needle
+    rows = [line for line in out.splitlines() if re.match(r"\s+\d+\s+\d+\s", line)]
+    assert len(rows) == 3, out
+    assert "smp: [" in result.stderr and "tracing" in result.stderr  # progress goes to stderr
+    data = check_plan_json(tmp_path / "plan.json", 3, 4, "interleaved")
+    assert data["target"] == "zoo:mlp"
+    assert all(s["measured_s"] is None for s in data["stages"])
+    check_png(tmp_path / "graph.png")
+    check_png(tmp_path / "timeline.png")
+
+
+def test_inspect_measure_dot_and_chrome_trace(tmp_path: Path, capsys) -> None:
+    from smp.cli import main  # in process, to keep the suite fast; the subprocess runs are above
+
+    assert main(["inspect", "zoo:mlp", "-p", "2", "-m", "3", "--pipeline", "simple", "--method", "metis",
+                 "--optimizer", "sgd", "--memory-weight", "0.5", "--measure", "--quiet",
+                 "--json", str(tmp_path / "plan.json"), "--graph", str(tmp_path / "graph.dot"),
+                 "--timeline", str(tmp_path / "trace.json")]) == 0
+    out = capsys.readouterr().out
+    assert "meas fwd" in out and "with measured stage times" in out and "simple (GPipe)" in out
+    data = check_plan_json(tmp_path / "plan.json", 2, 3, "simple")
+    assert data["method"] == "metis" and data["options"]["optimizer"] == "sgd"
+    assert data["options"]["memory_weight"] == 0.5 and data["options"]["pipeline"] == "gpipe"
+    assert all(s["measured_s"] > 0 for s in data["stages"])
+    assert len(data["measured"]["forward_s"]) == 2
+    check_dot(tmp_path / "graph.dot", 2)
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert len(spans) == 2 * 2 * 3  # F and B of 3 microbatches on 2 stages
+    assert {e["tid"] for e in spans} == {0, 1}
+
+
+def test_inspect_and_simulate_a_factory_target(tmp_path: Path, factory_file: Path) -> None:
+    out = ok(smp("inspect", f"{factory_file}:build_kwargs", "-p", "3", "-m", "2", "-q",
+                 "--json", str(tmp_path / "plan.json"), "--graph", str(tmp_path / "graph.svg")))
+    assert "blocks." in out
+    data = check_plan_json(tmp_path / "plan.json", 3, 2, "interleaved")
+    assert data["target"].endswith("mynet.py:build_kwargs")
+    assert (tmp_path / "graph.svg").read_text().lstrip().startswith(("<?xml", "<svg"))
+    out = ok(smp("simulate", f"{factory_file}:build", "-p", "2", "-m", "4", "--schedules", "1f1b", "-q"))
+    assert "a real 2-stage plan" in out and "winner" in out
+
+
+@pytest.mark.slow
+def test_inspect_gpt2_readme_command(tmp_path: Path) -> None:
+    out = ok(smp("inspect", "zoo:gpt2", "--partitions", "4", "--microbatches", "8", "--json",
+                 str(tmp_path / "plan.json"), "--graph", str(tmp_path / "g.png"),
+                 "--timeline", str(tmp_path / "t.png")))
+    assert "transformer.wte" in out and "lm_head" in out and "shared parameters" in out
+    check_plan_json(tmp_path / "plan.json", 4, 8, "interleaved")
+    check_png(tmp_path / "g.png")
+    check_png(tmp_path / "t.png")

@@ -1,0 +1,82 @@
+"""``smp launch`` (:mod:`smp.cli.launch`, :mod:`smp.cli.worker`): the torchrun command line, a real run on two
+ranks, and Ctrl-C (slow: torchrun starts real processes)."""
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.cli.helpers import REPO, ok, one_line_error, smp, smp_env
+
+
+def test_launch_builds_torchrun_arguments(tmp_path: Path, capsys) -> None:
+    from smp.cli import main
+
+    script = tmp_path / "train.py"
+    script.write_text("print('hi')\n")
+    out = ok(smp("launch", "-n", "4", "--dry-run", str(script), "--lr", "0.1"))
+    assert out.split() == ["torchrun", "--nproc-per-node", "4", "--standalone", str(script), "--lr", "0.1"]
+
+    def dry(*argv: str) -> list[str]:
+        assert main(["launch", *argv]) == 0
+        return capsys.readouterr().out.split()
+
+    assert dry("-n", "2", "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", "head:29500", "--dry-run",
+               str(script)) == ["torchrun", "--nproc-per-node", "2", "--nnodes", "2", "--node-rank", "1",
+                                "--rdzv-endpoint", "head:29500", str(script)]
+    out = " ".join(dry("-n", "2", "--master-addr", "10.0.0.1", "--master-port", "1234", "--nnodes", "2",
+                       "--dry-run", str(script)))
+    assert "--standalone" not in out and "--master-addr 10.0.0.1" in out and "--master-port 1234" in out
+
+
+@pytest.mark.slow
+def test_launch_runs_the_script_on_n_ranks(tmp_path: Path) -> None:
+    script = tmp_path / "ranks.py"
+    script.write_text("import os, sys\n"
+                      "open(os.path.join(sys.argv[1], 'rank' + os.environ['RANK']), 'w').write("
+                      "os.environ['WORLD_SIZE'] + ' ' + ' '.join(sys.argv[2:]))\n")
+    ok(smp("launch", "-n", "2", str(script), str(tmp_path), "--flag", "x"))
+    assert (tmp_path / "rank0").read_text() == (tmp_path / "rank1").read_text() == "2 --flag x"
+    bad = tmp_path / "bad.py"
+    bad.write_text("import os, sys\nsys.exit(3 if os.environ['RANK'] == '1' else 0)\n")
+    one_line_error(smp("launch", "-n", "2", str(bad)), "failed on local rank(s) 1")
+
+
+def test_each_rank_runs_the_script_as_main_and_ends_quietly_on_ctrl_c(tmp_path: Path) -> None:
+    """``python -m smp.cli.worker script args`` is ``python script args``, but Ctrl-C is exit 130, no traceback."""
+    script = tmp_path / "job.py"
+    (tmp_path / "helper.py").write_text("VALUE = 7\n")
+    script.write_text("import sys\nfrom helper import VALUE\nprint(__name__, VALUE, sys.argv[1:])\n"
+                      "if '--stop' in sys.argv: raise KeyboardInterrupt\n"
+                      "if '--fail' in sys.argv: sys.exit(5)\n")
+
+    def worker(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "smp.cli.worker", str(script), *args], capture_output=True,
+                              text=True, env=smp_env(), cwd=REPO, timeout=60)
+
+    done = worker("a", "--b")
+    assert (done.returncode, done.stdout) == (0, "__main__ 7 ['a', '--b']\n")
+    stopped = worker("--stop")
+    assert stopped.returncode == 130 and stopped.stderr == ""
+    assert worker("--fail").returncode == 5
+
+
+@pytest.mark.slow
+def test_ctrl_c_says_interrupted_once(tmp_path: Path) -> None:
+    script = tmp_path / "sleeper.py"
+    script.write_text("import os, time\nprint('rank', os.environ['RANK'], 'up', flush=True)\ntime.sleep(120)\n")
+    proc = subprocess.Popen([sys.executable, "-m", "smp.cli", "launch", "-n", "2", str(script)], cwd=REPO,
+                            env=smp_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        up = [proc.stdout.readline() for _ in range(2)]
+        assert all("up" in line for line in up), up
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "internal error" not in err, err
+    assert err.count("interrupted") == 1 and "smp: interrupted" in err, err

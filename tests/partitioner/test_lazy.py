@@ -1,0 +1,51 @@
+"""``partitioner.lazy``: ``import partitioner`` and ``import smp`` load nothing heavy, every public name still
+resolves, and a function named like its submodule (``partitioner.partition``, ``smp.step``) stays the function
+whatever is imported first. Each check runs in a fresh interpreter."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _python(code: str) -> None:
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+
+
+def test_packages_import_without_torch() -> None:
+    _python("import sys, partitioner, smp, partitioner.errors, partitioner.units\n"
+            "assert 'torch' not in sys.modules, 'torch imported'\n"
+            "assert {'partition', 'PartitionPlan'} <= set(dir(partitioner)) and 'DistributedModel' in dir(smp)")
+
+
+@pytest.mark.parametrize("first", ["import partitioner.partition", "from partitioner.partition import make_problem",
+                                   "import partitioner.measure, partitioner.trace, partitioner.split", ""])
+def test_exported_functions_win_over_their_submodules(first: str) -> None:
+    _python(f"{first}\nimport inspect, partitioner\n"
+            "for name in ('partition', 'trace', 'measure', 'split', 'calibrate'):\n"
+            "    value = getattr(partitioner, name)\n"
+            "    assert callable(value) and not inspect.ismodule(value), name\n"
+            "assert partitioner.objective.stage_crossings  # a submodule that is not exported loads on access\n"
+            "for name in partitioner.__all__:\n"
+            "    getattr(partitioner, name)")
+
+
+@pytest.mark.parametrize("first", ["from smp.step import StepOutput", "import smp.model", "import smp.step", ""])
+def test_smp_step_is_the_decorator_and_smp_model_its_module(first: str) -> None:
+    _python(f"{first}\nimport inspect, smp, smp.model\n"
+            "assert inspect.isfunction(smp.step) and smp.step.__module__ == 'smp.step'\n"
+            "assert inspect.ismodule(smp.model.step_mod) and smp.amp.__name__ == 'smp.amp'\n"
+            "assert [n for n in smp.__all__ if getattr(smp, n) is None] == []")
+
+
+def test_an_unknown_name_is_an_attribute_error() -> None:
+    _python("import smp\ntry:\n    smp.nope\nexcept AttributeError as exc:\n"
+            "    assert str(exc) == \"module 'smp' has no attribute 'nope'\"\nelse:\n    raise SystemExit(1)")

@@ -1,0 +1,74 @@
+"""A rank holds only its share (smp/materialize.py): weightless models materialise just the named tensors,
+initialised the way their modules say, the same on every rank and without touching the user's random
+streams; materialised models release the rest."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from smp.materialize import MaterializeError, delay_param_initialization, has_meta, materialize, release
+
+
+def _config() -> LlamaConfig:
+    return LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, max_position_embeddings=32, use_cache=False)
+
+
+def test_delayed_models_have_meta_parameters_and_real_buffers():
+    with delay_param_initialization():
+        model = LlamaForCausalLM(_config())
+        plain = torch.nn.Linear(4, 4)
+    assert all(p.is_meta for p in model.parameters()) and plain.weight.is_meta
+    assert not model.model.rotary_emb.inv_freq.is_meta  # small, computed at construction: kept
+    with delay_param_initialization(enabled=False):
+        assert not torch.nn.Linear(2, 2).weight.is_meta
+    assert not torch.nn.Linear(2, 2).weight.is_meta  # the patch is gone after the block
+
+
+def test_materialising_part_of_a_model_initialises_it_and_leaves_the_rest():
+    torch.manual_seed(1)
+    with delay_param_initialization():
+        model = LlamaForCausalLM(_config())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    rng = torch.get_rng_state()
+    mine = ["model.layers.1.mlp.up_proj.weight", "model.norm.weight", "lm_head.weight"]
+    assert materialize(model, mine, "cpu") == sorted(mine)
+    assert torch.equal(rng, torch.get_rng_state())  # the user's stream is untouched
+    assert model.model.norm.weight.eq(1).all()  # HF's _init_weights: norms start at one
+    std = float(model.model.layers[1].mlp.up_proj.weight.detach().std())
+    assert 0.01 < std < 0.03  # initializer_range 0.02
+    assert model.model.layers[0].mlp.up_proj.weight.is_meta and has_meta(model)
+    assert optimizer.param_groups[0]["params"][-1] is model.lm_head.weight  # same objects, now with data
+    # The same module gets the same values on whichever rank materialises it.
+    torch.manual_seed(1)
+    with delay_param_initialization():
+        again = LlamaForCausalLM(_config())
+    materialize(again, ["model.layers.1.mlp.up_proj.weight"], "cpu")
+    assert torch.equal(again.model.layers[1].mlp.up_proj.weight, model.model.layers[1].mlp.up_proj.weight)
+
+
+def test_plain_modules_use_reset_parameters_and_meta_buffers_need_an_initialiser():
+    with torch.device("meta"):
+        net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8))
+    materialize(net, ["0.weight", "0.bias", "1.weight", "1.bias", "1.running_mean", "1.running_var"], "cpu")
+    assert net[1].running_var.eq(1).all() and net[1].weight.eq(1).all() and net[0].weight.abs().max() <= 8 ** -0.5
+
+    class Rotary(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("freq", torch.arange(4.0), persistent=False)
+
+    with torch.device("meta"):
+        r = Rotary()
+    with pytest.raises(MaterializeError, match=r"freq were built on the meta device and no initialiser restores them"):
+        materialize(r, ["freq"], "cpu")
+
+
+def test_release_keeps_the_named_and_tied_tensors():
+    model = LlamaForCausalLM(LlamaConfig(**{**_config().to_dict(), "tie_word_embeddings": True}))
+    before = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    freed = release(model, ["lm_head.weight"])
+    assert not model.model.embed_tokens.weight.is_meta  # tied to the kept head
+    assert model.model.layers[0].self_attn.q_proj.weight.is_meta
+    assert 0 < freed < before
