@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from partitioner import PartitionPlan
+from partitioner.errors import EngineError
 from pipeline.profile_run import PROFILE_FILE, TRACE_FILE, predict, schedule_of
 from pipeline.schedule import Action, Schedule
 from pipeline.simulate import SimResult
@@ -37,7 +38,7 @@ from pipeline.timeline import Counter, Event, load_trace
 __all__ = ["Phases", "Measurements", "load_profile", "measure", "ProfileError"]
 
 
-class ProfileError(FileNotFoundError):
+class ProfileError(EngineError, FileNotFoundError):
     """A directory that holds no profile, or one this version cannot read."""
 
 

@@ -24,6 +24,7 @@ from partitioner import PartitionPlan
 from partitioner.split import split
 
 from . import state
+from .planning import smp_runner
 
 __all__ = ["migrate", "holdings"]
 
@@ -93,4 +94,4 @@ def migrate(model: Any, plan: PartitionPlan) -> None:
             t.grad = None
             if wrapped is not None:
                 wrapped.state.pop(t, None)
-    model.runner = model._runner(plan)
+    model.runner = smp_runner(plan, model._checkpointed_paths())

@@ -27,7 +27,7 @@ from pipeline import PipelineRunner
 
 from . import precision, state
 from .commit import CheckpointError
-from .planning import shared_plan
+from .planning import shared_plan, smp_runner
 from .state_dicts import key_error, on_cpu
 step_mod = importlib.import_module(".step", __package__)  # by name: smp.step is the decorator (partitioner.lazy)
 
@@ -200,26 +200,18 @@ class DistributedModel(torch.nn.Module):
 
     # -- partitioning ------------------------------------------------------------------------------------
     def _partition(self, call: "step_mod._Call") -> None:
-        pp = state.get().config.pipeline_parallel_degree
+        st = state.get()
+        cfg = st.config
+        pp = cfg.pipeline_parallel_degree
         # Trace under the step's autocast: the dtypes of the tensors that cross stages (the receive buffers)
         # come from the trace, and under autocast they are the low-precision ones.
         self._traced_autocast = call.autocast
         with torch.autocast(call.autocast[0], dtype=call.autocast[1]) if call.autocast else nullcontext():
             plan = self._make_plan(call, pp)
-        self.runner = self._runner(plan)
+        self.runner = smp_runner(plan, self._checkpointed_paths())
         self.partitioned = True
         for fn in self._post_partition_hooks:
             fn(self, state.get().optimizer)
-
-    def _runner(self, plan: PartitionPlan) -> PipelineRunner:
-        """This rank's pipeline of ``plan`` (at partitioning, and when re-partitioned in flight)."""
-        st = state.get()
-        cfg = st.config
-        return PipelineRunner(
-            plan, schedule=cfg.schedule, microbatches=cfg.microbatches,
-            max_in_flight=cfg.active_microbatches if cfg.schedule == "1f1b" else None,
-            pipelines=st.topology.mp_groups(), device=st.device,
-            checkpoint_modules=self._checkpointed_paths())
 
     def _make_plan(self, call: "step_mod._Call", pp: int) -> PartitionPlan:
         cfg = state.get().config

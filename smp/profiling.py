@@ -1,7 +1,7 @@
 """Profiling smp training (the module behind ``smp.profile``): ``smp.profile(dir)``, the config's ``"profile"`` key, ``smp.annotate(name)``.
 
 Every rank keeps one :class:`pipeline.profile.Profiler` per profile (the config's window of steps, or the
-steps inside a ``with smp.profile(dir):`` block). ``@smp.step`` calls :func:`stepping` around each step;
+steps inside a ``with smp.profile(dir):`` block). ``@smp.step`` runs each step through :func:`run_step`;
 it starts and ends the profiler's steps and hands its recorder to the pipeline, so the passes, waits, sends
 and receives of the step are recorded; ``DistributedOptimizer.step`` and ``smp.annotate`` blocks are
 recorded as spans of their own. When the window ends (or the block exits), rank 0 writes the profile
@@ -25,7 +25,7 @@ from pipeline.profile_run import run_description
 
 from . import state
 
-__all__ = ["profile", "annotate", "stepping", "span", "Session"]
+__all__ = ["profile", "annotate", "run_step", "span", "Session"]
 
 
 class Session:
@@ -98,17 +98,18 @@ def _session() -> Session:
     return st.profiling
 
 
-@contextmanager
-def stepping(model: Any) -> Iterator[None]:
-    """Around one ``@smp.step`` call (see the module docstring)."""
+def run_step(model: Any, run: Any) -> Any:
+    """``model.run_step(run)`` for one ``@smp.step`` call, profiled when a profile records (see the module
+    docstring); re-partitions before it when ``"auto_repartition"`` is due."""
     session = _session()
     session.before(model)
     try:
-        yield
+        results = model.run_step(run)
     except BaseException:
         session.after(ok=False)
         raise
     session.after(ok=True)
+    return results
 
 
 def span(name: str, cat: str) -> Any:

@@ -321,8 +321,7 @@ def step(fn: Callable | None = None, *, non_split_inputs: list[str] | tuple[str,
         run.result_cache = result_cache
         st.in_step = run
         try:
-            with profiling.stepping(model):  # records the step when a profile records (smp.profile)
-                results = model.run_step(run)
+            results = profiling.run_step(model, run)  # model.run_step(run), profiled (smp.profile)
         finally:
             st.in_step = None
         model.run_post_step_hooks()
