@@ -136,14 +136,19 @@ def repartition_in_flight(model: Any, profiler: Profiler, options: AutoRepartiti
     graph = model.runner.plan.graph
     box: list[Any] = [None]
     if parts is not None:
-        info = run_description(model.runner)
-        info.pop("graph")
-        result = replan(measure(*merge(parts), info), graph)
-        move = result.gain >= 1.0 + options.min_gain and result.plan.assignment != model.runner.plan.assignment
-        verdict = "re-partitioning" if move else f"keeping the plan (gain below min_gain={options.min_gain:g})"
-        print(f"smp: auto_repartition after {options.after_steps} profiled steps: {result.summary(model.runner.plan)}"
-              f"\nsmp: {verdict}", file=sys.stderr, flush=True)
-        box = [result.plan.to_json() if move else None]
+        try:
+            info = run_description(model.runner)
+            info.pop("graph")
+            result = replan(measure(*merge(parts), info), graph)
+        except Exception as exc:  # re-planning is an optimisation: training goes on with the plan it has
+            print(f"smp: auto_repartition could not re-plan ({type(exc).__name__}: {exc}); keeping the plan",
+                  file=sys.stderr, flush=True)
+        else:
+            move = result.gain >= 1.0 + options.min_gain and result.plan.assignment != model.runner.plan.assignment
+            verdict = "re-partitioning" if move else f"keeping the plan (gain below min_gain={options.min_gain:g})"
+            print(f"smp: auto_repartition after {options.after_steps} profiled steps: "
+                  f"{result.summary(model.runner.plan)}\nsmp: {verdict}", file=sys.stderr, flush=True)
+            box = [result.plan.to_json() if move else None]
     dist.broadcast_object_list(box, src=0)
     if box[0] is None:
         return None
