@@ -52,6 +52,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate of AdamW (default 3e-3)")
     p.add_argument("--warmup", type=int, default=2, help="linear warm-up steps before cosine decay (default 2)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile", metavar="DIR", default=None, help="profile steps 2 .. --steps into DIR (the smp "
+                   "config key \"profile\"); `smp report DIR` explains it")
     p.add_argument("--out", default=None, help="directory for the partial checkpoint (default: a temporary "
                    "directory, removed at exit)")
     return p.parse_args(argv)
@@ -83,6 +85,7 @@ def main(argv: list[str] | None = None) -> None:
         "microbatches": args.microbatches,
         "pipeline": args.pipeline,
         "ddp": int(os.environ.get("WORLD_SIZE", "1")) > args.partitions,
+        **({"profile": {"dir": args.profile, "steps": [1, args.steps]}} if args.profile else {}),
     })
     if args.batch % (smp.dp_size() * args.microbatches):
         raise SystemExit(f"--batch {args.batch} must divide into {smp.dp_size()} replica(s) x "

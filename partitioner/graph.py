@@ -11,7 +11,9 @@ two names (GPT-2's tied input/output embedding) has one key, so it is counted on
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json
+import os
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -145,3 +147,29 @@ class OpGraph:
         """One line: ops, edges, parameters and forward GFLOPs."""
         return (f"OpGraph({self.num_nodes} ops, {self.num_edges} edges, {len(self.param_names)} parameters, "
                 f"{float(self.flops.sum()) / 1e9:.3g} GFLOP forward)")
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the graph's arrays and names to ``path`` (``.npz``; not ``fx``: a loaded graph is synthetic,
+        enough to partition and price, not to run)."""
+        arrays, lists = {}, {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "fx" or value is None:
+                continue
+            if isinstance(value, np.ndarray):
+                arrays[f.name] = value
+            else:
+                lists[f.name] = [list(v) if isinstance(v, tuple) else v for v in value]
+        with open(path, "wb") as fh:
+            np.savez_compressed(fh, **arrays, _lists=np.array(json.dumps(lists)))
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> "OpGraph":
+        """The graph :meth:`save` wrote (without ``fx``)."""
+        with np.load(path, allow_pickle=False) as data:
+            values: dict[str, Any] = {k: data[k] for k in data.files if k != "_lists"}
+            lists = json.loads(str(data["_lists"]))
+        if lists.get("members") is not None:
+            lists["members"] = [tuple(m) for m in lists["members"]]
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in {**values, **lists}.items() if k in known})

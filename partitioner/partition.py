@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from .baselines import BASELINES, baseline_stage
-from .cost import estimate
+from .cost import NodeCosts, estimate
 from .dp import dp_partition
 from .graph import OpGraph
 from .measure import measure as measure_costs
@@ -36,9 +36,11 @@ __all__ = ["partition", "make_problem", "fixed_plan"]
 
 
 def make_problem(graph_or_model: Any, num_stages: int, options: PartitionOptions | None = None, *,
-                 example_inputs: Any = None, example_kwargs: dict | None = None, **changes: Any) -> Problem:
+                 example_inputs: Any = None, example_kwargs: dict | None = None, costs: NodeCosts | None = None,
+                 **changes: Any) -> Problem:
     """Trace a model if needed, and price every op under ``options`` (with ``changes`` applied, e.g.
-    ``microbatches=8``), ready for any partitioning method or baseline."""
+    ``microbatches=8``), ready for any partitioning method or baseline. ``costs`` (per-op seconds, e.g. from
+    a profile of a real run) replace the cost model's."""
     opts = PartitionOptions.of(options, **changes)
     if not isinstance(num_stages, int) or isinstance(num_stages, bool) or num_stages < 1:
         raise ValueError(f"num_stages must be a positive integer, got {num_stages!r}")
@@ -56,7 +58,10 @@ def make_problem(graph_or_model: Any, num_stages: int, options: PartitionOptions
         raise ValueError(f"num_stages={num_stages} but the model has only {ops} ops to place; "
                          f"use at most {ops} stages")
     rates = opts.resolve_rates()
-    if opts.measure:
+    if costs is not None:
+        if len(costs.forward_s) != graph.num_nodes or len(costs.backward_s) != graph.num_nodes:
+            raise ValueError(f"costs has {len(costs.forward_s)} ops but the graph has {graph.num_nodes}")
+    elif opts.measure:
         if graph.fx is None:
             raise ValueError("measure=True needs a traced model, not a synthetic graph")
         costs = measure_costs(graph, args, kwargs, rates=rates)
@@ -73,12 +78,13 @@ def _split_inputs(example_inputs: Any, example_kwargs: dict | None) -> tuple[tup
 
 
 def partition(graph_or_model: Any, num_stages: int, options: PartitionOptions | None = None, *,
-              example_inputs: Any = None, example_kwargs: dict | None = None, **changes: Any) -> PartitionPlan:
+              example_inputs: Any = None, example_kwargs: dict | None = None, costs: NodeCosts | None = None,
+              **changes: Any) -> PartitionPlan:
     """Partition a model (traced with ``example_inputs``, one microbatch) or an :class:`OpGraph` into
     ``num_stages`` stages, under ``options`` with ``changes`` applied (``partition(g, 4, microbatches=8)``);
-    see :class:`partitioner.PartitionOptions`."""
+    see :class:`partitioner.PartitionOptions`. ``costs``: per-op seconds to use instead of the cost model's."""
     p = make_problem(graph_or_model, num_stages, options, example_inputs=example_inputs,
-                     example_kwargs=example_kwargs, **changes)
+                     example_kwargs=example_kwargs, costs=costs, **changes)
     method = p.options.method
     candidates: list[tuple[str, Evaluation]] = []
     if method in ("dp", "auto"):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from typing import Any, Iterable
 
 import numpy as np
@@ -20,11 +20,15 @@ from .objective import Evaluation, Problem, check_acyclic, crossings
 from .split import split
 from .units import format_bytes
 
-__all__ = ["StageSummary", "PartitionPlan", "PlanError", "make_plan"]
+__all__ = ["StageSummary", "PartitionPlan", "PlanError", "PlanMismatchError", "make_plan"]
 
 
 class PlanError(EngineError, ValueError):
     """A partition plan's JSON is malformed; the message names the key and the value."""
+
+
+class PlanMismatchError(PlanError):
+    """A plan (from a file) that does not cut the model it is given to; the message says what differs."""
 
 
 @dataclass
@@ -154,6 +158,26 @@ class PartitionPlan:
             raise PlanError(f"not a partition plan: invalid JSON{where} at line {exc.lineno} column {exc.colno}: "
                             f"{exc.msg}") from None
         return cls.from_dict(data)
+
+    def bind(self, graph: OpGraph, source: str = "the plan", num_stages: int | None = None) -> "PartitionPlan":
+        """This plan attached to ``graph``, a trace of the model it is to cut, checked to fit: the same ops
+        (and ``num_stages`` stages when given), else a :class:`PlanMismatchError` naming ``source``."""
+        if num_stages is not None and self.num_stages != num_stages:
+            raise PlanMismatchError(f"{source} has {self.num_stages} stages but this run has {num_stages} "
+                                    f"pipeline stages: make the plan for {num_stages} stages, or run with "
+                                    f"{self.num_stages}")
+        ops, planned = set(graph.names), set(self.assignment)
+        if ops != planned:
+            order = {n: i for i, n in enumerate(graph.names)}
+            missing, extra = sorted(ops - planned, key=order.__getitem__), sorted(planned - ops)
+            parts = [f"{len(missing)} of its {len(ops)} traced ops are not in the plan (first: {missing[:3]})"
+                     if missing else "", f"{len(extra)} of the plan's {len(planned)} ops are not in the model "
+                     f"(first: {extra[:3]})" if extra else ""]
+            raise PlanMismatchError(
+                f"{source} does not fit this model: {' and '.join(p for p in parts if p)}; it was made for another "
+                "model or other input shapes. Make the plan from this model: smp replan on a profile of it, or "
+                "partitioner.partition")
+        return replace(self, graph=graph)
 
     def stage_modules(self, graph: Any = None) -> list:
         """One executable ``nn.Module`` per stage (see :mod:`partitioner.split`)."""

@@ -16,6 +16,10 @@ is exactly what the schedule implies (GPipe: m, 1F1B: p - s, ZB-H1: p + 1, all c
 ``peak_held`` counts it. Values that cross stages are detached at the boundary, also between two stages
 on one rank, so each ``B`` runs autograd through its own stage only. Gradients accumulate in the
 parameters' ``.grad`` across microbatches, as ``loss.backward()`` per microbatch would.
+
+With a :class:`pipeline.timeline.Recorder` every pass is a span; a detailed one (profiling,
+:mod:`pipeline.profile`) also gets, nested in each pass, the time it waited for its receives
+(``wait F3@s1``), the sends and receives, and the final wait for the sends.
 """
 from __future__ import annotations
 
@@ -38,6 +42,7 @@ __all__ = ["Executor", "LossHook"]
 # loss_hook(microbatch, flat model outputs) -> the scalar to backpropagate on the last stage (or None)
 LossHook = Callable[[int, tuple], "torch.Tensor | None"]
 _FORWARD_ONLY = ("RECV_F", "F", "SEND_F")
+_NULL = nullcontext()
 
 
 @dataclass
@@ -115,9 +120,10 @@ class Executor:
             if not train and kind not in _FORWARD_ONLY:
                 continue
             if action.is_comm:
-                (self._post if kind.startswith("RECV") else self._send)(action)
+                with self._detail(action, "comm"):
+                    (self._post if kind.startswith("RECV") else self._send)(action)
                 continue
-            span = self.recorder.span(str(action)) if self.recorder else nullcontext()
+            span = self.recorder.span(str(action)) if self.recorder else _NULL
             with span:
                 if kind == "F":
                     ctx = before_forward(action.microbatch) if before_forward else None
@@ -129,8 +135,14 @@ class Executor:
                     self._backward(action)
                 else:
                     self._weight(action)
-        self.transport.flush()
+        with self._detail("wait sends", "wait"):
+            self.transport.flush()
         return results
+
+    def _detail(self, name: Any, cat: str) -> Any:
+        """A span of what the recorder records besides the passes (waits, sends, receives), if it does."""
+        rec = self.recorder
+        return rec.span(name, cat) if rec is not None and rec.detail else _NULL
 
     # -- communication actions ----------------------------------------------------------------------------
     def _post(self, a: Action) -> None:
@@ -149,8 +161,9 @@ class Executor:
     def _received(self, kind: str, stage: int, mb: int) -> list[tuple[str, torch.Tensor]]:
         """Wait for the receives posted for the pass (kind, stage, mb): (value, buffer) pairs."""
         posted = self._posted.pop((kind, stage, mb), [])
-        for _, _, work, peer, what in posted:
-            self.transport.wait(work, peer, what)
+        with self._detail(f"wait {kind}{mb}@s{stage}", "wait") if posted else _NULL:
+            for _, _, work, peer, what in posted:
+                self.transport.wait(work, peer, what)
         return [(n, buf) for n, buf, _, _, _ in posted]
 
     def _send(self, a: Action) -> None:

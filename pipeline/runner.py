@@ -16,6 +16,8 @@ that hold them.
 from __future__ import annotations
 
 import datetime
+import os
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -27,14 +29,16 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from partitioner import PartitionPlan
 from partitioner.program import flatten_inputs, set_device
 from partitioner.split import MODEL_INPUT, SplitModel, split
+from partitioner.trace import trace
 
 from . import microbatch
 from .executor import Executor
 from .lowering import lower
 from .p2p import Transport, named_failures
+from .profile import ProfileOptions, Profiler
+from .profile_run import run_description
 from .schedule import make_schedule
 from .simulate import validate
-from .timeline import Recorder
 
 __all__ = ["PipelineRunner", "StepResult", "boundary_requires_grad", "stage_deps"]
 
@@ -85,7 +89,9 @@ class PipelineRunner:
         """``ranks``: the global ranks of this pipeline, stage order (default: all ranks). With several
         pipelines side by side (data parallelism), pass them all as ``pipelines`` instead: process groups
         are created collectively, so every rank must name every pipeline in the same order. ``timeout_s``
-        bounds every wait and collective of the runner (its process groups are created with it)."""
+        bounds every wait and collective of the runner (its process groups are created with it). ``record``:
+        True keeps every pass's span in memory (``events``); a directory or
+        :class:`pipeline.profile.ProfileOptions` profiles the steps (see :meth:`write_profile`)."""
         if not dist.is_initialized():
             raise RuntimeError("PipelineRunner needs torch.distributed: call dist.init_process_group (torchrun or "
                                "`smp launch` sets up the environment) before creating it")
@@ -114,7 +120,10 @@ class PipelineRunner:
         self.timeout_s = timeout_s
         group, _ = dist.new_subgroups_by_enumeration(pipelines, timeout=self._timeout)  # ours: a failure closes it
         self.transport = Transport(group=group, rank=me, timeout_s=timeout_s)
-        self.recorder = Recorder(me) if record else None
+        options = ProfileOptions.of(record)
+        self.profiler = None if options is None else Profiler(me, options, describe=lambda: run_description(self),
+                                                              device=self.device)
+        self.recorder = self.profiler.recorder if self.profiler is not None else None
         self.local_stages = [self.split_model.stages[s] for s in self.schedule.stages_of(self.rank)]
         for st in self.local_stages:
             st.module.to(self.device)
@@ -158,7 +167,8 @@ class PipelineRunner:
         """One pipelined pass over the batch: forward (and backward when ``loss_fn`` is given and grad
         mode is on). Raises :class:`pipeline.p2p.PeerError` naming the rank if another rank fails."""
         try:
-            return self._step(tuple(args), dict(kwargs or {}), target, loss_fn)
+            with self.profiler.stepping() if self.profiler is not None else nullcontext():
+                return self._step(tuple(args), dict(kwargs or {}), target, loss_fn)
         except BaseException as exc:
             self.report_failure(exc)
             raise
@@ -198,6 +208,7 @@ class PipelineRunner:
                          before_forward: Any = None) -> dict[int, tuple]:
         """Walk this rank's schedule once (see :meth:`pipeline.executor.Executor.run`), then sum the gradients
         of parameters replicated on several stages. The building block of ``step`` and of ``@smp.step``."""
+        self.executor.recorder = self.profiler.recording if self.profiler is not None else None
         try:
             results = self.executor.run(mb_inputs, loss_hook, train, before_forward)
             if train:
@@ -238,6 +249,24 @@ class PipelineRunner:
     def events(self) -> list:
         """The recorded action spans (with ``record=True``), for :mod:`pipeline.timeline`."""
         return self.recorder.events if self.recorder else []
+
+    def write_profile(self) -> str | None:
+        """Profiled with ``record=DIR`` and no step window: stop and write the profile (a collective: every
+        rank calls it); returns the directory on rank 0. A window (``ProfileOptions(steps=...)``) is written
+        when it ends."""
+        if self.profiler is None or self.profiler.options.dir is None:
+            raise ValueError("write_profile() needs a runner made with record=DIR (or ProfileOptions(dir=...))")
+        return self.profiler.write()
+
+    @classmethod
+    def from_plan_file(cls, path: str | os.PathLike[str], model: torch.nn.Module, args: tuple = (),
+                       kwargs: dict | None = None, **runner_kwargs: Any) -> "PipelineRunner":
+        """A runner of the plan in the JSON file ``path`` (``plan.to_json(path)``, ``smp replan -o``) for
+        ``model``, traced on one microbatch ``args``/``kwargs``. The plan must cut this model: a plan of
+        another model (or of other input shapes) is a :class:`partitioner.plan.PlanMismatchError`."""
+        graph = trace(model, tuple(args), dict(kwargs or {}))
+        plan = PartitionPlan.from_json(os.fspath(path)).bind(graph, source=f"plan file {os.fspath(path)}")
+        return cls(plan, **runner_kwargs)
 
     def local_parameters(self) -> list[torch.nn.Parameter]:
         """The parameters of this rank's stages, each once."""

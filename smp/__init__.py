@@ -62,6 +62,7 @@ if TYPE_CHECKING:
     from .config import Config, ConfigError
     from .model import DistributedModel, partition, set_activation_checkpointing, set_partition
     from .optimizer import DistributedOptimizer
+    from .profiling import annotate, profile
     from .state import init, is_initialized
     from .step import StepOutput, StepTimeoutError, step
     from .tagged_checkpoint import resume_from_checkpoint, save_checkpoint
@@ -78,6 +79,7 @@ __all__ = [
     "get_dp_process_group", "barrier", "broadcast", "allgather", "send", "recv_from", "CommGroup", "RankType",
     "WORLD", "MP_GROUP", "PP_GROUP", "DP_GROUP", "RDP_GROUP",
     "nn", "optimizers", "utils", "tensor_parallelism", "NoEffectWarning", "__version__",
+    "profile", "annotate",
 ]
 
 __getattr__, __dir__ = lazy_exports(__name__)

@@ -18,10 +18,12 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from partitioner.errors import EngineError
+from pipeline.profile import ProfileOptions
 
 from .compat import warn_no_effect
 
-__all__ = ["Config", "ConfigError", "load_config", "DEFAULT_TIMEOUT_S", "TIMEOUT_ENV"]
+__all__ = ["Config", "ConfigError", "load_config", "DEFAULT_TIMEOUT_S", "TIMEOUT_ENV", "AutoRepartition",
+           "DEFAULT_PROFILE_STEPS"]
 
 DEFAULT_TIMEOUT_S = 60.0
 TIMEOUT_ENV = "SMP_TIMEOUT_S"
@@ -69,6 +71,10 @@ class Config:
     _fp32_grad_accumulation: bool = False
     _match_weights: bool = False
     overlapping_allreduce: bool = True
+    # Profiling and re-partitioning from measurements (smp.profile, smp.replan).
+    profile: dict | None = None           # {"dir": "prof", "steps": [start, stop]}: profile those steps
+    partition_file: str | None = None     # partition by this plan (smp replan -o FILE, PartitionPlan.to_json)
+    auto_repartition: dict | None = None  # {"after_steps": N, "min_gain": 0.05, "dir": None}: re-plan in flight
 
     @property
     def schedule(self) -> str:
@@ -90,6 +96,37 @@ class Config:
     def to_dict(self) -> dict[str, Any]:
         """The configuration as a plain dict (every key, defaults included)."""
         return asdict(self)
+
+    @property
+    def profile_options(self) -> ProfileOptions | None:
+        """The ``profile`` key as :class:`pipeline.profile.ProfileOptions` (steps 1 .. 10 by default)."""
+        if self.profile is None:
+            return None
+        return ProfileOptions(self.profile["dir"], tuple(self.profile.get("steps", DEFAULT_PROFILE_STEPS)))
+
+    @property
+    def repartition(self) -> AutoRepartition | None:
+        """The ``auto_repartition`` key as :class:`AutoRepartition`."""
+        return None if self.auto_repartition is None else AutoRepartition(**self.auto_repartition)
+
+
+DEFAULT_PROFILE_STEPS = (1, 11)  # step 0 traces and partitions the model: not a typical step
+
+
+@dataclass(frozen=True)
+class AutoRepartition:
+    """Re-partition in flight: profile ``after_steps`` steps after the first, re-plan from what they
+    measured, and move to the new plan when it predicts a step at least ``min_gain`` faster (``dir``: also
+    write that profile there)."""
+
+    after_steps: int
+    min_gain: float = 0.05
+    dir: str | None = None
+
+    @property
+    def steps(self) -> tuple[int, int]:
+        """The steps profiled: 1 .. after_steps (step 0 partitions the model)."""
+        return (1, 1 + self.after_steps)
 
 
 # Key -> why it changes nothing here (warned when a config gives it a value other than its default).
@@ -202,6 +239,7 @@ def _validate(c: Config) -> None:
     _check(not (c.fp16 and c.bf16), "fp16", c.fp16, "not together with 'bf16': True; choose one of them")
     _check(_is_int(c.activation_loading_horizon) and c.activation_loading_horizon >= 1,
            "activation_loading_horizon", c.activation_loading_horizon, "a positive integer")
+    _validate_profiling(c)
     if c.auto_partition:
         _check(c.default_partition is None or (_is_int(c.default_partition) and
                                                0 <= c.default_partition < c.pipeline_parallel_degree),
@@ -210,3 +248,40 @@ def _validate(c: Config) -> None:
         _check(_is_int(c.default_partition) and 0 <= c.default_partition < c.pipeline_parallel_degree,
                "default_partition", c.default_partition,
                f"required when auto_partition is False: an integer in [0, {c.pipeline_parallel_degree})")
+
+
+def _keys(value: Any, key: str, allowed: tuple[str, ...], required: tuple[str, ...], example: str) -> None:
+    _check(isinstance(value, dict) and set(required) <= set(value) and set(value) <= set(allowed), key, value,
+           f"a dict with keys {list(allowed)} ({', '.join(required)} required), such as {example}")
+
+
+def _validate_profiling(c: Config) -> None:
+    """The ``profile``, ``partition_file`` and ``auto_repartition`` keys, and how they combine."""
+    if c.profile is not None:
+        _keys(c.profile, "profile", ("dir", "steps"), ("dir",), '{"dir": "prof", "steps": [10, 20]}')
+        _check(isinstance(c.profile["dir"], str) and c.profile["dir"], "profile", c.profile,
+               "'dir' must be a directory name (a non-empty string)")
+        try:
+            _ = c.profile_options  # built (and checked) by pipeline.profile.ProfileOptions
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"smp config 'profile'={c.profile!r} is not valid: {exc}") from None
+    _check(c.partition_file is None or (isinstance(c.partition_file, str) and os.path.isfile(c.partition_file)),
+           "partition_file", c.partition_file, "the path of an existing plan file (written by `smp replan -o FILE` "
+           "or PartitionPlan.to_json(FILE))")
+    if c.auto_repartition is None:
+        return
+    auto = c.auto_repartition
+    _keys(auto, "auto_repartition", ("after_steps", "min_gain", "dir"), ("after_steps",), '{"after_steps": 10}')
+    _check(_is_int(auto["after_steps"]) and auto["after_steps"] >= 1, "auto_repartition", auto,
+           "'after_steps' must be a positive integer: the steps to profile before re-planning")
+    gain = auto.get("min_gain", 0.05)
+    _check(isinstance(gain, (int, float)) and not isinstance(gain, bool) and gain >= 0, "auto_repartition", auto,
+           "'min_gain' must be a number >= 0: the predicted speed-up (0.05 = 5%) worth moving for")
+    _check(auto.get("dir") is None or isinstance(auto["dir"], str), "auto_repartition", auto,
+           "'dir' must be a directory name or None")
+    _check(not c.shard_optimizer_state, "auto_repartition", auto, "not together with 'shard_optimizer_state': "
+           "True (a sharded optimizer state cannot move between stages); turn one of them off")
+    window = c.repartition.steps
+    _check(c.profile_options is None or c.profile_options.steps[0] >= window[1], "profile", c.profile,
+           f"its steps must start at {window[1]} or later: auto_repartition profiles steps {window[0]} .. "
+           f"{window[1] - 1}")

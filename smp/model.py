@@ -10,7 +10,6 @@ built over ``model.parameters()`` and ``state_dict`` keys work unchanged.
 from __future__ import annotations
 
 import importlib
-import warnings
 from collections import OrderedDict
 from contextlib import contextmanager, nullcontext
 from typing import Any, Callable, Iterator
@@ -26,8 +25,10 @@ from pipeline import PipelineRunner
 
 from . import execution, precision, state
 from .commit import CheckpointError
-from .planning import shared_plan
+from .compat import warn_no_effect
+from .planning import shared_plan, smp_runner
 from .state_dicts import key_error, on_cpu
+
 step_mod = importlib.import_module(".step", __package__)  # by name: smp.step is the decorator (partitioner.lazy)
 
 __all__ = ["DistributedModel", "partition", "set_partition", "set_activation_checkpointing"]
@@ -87,8 +88,8 @@ class DistributedModel(torch.nn.Module):
         if unknown:
             raise TypeError(f"DistributedModel got unknown argument(s) {sorted(unknown)}")
         if kwargs:
-            warnings.warn(f"DistributedModel ignores {sorted(kwargs)}: this engine reduces gradients itself and "
-                          "prices memory from the trace")
+            warn_no_effect(f"DistributedModel({', '.join(sorted(kwargs))}=...)",
+                           "this engine reduces gradients itself and prices memory from the trace", 3)
         super().__init__()
         self.module = module
         self.trace_device = trace_device
@@ -160,11 +161,7 @@ class DistributedModel(torch.nn.Module):
         self._traced_autocast = call.autocast
         with torch.autocast(call.autocast[0], dtype=call.autocast[1]) if call.autocast else nullcontext():
             plan = self._make_plan(call, pp)
-        self.runner = PipelineRunner(
-            plan, schedule=cfg.schedule, microbatches=cfg.microbatches,
-            max_in_flight=cfg.active_microbatches if cfg.schedule == "1f1b" else None,
-            pipelines=st.topology.mp_groups(), device=st.device, timeout_s=cfg.timeout_s,
-            checkpoint_modules=self._checkpointed_paths())
+        self.runner = smp_runner(plan, self._checkpointed_paths())
         self.partitioned = True
         for fn in self._post_partition_hooks:
             fn(self, state.get().optimizer)
@@ -177,6 +174,9 @@ class DistributedModel(torch.nn.Module):
         plan = self._saved_plan(call, pp)
         if plan is not None:
             return plan
+        if cfg.partition_file is not None:  # a plan from `smp replan` (or PartitionPlan.to_json): it must fit
+            return PartitionPlan.from_json(cfg.partition_file).bind(
+                trace(self.module, call.args, call.kwargs), f"partition_file {cfg.partition_file!r}", pp)
         if cfg.auto_partition:
             plan = shared_plan(self.module, call.args, call.kwargs, pp,
                                PartitionOptions.of(options, measure=self.trace_execution_times),

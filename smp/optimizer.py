@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import gradnorm, precision, state
+from . import gradnorm, precision, profiling, state
 from .commit import CheckpointError
 from .state_dicts import on_cpu
 
@@ -77,9 +77,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def step(self, closure: Any = None) -> Any:
         """The wrapped optimizer's step; under fp16 loss scaling, unscaled and skipped on overflow."""
-        if self.loss_scaler is not None:
-            return self.loss_scaler.scaled_step(self, self._step, closure)
-        return self._step(closure)
+        with profiling.span("optimizer.step", "optimizer"):  # a span of the profile, when one records
+            if self.loss_scaler is not None:
+                return self.loss_scaler.scaled_step(self, self._step, closure)
+            return self._step(closure)
 
     def _step(self, closure: Any = None) -> Any:
         if self._zero is not None:

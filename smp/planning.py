@@ -17,7 +17,9 @@ from partitioner import PartitionOptions, PartitionPlan, partition, trace
 from pipeline import PipelineRunner, microbatch
 from pipeline.p2p import named_failures
 
-__all__ = ["shared_plan", "pipeline_runner"]
+from . import state
+
+__all__ = ["shared_plan", "pipeline_runner", "smp_runner"]
 
 
 def shared_plan(model: torch.nn.Module, args: tuple, kwargs: dict, num_stages: int,
@@ -48,3 +50,14 @@ def pipeline_runner(model: torch.nn.Module, args: tuple = (), kwargs: dict | Non
     stages = num_stages or len(list(pipelines[0])) * virtual_stages
     plan = shared_plan(model, mb_args, mb_kwargs, stages, PartitionOptions.of(options, microbatches=microbatches))
     return PipelineRunner(plan, microbatches=microbatches, virtual_stages=virtual_stages, **runner_kwargs)
+
+
+def smp_runner(plan: PartitionPlan, checkpoint_modules: list[str]) -> PipelineRunner:
+    """This rank's pipeline of ``plan`` as the smp config sets it up (``smp.DistributedModel`` at partitioning,
+    and when re-partitioned in flight, :mod:`smp.migrate`)."""
+    st = state.get()
+    cfg = st.config
+    return PipelineRunner(plan, schedule=cfg.schedule, microbatches=cfg.microbatches,
+                          max_in_flight=cfg.active_microbatches if cfg.schedule == "1f1b" else None,
+                          pipelines=st.topology.mp_groups(), device=st.device, timeout_s=cfg.timeout_s,
+                          checkpoint_modules=checkpoint_modules)

@@ -47,6 +47,7 @@ class State:
     partition_blocks: list = field(default_factory=list)  # open smp.partition(i) blocks, innermost last
     checkpointed: set = field(default_factory=set)   # modules marked by smp.set_activation_checkpointing
     messages: dict = field(default_factory=dict)     # (src, dst) -> objects sent so far (smp.send/recv_from)
+    profiling: Any = None      # the profiling session (smp.profile), once a step or smp.profile needed it
 
     def ranks(self, kind: str) -> list[int]:
         """Global ranks of this rank's group of ``kind`` (one of GROUP_KINDS)."""

@@ -38,7 +38,7 @@ import torch.utils._pytree as pytree
 from partitioner.errors import EngineError
 from pipeline import microbatch
 
-from . import precision, state
+from . import precision, profiling, state
 from .results import detach
 
 __all__ = ["step", "StepOutput", "StepTimeoutError", "current_microbatch"]
@@ -360,7 +360,7 @@ def step(fn: Callable | None = None, *, non_split_inputs: list[str] | tuple[str,
         run = _StepRun(fn, mbs, model, st.config.timeout_s, memo)
         st.in_step = run
         try:
-            results = model.run_step(run)
+            results = profiling.run_step(model, run)  # model.run_step(run), profiled (smp.profile)
         finally:
             st.in_step = None
         model.run_post_step_hooks()

@@ -33,8 +33,17 @@ import warnings
 from typing import Any, Callable
 
 from . import state
-from .commit import CheckpointError, agree, load_file, publish, read_manifest, stage, write_file, write_manifest, \
-    write_text
+from .commit import (
+    CheckpointError,
+    agree,
+    load_file,
+    publish,
+    read_manifest,
+    stage,
+    write_file,
+    write_manifest,
+    write_text,
+)
 from .model import DistributedModel
 from .optimizer import DistributedOptimizer
 

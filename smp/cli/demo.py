@@ -3,13 +3,15 @@ train it pipelined over local processes.
 
 The demo is the list of steps in ``DEMO_STEPS``, each a function of one :class:`DemoRun` that prints its part
 and leaves results on the run for the steps after it; a step that returns a non-zero exit code stops the demo.
-Training GPT-2 pipelined (``examples/train_gpt2.py`` through ``smp launch``; ``--no-train`` skips it) is the
-last step; extend the demo by adding steps.
+Training GPT-2 pipelined (``examples/train_gpt2.py`` through ``smp launch``; ``--no-train`` skips it),
+profiled, comes next, and last the profile's report (:mod:`smp.report`) with its rules; extend the demo by
+adding steps.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -56,6 +58,7 @@ class DemoRun:
     graph: Any = None
     plan: Any = None
     sim: Any = None
+    profile: str | None = None  # where the training run was profiled
 
 
 def _demo_plan(run: DemoRun) -> int:
@@ -93,12 +96,28 @@ def _demo_train(run: DemoRun) -> int:
     if not os.path.exists(TRAIN_SCRIPT):
         raise CLIError(f"pipelined training is not available yet ({TRAIN_SCRIPT} is missing)")
     o = run.opts
-    run.progress(f"training with {TRAIN_SCRIPT} on {o.partitions} processes")
+    run.profile = tempfile.mkdtemp(prefix="smp-demo-profile-")
+    run.progress(f"training with {TRAIN_SCRIPT} on {o.partitions} processes, profiled into {run.profile}")
     return launch(["-n", str(o.partitions), TRAIN_SCRIPT, "--partitions", str(o.partitions),
-                   "--microbatches", str(o.microbatches), "--pipeline", o.pipeline])
+                   "--microbatches", str(o.microbatches), "--pipeline", o.pipeline, "--profile", run.profile])
 
 
-DEMO_STEPS: list[Callable[[DemoRun], int]] = [_demo_plan, _demo_schedule, _demo_train]
+def _demo_report(run: DemoRun) -> int:
+    """After training: the report of the profiled steps (:mod:`smp.report`) and its rules."""
+    if run.profile is None:
+        return 0
+    from smp.report import write_report
+
+    path, findings = write_report(run.profile)
+    print()
+    print(f"profile of the training run ({run.profile}), the rules' findings:")
+    for finding in findings:
+        print(finding)
+    print(f"report: {path}; re-partition from it: smp replan {run.profile} -o plan.json")
+    return 0
+
+
+DEMO_STEPS: list[Callable[[DemoRun], int]] = [_demo_plan, _demo_schedule, _demo_train, _demo_report]
 
 
 def run(ns: argparse.Namespace) -> int:

@@ -19,6 +19,8 @@ from .errors import CLIError
 from .inspect import register as add_inspect
 from .launch import register as add_launch
 from .options import Parser
+from .profile_report import register as add_report
+from .replan import register as add_replan
 from .simulate import register as add_simulate
 from .text import PROG
 
@@ -28,10 +30,10 @@ __all__ = ["main", "build_parser"]
 def build_parser() -> Parser:
     """The parser of ``smp`` and its commands (each command module registers its own)."""
     parser = Parser(prog=PROG, description="Partition a PyTorch model into pipeline stages: inspect the plan, "
-                    "simulate its schedule, launch training.")
+                    "simulate its schedule, launch training, explain a profiled run and re-partition from it.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     sub.required = True
-    for add_command in (add_inspect, add_simulate, add_demo, add_launch):
+    for add_command in (add_inspect, add_simulate, add_demo, add_launch, add_report, add_replan):
         add_command(sub)
     return parser
 

@@ -15,3 +15,5 @@ def test_demo_prints_plan_schedule_and_trains() -> None:
     assert re.search(r"rank  0 \|[0-9a-j.]+\|", out) and re.search(r"rank  1 \|[0-9a-j.]+\|", out)
     losses = [float(x) for x in re.findall(r"step\s+\d+/\d+\s+loss ([0-9.]+)", out)]
     assert len(losses) == 8 and losses[-1] < losses[0], out
+    # It ends with the report of its own profiled training: every rule's verdict.
+    assert all(f"{rule}: " in out for rule in ("StageImbalance", "PlanDrift", "Bubble")) and "report: " in out

@@ -118,8 +118,8 @@ def test_stage_modules_wiring(traced):
     stages = plan.stage_modules()
     assert [s.index for s in stages] == [0, 1, 2, 3]
     for s in stages:
-        for name, src in s.sources.items():
-            assert src < s.index, (s.index, name, src)  # MODEL_INPUT is -1
+        for value, src in s.sources.items():
+            assert src < s.index, (s.index, value, src)  # MODEL_INPUT is -1
         for name, readers in s.consumers.items():
             assert readers and all(r > s.index for r in readers)
     assert stages[-1].consumers == {}
@@ -312,3 +312,23 @@ def test_transformer_balance_goal():
         best = min(b.balance for b in all_baselines(make_problem(g, k, memory_weight=0.0, rates=rates)).values())
         assert plan.balance <= best * (1 + NEAR)  # within 1% of it, and then with fewer bytes cut
 
+
+
+def test_partition_cuts_by_the_costs_it_is_given():
+    """Per-op costs from a profile replace the cost model's: a block measured slow gets a stage of its own."""
+    import numpy as np
+
+    from partitioner import DeviceRates, NodeCosts, estimate, partition, trace
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(6)])
+    graph = trace(model, (torch.randn(2, 16),), {})
+    est = estimate(graph, DeviceRates())
+    slow = np.array([m == "5" for m in graph.modules])
+    costs = NodeCosts(np.where(slow, 100.0, 1.0) * est.forward_s, np.where(slow, 100.0, 1.0) * est.backward_s,
+                      est.needs_grad)
+    plan = partition(graph, 2, rates=DeviceRates(), memory_weight=0.0, costs=costs)
+    assert {plan.assignment[n] for n, m in zip(graph.names, graph.modules) if m == "5"} == {1}
+    assert all(plan.assignment[n] == 0 for n, m in zip(graph.names, graph.modules) if m in "01234" and m)
+    with pytest.raises(ValueError, match="costs has 3 ops but the graph has"):
+        partition(graph, 2, costs=NodeCosts(np.ones(3), np.ones(3), np.ones(3, bool)))

@@ -68,6 +68,49 @@ def test_png_needs_events(tmp_path: Path) -> None:
         to_png([], tmp_path / "empty.png")
 
 
+def test_recorder_keeps_categories_threads_counters_and_costs() -> None:
+    import threading
+
+    ticks = iter(range(100))
+    recorder = Recorder(rank=1, clock=lambda: float(next(ticks)), cost_clock=lambda: 0.5)
+    with recorder.span("F0@s0"):
+        with recorder.span("wait F0@s0", "wait"):
+            pass
+    worker = threading.Thread(target=lambda: recorder.add("loss", 7.0, 8.0, "user"))
+    worker.start()
+    worker.join()
+    recorder.counter("memory", {"rss_bytes": 5.0})
+    wait, span, loss = recorder.events
+    assert (wait.cat, wait.start, wait.end, wait.cost) == ("wait", 1.0, 2.0, None)  # nested, ends first
+    assert (span.cat, span.duration, span.cost, span.thread) == ("", 3.0, 0.0, 0)  # passes also get a cost
+    assert (loss.thread, loss.cat) == (1, "user")  # another thread: the rank's second track
+    assert recorder.counters[0].values == {"rss_bytes": 5.0}
+
+
+def test_chrome_trace_round_trip_with_counters_threads_and_metadata(tmp_path: Path) -> None:
+    from pipeline.timeline import THREAD_TID, Counter, load_trace
+
+    events = [Event(2, "F0@s1", 0.0, 1.0, cost=0.5), Event(2, "wait F0@s1", 0.0, 0.5, "wait"),
+              Event(2, "loss", 0.2, 0.3, "user", thread=1)]
+    counters = [Counter(2, "memory", 1.0, {"rss_bytes": 3.0})]
+    doc = to_chrome_trace(events, tmp_path / "t.json", counters=counters, metadata={"note": 1})
+    assert {e["tid"] for e in doc["traceEvents"] if e["ph"] == "X"} == {2, 2 + THREAD_TID}
+    assert doc["otherData"] == {"note": 1}
+    got, got_counters, meta = load_trace(tmp_path / "t.json")
+    assert got == events and got_counters == counters and meta == {"note": 1}
+
+
+def test_png_panels_share_one_time_scale(events: list[Event], tmp_path: Path) -> None:
+    from pipeline.timeline import to_png_panels
+
+    path = tmp_path / "panels.png"
+    waits = [Event(0, "wait F0@s0", 0.0, 5e-4, "wait")]
+    to_png_panels([("measured", events[:20] + waits), ("predicted", events)], path)
+    assert path.read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(ValueError, match="at least one event"):
+        to_png_panels([("empty", [])], path)
+
+
 def test_text_timeline_draws_each_pass_where_it_runs() -> None:
     """1F1B on 2 ranks, backward twice the forward: rank 1 starts one forward late, and each rank's row holds
     every microbatch's forward (digit) before its backward (letter)."""

@@ -2,6 +2,7 @@
 configs load; values SMP never had are still errors."""
 from __future__ import annotations
 
+import re
 import warnings
 
 import pytest
@@ -89,3 +90,27 @@ def test_timeout_comes_from_config_then_environment(monkeypatch):
         load_config({"partitions": 2})
     with pytest.raises(ConfigError, match="'timeout_s'=0 is not valid: a positive number of seconds"):
         load_config({"partitions": 2, "timeout_s": 0})
+
+
+def test_profiling_keys_are_checked_and_read(tmp_path):
+    from smp.config import AutoRepartition, ConfigError, load_config
+
+    plan = tmp_path / "plan.json"
+    plan.write_text("{}")
+    c = load_config({"partitions": 2, "profile": {"dir": "prof", "steps": [10, 20]}, "partition_file": str(plan),
+                     "auto_repartition": {"after_steps": 3, "min_gain": 0.1}})
+    assert c.profile_options.dir == "prof" and c.profile_options.steps == (10, 20)
+    assert c.repartition == AutoRepartition(3, 0.1) and c.repartition.steps == (1, 4)
+    assert load_config({"partitions": 2, "profile": {"dir": "p"}}).profile_options.steps == (1, 11)
+    bad = [({"profile": {"steps": [1, 2]}}, "(dir required)"),
+           ({"profile": {"dir": "p", "steps": [5, 5]}}, "start < stop"),
+           ({"profile": {"dir": "p", "every": 2}}, "keys ['dir', 'steps']"),
+           ({"partition_file": str(tmp_path / "missing.json")}, "existing plan file"),
+           ({"auto_repartition": {"after_steps": 0}}, "positive integer"),
+           ({"auto_repartition": {"after_steps": 2, "min_gain": -1}}, "'min_gain'"),
+           ({"auto_repartition": {"after_steps": 2}, "ddp": True, "shard_optimizer_state": True},
+            "shard_optimizer_state"),
+           ({"auto_repartition": {"after_steps": 5}, "profile": {"dir": "p", "steps": [3, 8]}}, "start at 6")]
+    for keys, needle in bad:
+        with pytest.raises(ConfigError, match=re.escape(needle)):
+            load_config({"partitions": 2, **keys})

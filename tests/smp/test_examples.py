@@ -39,7 +39,8 @@ def torchrun(script: str, *args: str, nproc: int = 2, timeout: float = 180) -> s
 
 def losses(stdout: str, steps: int) -> list[float]:
     found = [(int(k), int(n), float(v)) for k, n, v in STEP.findall(stdout)]
-    assert [k for k, _, _ in found] == list(range(1, steps + 1)), f"expected {steps} step lines (rank 0 only):\n{stdout}"
+    assert [k for k, _, _ in found] == list(range(1, steps + 1)), \
+        f"expected {steps} step lines (rank 0 only):\n{stdout}"
     assert all(n == steps for _, n, _ in found)
     values = [v for _, _, v in found]
     assert all(math.isfinite(v) for v in values), values

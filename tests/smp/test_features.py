@@ -317,7 +317,8 @@ def _sharded(rank: int, world: int, scaled: bool):
             "pp_rank": smp.pp_rank(), "sharded": opt._zero is not None and saved.get("_smp_zero", False),
             "state_keys": sorted(full["state"]) == sorted(want["state"]), "state_err": state_err,
             "lr": full["param_groups"][0]["lr"] == want["param_groups"][0]["lr"],
-            "reloaded": all(torch.equal(reloaded["state"][i]["exp_avg"], v["exp_avg"]) for i, v in full["state"].items())
+            "reloaded": all(torch.equal(reloaded["state"][i]["exp_avg"], v["exp_avg"])
+                            for i, v in full["state"].items())
             and len(opt._zero.optim.state) == held,
             "model_sd": sorted(model_sd) == sorted(ref_sd)
             and all(torch.allclose(model_sd[k], v, rtol=1e-4, atol=1e-6) for k, v in ref_sd.items())}

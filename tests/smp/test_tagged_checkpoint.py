@@ -10,9 +10,9 @@ import os
 import pytest
 import torch
 
+from smp.spawn import run_ranks
 from tests.smp.scripts import _shard
 from tests.smp.test_checkpoint import CFG, Tied, _error, damage, local_params, same, tied_training
-from smp.spawn import run_ranks
 
 
 def _tree(root: str) -> list[str]:

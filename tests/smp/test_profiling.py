@@ -1,0 +1,146 @@
+"""Profiling real smp runs on two ranks: the rules fire on an imbalanced manual split, a data loader that
+sleeps, and a rank slowed by a busy loop, and stay quiet on a balanced run; what smp.profile, the config's
+"profile" key and smp.annotate record; what profiling costs."""
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipeline.timeline import load_trace
+from smp.measurements import load_profile
+from smp.rules import evaluate
+from smp.spawn import run_ranks
+
+WIDTH = 1024  # passes of several milliseconds: the engine's own per-pass work stays small beside them
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(8)])
+
+
+def _train(cfg: dict, steps: int, *, first_alone=False, sleep=0.0, busy=False, block: str | None = None):
+    import smp
+    from smp import state
+
+    smp.init({"microbatches": 4, **cfg})
+    net = _mlp()
+    if first_alone:
+        smp.set_partition(net[0], 0)
+    model = smp.DistributedModel(net)
+    opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-4))
+
+    @smp.step
+    def train_step(model, x, y):
+        with smp.annotate("loss"):
+            out = model(x)
+            loss = F.mse_loss(out, y) if out is not None else None
+        model.backward(loss)
+        return loss
+
+    stop = threading.Event()
+    if busy:  # a Python thread spinning beside the training: it holds the GIL half the time
+        threading.Thread(target=lambda: [None for _ in iter(stop.is_set, True)], daemon=True).start()
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(128, WIDTH, generator=g), torch.randn(128, WIDTH, generator=g)
+    x, y = x.chunk(smp.dp_size())[smp.dp_rank()], y.chunk(smp.dp_size())[smp.dp_rank()]
+    with smp.profile(block) if block else smp.annotate("no profile block"):
+        for _ in range(steps):
+            with smp.annotate("load"):
+                time.sleep(sleep)
+            train_step(model, x, y)
+            opt.step()
+            opt.zero_grad()
+    stop.set()
+    smp.barrier()
+    state.reset()
+
+
+def _scenarios(rank: int, world: int, root: str) -> None:
+    pp2 = {"pipeline_parallel_degree": 2}
+    _train({**pp2, "profile": {"dir": os.path.join(root, "balanced"), "steps": [1, 7]}}, 7)
+    _train({**pp2, "auto_partition": False, "default_partition": 1,
+            "profile": {"dir": os.path.join(root, "imbalanced"), "steps": [1, 5]}}, 5, first_alone=True)
+    _train(pp2, 5, sleep=0.1, block=os.path.join(root, "data"))
+
+
+def _straggler(rank: int, world: int, root: str) -> None:
+    _train({"pipeline_parallel_degree": 1, "ddp": True, "profile": {"dir": root, "steps": [1, 4]}}, 4,
+           busy=rank == 1)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("runs")
+    run_ranks(_scenarios, 2, str(root), timeout=300)
+    return root
+
+
+def _fired(directory) -> dict:
+    return {f.rule: f for f in evaluate(load_profile(directory)) if f.fired}
+
+
+def test_a_balanced_run_fires_no_rule_and_profiling_costs_under_two_percent(runs):
+    m = load_profile(runs / "balanced")
+    assert not _fired(runs / "balanced"), [str(f) for f in evaluate(m)]
+    assert m.steps == [1, 2, 3, 4, 5, 6] and m.ranks == [0, 1]
+    assert 0 < m.overhead < 0.02
+    assert all(m.memory[r]["rss_bytes"] > 2**20 for r in m.ranks)
+
+
+def test_an_imbalanced_manual_split_fires_stage_imbalance(runs):
+    f = _fired(runs / "imbalanced")["StageImbalance"]
+    assert f.numbers["slowest"] == 1 and "stage 1 (1.0 .. 7.1)" in f.summary and "stage 0 (0.0 .. 0.1)" in f.summary
+
+
+def test_a_sleeping_data_loader_fires_data_bound(runs):
+    fired = _fired(runs / "data")
+    assert sorted(fired["DataBound"].numbers["ranks"]) == [0, 1]
+    assert "StageImbalance" not in fired
+
+
+def test_smp_profile_and_annotations_are_in_the_trace(runs):
+    events, _, _ = load_trace(runs / "data" / "trace.json")
+    m = load_profile(runs / "data")
+    assert m.steps == [0, 1, 2, 3, 4]  # every step inside the block, numbered from the run's first
+    loads = [e for e in events if e.action == "load"]
+    assert len(loads) == 2 * 4 and all(e.duration >= 0.1 for e in loads)  # between the steps of the block
+    losses = [e for e in events if e.action == "loss"]
+    assert losses and all(e.thread == 1 for e in losses)  # the step function's track
+    assert sum(e.cat == "optimizer" for e in events) == 2 * 5  # after every step of the block
+
+
+def test_a_rank_slowed_by_a_busy_loop_is_a_straggler(tmp_path):
+    run_ranks(_straggler, 2, str(tmp_path), timeout=300)
+    f = _fired(tmp_path)["Straggler"]
+    assert f.numbers["ranks"] == [1] and "rank 1 runs stage 0" in f.summary
+
+
+def test_only_one_profile_records_at_a_time_and_annotate_needs_no_profile(tmp_path):
+    run_ranks(_nested, 1, str(tmp_path), timeout=120)
+
+
+def _nested(rank: int, world: int, root: str) -> None:
+    import smp
+    from smp import state
+
+    with smp.annotate("before init"):  # no smp yet: nothing to record, no error
+        pass
+    smp.init({"pipeline_parallel_degree": 1, "profile": {"dir": root, "steps": [0, 1]}})
+    model = smp.DistributedModel(nn.Linear(4, 4))
+
+    @smp.step
+    def step(model, x):
+        with pytest.raises(RuntimeError, match="already recording"), smp.profile(root):
+            pass
+        return model(x).sum()
+
+    step(model, torch.randn(2, 4))
+    assert os.path.exists(os.path.join(root, "trace.json"))
+    state.reset()

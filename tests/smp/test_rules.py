@@ -1,0 +1,79 @@
+"""The rules on constructed profiles: each fires on its case, with its numbers, and stays quiet on a
+balanced run. (The same cases from real runs: tests/smp/test_profiling.py.)"""
+from __future__ import annotations
+
+import pytest
+
+from pipeline.timeline import Event
+from smp.measurements import measure
+from smp.rules import RULES, Thresholds, evaluate
+from tests.smp import synthetic_profile as sp
+
+
+@pytest.fixture(scope="module")
+def plan():
+    return sp.plan_of()[0]
+
+
+def _balanced(plan):
+    """Measured stage costs in the plan's proportions (any scale), a few microseconds apart."""
+    return {"forward_s": [s.forward_s * 3 for s in plan.stages], "backward_s": [s.backward_s * 3 for s in plan.stages]}
+
+
+def fired(m, **thresholds):
+    return {f.rule: f for f in evaluate(m, Thresholds(**thresholds)) if f.fired}
+
+
+def test_a_balanced_run_fires_nothing(plan):
+    findings = evaluate(measure(*sp.make(plan, **_balanced(plan))))
+    assert [f.rule for f in findings] == ["StageImbalance", "PlanDrift", "Straggler", "StepOutlier", "DataBound",
+                                          "CommBound", "Bubble"]
+    assert not [f for f in findings if f.fired], [str(f) for f in findings]
+    assert len(RULES) == 7
+
+
+def test_stage_imbalance_names_the_stages_and_their_modules(plan):
+    f = fired(measure(*sp.make(plan, forward_s=[1e-3, 3e-3], backward_s=[2e-3, 6e-3])))["StageImbalance"]
+    assert "stage 1 (" in f.summary and "1.50x the mean" in f.summary
+    assert plan.stages[1].modules[-1] in f.summary and "smp replan" in f.recommendation
+    assert f.numbers["slowest"] == 1 and f.numbers["fastest"] == 0
+
+
+def test_plan_drift_sees_a_stage_the_cost_model_misjudged_not_a_uniformly_slower_device(plan):
+    base = _balanced(plan)
+    assert "PlanDrift" not in fired(measure(*sp.make(plan, **base)))
+    skewed = dict(base, backward_s=[base["backward_s"][0], base["backward_s"][1] * 3])
+    f = fired(measure(*sp.make(plan, **skewed)))["PlanDrift"]
+    assert f.numbers["stages"] and "trace_execution_times" in f.recommendation
+
+
+def test_straggler_needs_replicas_and_names_the_slow_rank(plan):
+    base = _balanced(plan)
+    assert "one pipeline" in evaluate(measure(*sp.make(plan, **base)))[2].summary
+    f = fired(measure(*sp.make(plan, **base, replicas=2, slow={3: 1.5})))["Straggler"]
+    assert f.numbers["ranks"] == [3] and "rank 3" in f.summary and "1.50x" in f.summary
+    assert "Straggler" not in fired(measure(*sp.make(plan, **base, replicas=2, slow={3: 1.1})))
+
+
+def test_step_outlier_says_which_phase_grew(plan):
+    m = measure(*sp.make(plan, **_balanced(plan), steps=6, gap_s=1e-3, slow_steps={4: 0.1}))
+    f = fired(m)["StepOutlier"]
+    assert f.numbers["steps"] == [4] and f.numbers["phase"] == {4: "data"} and "data grew by" in f.summary
+
+
+def test_data_bound_and_comm_bound(plan):
+    m = measure(*sp.make(plan, **_balanced(plan), gap_s=0.05))
+    f = fired(m)["DataBound"]
+    assert sorted(f.numbers["ranks"]) == [0, 1] and "num_workers" in f.recommendation
+    events, counters, info = sp.make(plan, **_balanced(plan))
+    # Rank 0 posts each send for a long time: communication it spends instead of computing.
+    long = [Event(0, f"SEND_F{k}@s0->s1", e.end, e.end + 0.02, "comm") for k, e in
+            enumerate(e for e in events if e.rank == 0 and e.action.startswith("F"))]
+    assert fired(measure(events + long, counters, info))["CommBound"].numbers["ranks"] == [0]
+
+
+def test_bubble_compares_with_the_prediction(plan):
+    m = measure(*sp.make(plan, **_balanced(plan)))
+    assert "Bubble" not in fired(m)
+    assert "Bubble" in fired(m, bubble=-0.5)  # a threshold below the prediction: the measured bubble exceeds it
+    assert "(p - 1) / (m + p - 1)" in evaluate(m)[-1].recommendation
