@@ -117,8 +117,11 @@ def test_the_merged_trace_holds_every_rank_in_order_inside_its_steps(profiled):
 
 
 def test_clocks_are_aligned_across_ranks(profiled):
-    """Rank 1's clock is 5 s behind; once aligned, every activation is received after it was sent."""
+    """Rank 1's clock is 5 s behind; once aligned, every activation is received after it was sent (to within the
+    alignment's own error bound: half the best ping-pong's round trip, which a busy host stretches)."""
     events = load_trace(profiled[0] / "prof" / "trace.json")[0]
+    info = json.loads((profiled[0] / "prof" / "profile.json").read_text())
+    slack = 2e-3 + 2 * info["ranks"]["1"]["offset_error_s"]
     sends = {(e.action.split("@")[0][6:]): e for e in events if e.action.startswith("SEND_F")}
     waits = [e for e in events if e.rank == 1 and e.action.startswith("wait F")]
     assert waits
@@ -129,7 +132,7 @@ def test_clocks_are_aligned_across_ranks(profiled):
         k = wait.action.split("@")[0][6:]
         send = min((e for e in events if e.rank == 0 and e.action.startswith(f"SEND_F{k}@")
                     and e.start <= wait.end + 0.01), key=lambda e: wait.end - e.start)
-        assert send.start <= wait.end + 2e-3
+        assert send.start <= wait.end + slack
     assert sends
 
 
