@@ -67,8 +67,10 @@ def boundary_requires_grad(sm: SplitModel) -> dict[str, bool]:
         values = {n: mode.from_tensor(torch.empty(tuple(m.shape), dtype=m.dtype)) if isinstance(m, torch.Tensor) else m
                   for n, m in zip(sm.program.input_names, sm.program.input_meta)}
         for stage in sm.stages:
-            # Fake copies of the weights: in-place updates (BatchNorm statistics) must not touch real ones.
-            state = {n: mode.from_tensor(t) for n, t in list(stage.module.named_parameters(remove_duplicate=False))
+            # Fake copies of the weights (in-place updates such as BatchNorm statistics must not touch real ones),
+            # all on the CPU: another rank's stages are on the meta device here, this rank's maybe on a GPU.
+            state = {n: torch.empty(tuple(t.shape), dtype=t.dtype, requires_grad=t.requires_grad)
+                     for n, t in list(stage.module.named_parameters(remove_duplicate=False))
                      + list(stage.module.named_buffers(remove_duplicate=False))}
             outs = torch.func.functional_call(stage.module, state, tuple(values[n] for n in stage.inputs),
                                               tie_weights=False, strict=False)

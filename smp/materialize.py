@@ -160,11 +160,9 @@ def release(module: torch.nn.Module, keep: Iterable[str]) -> int:
 
 
 def keep_own_share(module: torch.nn.Module, names: Iterable[str], device: torch.device | str,
-                   initialise: bool = True) -> None:
-    """After partitioning: allocate (and initialise) this rank's tensors ``names`` where the model was built
-    without weights, else release every tensor of other stages."""
+                   initialise: bool = True) -> int:
+    """Make exactly this rank's tensors ``names`` real: allocate (and, with ``initialise``, initialise) those
+    still on meta, release every other; returns the bytes released."""
     names = set(names)
-    if has_meta(module):
-        materialize(module, names, device, initialise)
-    else:
-        release(module, keep=names)
+    materialize(module, names, device, initialise)
+    return release(module, keep=names)

@@ -24,6 +24,7 @@ from partitioner import PartitionPlan
 from partitioner.split import split
 
 from . import state
+from .materialize import materialize
 from .planning import smp_runner
 
 __all__ = ["migrate", "holdings"]
@@ -79,6 +80,8 @@ def migrate(model: Any, plan: PartitionPlan) -> None:
                 moves[held[0], dst].append(ident)
     me = old.rank
     ranks = old.ranks
+    gained = [tensors[i][0] for i in after.get(me, set()) - before.get(me, set()) if i in tensors]
+    materialize(model.module, gained, st.device, initialise=False)  # released earlier: room for what arrives
     for (src, dst), idents in sorted(moves.items()):
         if me == src:
             box = [{tensors[i][0]: _payload(tensors[i][1], wrapped) for i in idents}]
@@ -94,4 +97,4 @@ def migrate(model: Any, plan: PartitionPlan) -> None:
             t.grad = None
             if wrapped is not None:
                 wrapped.state.pop(t, None)
-    model.runner = smp_runner(plan, model._checkpointed_paths())
+    model.runner = smp_runner(plan, model._checkpointed_paths())  # also releases what this rank gave up

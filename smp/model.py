@@ -10,6 +10,7 @@ built over ``model.parameters()`` and ``state_dict`` keys work unchanged.
 from __future__ import annotations
 
 import importlib
+import os
 from collections import OrderedDict
 from contextlib import contextmanager, nullcontext
 from typing import Any, Callable, Iterator
@@ -26,8 +27,9 @@ from pipeline import PipelineRunner
 from . import execution, precision, state
 from .commit import CheckpointError
 from .compat import warn_no_effect
-from .planning import shared_plan, smp_runner
+from .planning import own_stages, shared_plan, smp_runner
 from .state_dicts import key_error, on_cpu
+from .weights import load_local
 
 step_mod = importlib.import_module(".step", __package__)  # by name: smp.step is the decorator (partitioner.lazy)
 
@@ -100,6 +102,7 @@ class DistributedModel(torch.nn.Module):
         self._post_partition_hooks: list[Callable[["DistributedModel", Any], None]] = []
         self._post_step_hooks: OrderedDict[int, Callable[["DistributedModel", Any], None]] = OrderedDict()
         self._resume_plan: tuple[str, bool] | None = None  # a checkpoint's plan (JSON) and whether it is required
+        self._weights: tuple[str, bool] | None = None  # a checkpoint on disk to read after partitioning, strict?
         st.model = self
 
     # -- the step interface --------------------------------------------------------------------------
@@ -161,8 +164,10 @@ class DistributedModel(torch.nn.Module):
         self._traced_autocast = call.autocast
         with torch.autocast(call.autocast[0], dtype=call.autocast[1]) if call.autocast else nullcontext():
             plan = self._make_plan(call, pp)
-        self.runner = smp_runner(plan, self._checkpointed_paths())
+        self.runner = smp_runner(plan, self._checkpointed_paths(), initialise=self._weights is None)
         self.partitioned = True
+        if self._weights is not None:
+            self.load_weights(*self._weights)
         for fn in self._post_partition_hooks:
             fn(self, state.get().optimizer)
 
@@ -235,10 +240,15 @@ class DistributedModel(torch.nn.Module):
 
     # -- what this rank holds ----------------------------------------------------------------------------
     def _local_ids(self) -> set[int]:
+        """Ids of the parameters and buffers this rank holds (all of them before partitioning)."""
+        named = list(self.module.named_parameters(remove_duplicate=False))
+        named += list(self.module.named_buffers(remove_duplicate=False))
         if not self.partitioned:
-            return {id(t) for t in list(self.module.parameters()) + list(self.module.buffers())}
-        return {id(t) for st in self.runner.local_stages
-                for t in list(st.module.parameters()) + list(st.module.buffers())}
+            return {id(t) for _, t in named}
+        st = state.get()
+        plan = self.runner.plan
+        mine = plan.stage_tensors(own_stages(plan, st.topology.pp_rank(st.rank), st.topology.pp))
+        return {id(t) for n, t in named if n in mine}
 
     def local_named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
         ids = self._local_ids()
@@ -261,6 +271,17 @@ class DistributedModel(torch.nn.Module):
         """Key -> tensor of every state_dict entry this rank holds (tied keys each, sharing their tensor)."""
         ids = self._local_ids()
         return {k: v for k, v in self.module.state_dict(keep_vars=True).items() if id(v) in ids}
+
+    def load_weights(self, path: str | os.PathLike, strict: bool = True) -> list[str]:
+        """Load this rank's parameters and buffers from a checkpoint on disk, reading no other tensor: a
+        ``torch.save`` file, a safetensors file, or a ``save_pretrained`` directory (sharded or not); see
+        :mod:`smp.weights`. Before the first step it is applied right after partitioning (a model built
+        without weights then skips random initialisation). Returns the local keys the checkpoint lacked (an
+        error with ``strict``); shapes that differ are always an error."""
+        if not self.partitioned:
+            self._weights = (os.fspath(path), strict)
+            return []
+        return load_local(self.module, path, self._local_ids(), strict).missing
 
     def local_state_dict(self) -> dict[str, Any]:
         """This rank's parameters and buffers, marked partial (``smp.save(..., partial=True)``). Once the model

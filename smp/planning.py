@@ -18,8 +18,10 @@ from pipeline import PipelineRunner, microbatch
 from pipeline.p2p import named_failures
 
 from . import state
+from .materialize import keep_own_share
+from .weights import load_local
 
-__all__ = ["shared_plan", "pipeline_runner", "smp_runner"]
+__all__ = ["shared_plan", "pipeline_runner", "smp_runner", "own_stages"]
 
 
 def shared_plan(model: torch.nn.Module, args: tuple, kwargs: dict, num_stages: int,
@@ -40,23 +42,46 @@ def shared_plan(model: torch.nn.Module, args: tuple, kwargs: dict, num_stages: i
 
 def pipeline_runner(model: torch.nn.Module, args: tuple = (), kwargs: dict | None = None, *,
                     num_stages: int | None = None, microbatches: int = 1, virtual_stages: int = 1,
-                    options: PartitionOptions | None = None, **runner_kwargs: Any) -> PipelineRunner:
+                    options: PartitionOptions | None = None, weights: str | None = None,
+                    **runner_kwargs: Any) -> PipelineRunner:
     """Trace ``model`` on one microbatch of the batch ``(args, kwargs)``, partition on global rank 0, share
     the plan with every rank and build this rank's :class:`pipeline.PipelineRunner` (``runner_kwargs``:
-    ``schedule``, ``ranks``/``pipelines``, ``timeout_s``, ...). ``num_stages`` defaults to the pipeline's
-    ranks times ``virtual_stages``; ``options`` default to ``PartitionOptions(microbatches=microbatches)``."""
-    pipelines = runner_kwargs.get("pipelines") or [runner_kwargs.get("ranks") or range(dist.get_world_size())]
+    ``schedule``, ``ranks``/``pipelines``, ``timeout_s``, ``device``, ...). ``num_stages`` defaults to the
+    pipeline's ranks times ``virtual_stages``; ``options`` default to ``PartitionOptions(microbatches=...)``.
+
+    The model keeps only this rank's tensors (:mod:`smp.materialize`): built without weights, it gets them
+    initialised, or read from the checkpoint ``weights`` (:mod:`smp.weights`: only this rank's keys are read);
+    built with weights, it releases the other stages' ones."""
+    pipelines = [list(p) for p in runner_kwargs.get("pipelines") or
+                 [runner_kwargs.get("ranks") or range(dist.get_world_size())]]
     mb_args, mb_kwargs = microbatch.split(tuple(args), dict(kwargs or {}), microbatches)[0]
-    stages = num_stages or len(list(pipelines[0])) * virtual_stages
+    mine = next(p for p in pipelines if dist.get_rank() in p)
+    stages = num_stages or len(mine) * virtual_stages
     plan = shared_plan(model, mb_args, mb_kwargs, stages, PartitionOptions.of(options, microbatches=microbatches))
+    local = plan.stage_tensors(own_stages(plan, mine.index(dist.get_rank()), len(mine)))
+    keep_own_share(model, local, runner_kwargs.get("device") or "cpu", initialise=weights is None)
+    if weights is not None:
+        load_local(model, weights, {id(t) for name, t in _named_tensors(model) if name in local})
     return PipelineRunner(plan, microbatches=microbatches, virtual_stages=virtual_stages, **runner_kwargs)
 
 
-def smp_runner(plan: PartitionPlan, checkpoint_modules: list[str]) -> PipelineRunner:
+def _named_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
+
+
+def own_stages(plan: PartitionPlan, rank: int, ranks: int) -> list[int]:
+    """The stages of ``plan`` that pipeline rank ``rank`` of ``ranks`` runs (stage s on rank s mod ranks)."""
+    return [s for s in range(plan.num_stages) if s % ranks == rank]
+
+
+def smp_runner(plan: PartitionPlan, checkpoint_modules: list[str], initialise: bool = True) -> PipelineRunner:
     """This rank's pipeline of ``plan`` as the smp config sets it up (``smp.DistributedModel`` at partitioning,
-    and when re-partitioned in flight, :mod:`smp.migrate`)."""
+    and when re-partitioned in flight, :mod:`smp.migrate`): the model holds only this rank's tensors, initialised
+    where they were created without weights (unless weights are about to be loaded), then the runner."""
     st = state.get()
     cfg = st.config
+    stages = own_stages(plan, st.topology.pp_rank(st.rank), st.topology.pp)
+    keep_own_share(st.model.module, plan.stage_tensors(stages), st.device, initialise)
     return PipelineRunner(plan, schedule=cfg.schedule, microbatches=cfg.microbatches,
                           max_in_flight=cfg.active_microbatches if cfg.schedule == "1f1b" else None,
                           pipelines=st.topology.mp_groups(), device=st.device, timeout_s=cfg.timeout_s,

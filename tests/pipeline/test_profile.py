@@ -117,11 +117,12 @@ def test_the_merged_trace_holds_every_rank_in_order_inside_its_steps(profiled):
 
 
 def test_clocks_are_aligned_across_ranks(profiled):
-    """Rank 1's clock is 5 s behind; once aligned, every activation is received after it was sent (to within the
-    alignment's own error bound: half the best ping-pong's round trip, which a busy host stretches)."""
+    """Rank 1's clock is 5 s behind; once aligned, every activation is received after it was sent, to within the
+    alignment's own error bound (half the best ping-pong's round trip) plus 25 ms: on a loaded 2-core CI host a
+    span's clock read and the work it times were seen that far apart. A misalignment is seconds, not milliseconds."""
     events = load_trace(profiled[0] / "prof" / "trace.json")[0]
     info = json.loads((profiled[0] / "prof" / "profile.json").read_text())
-    slack = 2e-3 + 2 * info["ranks"]["1"]["offset_error_s"]
+    slack = 25e-3 + 2 * info["ranks"]["1"]["offset_error_s"]
     sends = {(e.action.split("@")[0][6:]): e for e in events if e.action.startswith("SEND_F")}
     waits = [e for e in events if e.rank == 1 and e.action.startswith("wait F")]
     assert waits
