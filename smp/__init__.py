@@ -60,8 +60,9 @@ if TYPE_CHECKING:
     from .commit import CheckpointError
     from .compat import NoEffectWarning
     from .config import Config, ConfigError
-    from .model import DistributedModel, partition, set_activation_checkpointing, set_partition
+    from .model import DistributedModel
     from .optimizer import DistributedOptimizer
+    from .placement import partition, set_activation_checkpointing, set_partition
     from .profiling import annotate, profile
     from .state import init, is_initialized
     from .step import StepOutput, StepTimeoutError, step

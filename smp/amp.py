@@ -11,10 +11,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import state
+
 __all__ = ["GradScaler"]
 
 
 class GradScaler(torch.amp.GradScaler):
+    """SMP v1's ``smp.amp.GradScaler``: torch's loss scaler made pipeline-aware. The loss exists on the last
+    stage's rank only, so every rank creates its scale itself and the ranks agree on overflow (one all-reduce of
+    the found-inf flags) before any of them steps or changes the scale."""
     def __init__(self, device: str | None = None, **kwargs: Any):
         super().__init__(device or ("cuda" if torch.cuda.is_available() else "cpu"), **kwargs)
 
@@ -28,6 +33,7 @@ class GradScaler(torch.amp.GradScaler):
             self._lazy_init_scale_growth_tracker(device)
 
     def unscale_(self, optimizer: Any) -> None:
+        """Unscale this rank's gradients and vote with every rank on whether any of them overflowed."""
         if not self._enabled:
             return
         self._ensure_scale()
@@ -38,16 +44,18 @@ class GradScaler(torch.amp.GradScaler):
         total = torch.zeros(1, device=self._scale.device if self._scale is not None else "cpu")
         for flag in found.values():
             total += flag.to(total.device)
-        dist.all_reduce(total, op=dist.ReduceOp.MAX)
+        dist.all_reduce(total, op=dist.ReduceOp.MAX, group=state.get().group("world"))
         for device in list(found):
             found[device] = total.to(found[device].device)
         if not found:  # this rank holds no gradients: still vote, under the scale's device
             found[total.device] = total
 
     def step(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        """``optimizer.step()`` unless some rank found inf/NaN gradients (then every rank skips it)."""
         self._ensure_scale()  # torch's step checks for a scale, which a rank without the loss has not made yet
         return super().step(optimizer, *args, **kwargs)
 
     def update(self, new_scale: Any = None) -> None:
+        """Grow or back off the scale, the same on every rank (they voted on the same overflow flag)."""
         self._ensure_scale()
         super().update(new_scale)

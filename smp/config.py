@@ -19,6 +19,7 @@ from typing import Any
 
 from partitioner.errors import EngineError
 from pipeline.profile import ProfileOptions
+from pipeline.schedule import SMP_PIPELINES
 
 from .compat import warn_no_effect
 
@@ -33,7 +34,6 @@ class ConfigError(EngineError, ValueError):
     """A bad ``smp.init`` configuration; the message says which key and what is allowed."""
 
 
-_PIPELINES = ("interleaved", "simple")
 _PLACEMENTS = ("cluster", "spread")
 _OPTIMIZE = ("speed", "memory")
 
@@ -79,7 +79,7 @@ class Config:
     @property
     def schedule(self) -> str:
         """The pipeline package's name for the schedule SMP calls ``pipeline``."""
-        return "1f1b" if self.pipeline == "interleaved" else "gpipe"
+        return SMP_PIPELINES[self.pipeline]
 
     @property
     def effective_memory_weight(self) -> float:
@@ -210,7 +210,7 @@ def _validate(c: Config) -> None:
     _check(_is_int(c.pipeline_parallel_degree) and c.pipeline_parallel_degree >= 1,
            "pipeline_parallel_degree", c.pipeline_parallel_degree, "a positive integer")
     _check(_is_int(c.microbatches) and c.microbatches >= 1, "microbatches", c.microbatches, "a positive integer")
-    _check(c.pipeline in _PIPELINES, "pipeline", c.pipeline,
+    _check(c.pipeline in SMP_PIPELINES, "pipeline", c.pipeline,
            "'interleaved' (1F1B, backward first) or 'simple' (GPipe)")
     _check(isinstance(c.auto_partition, bool), "auto_partition", c.auto_partition, "True or False")
     _check(c.placement_strategy in _PLACEMENTS, "placement_strategy", c.placement_strategy, f"one of {_PLACEMENTS}")

@@ -39,7 +39,8 @@ def global_grad_norm(params: Iterable[torch.Tensor], norm_type: float = 2.0) -> 
     norm_type = float(norm_type)
     grads = {id(p): p.grad for p in params if p.grad is not None}
     index = _model_index()
-    device = state.get().device if state.is_initialized() else torch.device("cpu")
+    st = state.get() if state.is_initialized() else None
+    device = st.device if st is not None else torch.device("cpu")
     per_param = torch.zeros(len(index), dtype=torch.float32, device=device)
     local: list[torch.Tensor] = []
     for key, g in grads.items():
@@ -48,8 +49,8 @@ def global_grad_norm(params: Iterable[torch.Tensor], norm_type: float = 2.0) -> 
             per_param[index[key]] = norm
         else:
             local.append(norm)
-    if index and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(per_param, op=dist.ReduceOp.MAX)
+    if index and st is not None and st.topology.world > 1:
+        dist.all_reduce(per_param, op=dist.ReduceOp.MAX, group=st.group("world"))
     norms = torch.cat([per_param, torch.stack(local)]) if local else per_param
     if norms.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=device)

@@ -12,10 +12,9 @@ from __future__ import annotations
 import importlib
 import os
 from collections import OrderedDict
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from typing import Any, Callable, Iterator
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch.utils.hooks import RemovableHandle
@@ -27,55 +26,19 @@ from pipeline import PipelineRunner
 from . import execution, precision, state
 from .commit import CheckpointError
 from .compat import warn_no_effect
+from .placement import manual_stages
 from .planning import own_stages, shared_plan, smp_runner
 from .state_dicts import key_error, on_cpu
 from .weights import load_local
 
 step_mod = importlib.import_module(".step", __package__)  # by name: smp.step is the decorator (partitioner.lazy)
 
-__all__ = ["DistributedModel", "partition", "set_partition", "set_activation_checkpointing"]
-
-
-@contextmanager
-def partition(index: int) -> Iterator[None]:
-    """Modules assigned to a parent inside this block go to pipeline stage ``index`` (manual placement)."""
-    st = state.get()
-    _check_index(index, st.config.pipeline_parallel_degree)
-
-    block = object()
-
-    def hook(parent: torch.nn.Module, name: str, sub: torch.nn.Module | None) -> None:
-        # Every open block's hook sees the registration; the innermost block places the module.
-        if sub is not None and st.partition_blocks[-1] is block:
-            st.placement.setdefault(sub, index)
-
-    st.partition_blocks.append(block)
-    handle = torch.nn.modules.module.register_module_module_registration_hook(hook)
-    try:
-        yield
-    finally:
-        handle.remove()
-        st.partition_blocks.remove(block)
-
-
-def set_partition(module: torch.nn.Module, index: int) -> None:
-    st = state.get()
-    _check_index(index, st.config.pipeline_parallel_degree)
-    st.placement[module] = index
-
-
-def set_activation_checkpointing(module: torch.nn.Module) -> None:
-    """Recompute the activations of the stage(s) holding ``module`` in backward instead of keeping them."""
-    state.get().checkpointed.add(module)
-
-
-def _check_index(index: int, pp: int) -> None:
-    if not isinstance(index, int) or not 0 <= index < pp:
-        raise ValueError(f"partition index {index!r} is out of range: use 0 .. {pp - 1} "
-                         f"(pipeline_parallel_degree={pp})")
+__all__ = ["DistributedModel"]
 
 
 class DistributedModel(torch.nn.Module):
+    """SMP v1's ``smp.DistributedModel``: wraps the whole model; partitioned into pipeline stages on the first
+    ``@smp.step`` call, after which this rank holds and trains only its own stages' parameters."""
     # SMP v1 arguments that tune its own gradient reduction or profiling; here they change nothing.
     _SMP_IGNORED = {"backward_passes_per_step", "gradient_as_bucket_view", "broadcast_buffers",
                     "bucket_cap_mb", "find_unused_parameters", "overlapping_allreduce", "trace_memory_usage"}
@@ -107,17 +70,22 @@ class DistributedModel(torch.nn.Module):
 
     # -- the step interface --------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Inside an ``@smp.step`` function: run this microbatch through the pipeline (the last stage's outputs)."""
         return step_mod.model_call(self, args, kwargs)
 
     def backward(self, tensors: Any, grad_tensors: Any = None) -> None:
+        """Inside an ``@smp.step`` function, in place of ``loss.backward()``: the pipeline runs the backward pass
+        (scaled by the loss scaler when fp16 is on)."""
         step_mod.model_backward(*precision.scaled_for_backward(tensors, grad_tensors))  # fp16: loss scaling
 
     def is_last_stage_rank(self) -> bool:
+        """Does this rank run the last pipeline stage (where the step's loss and outputs are computed)?"""
         st = state.get()
         return st.topology.pp_rank(st.rank) == st.topology.pp - 1
 
     @property
     def out_spec(self) -> Any:
+        """The pytree structure of the model's outputs, as traced."""
         return self.runner.split_model.program.out_spec
 
     def register_post_partition_hook(self, fn: Callable[["DistributedModel", Any], None]) -> None:
@@ -188,7 +156,7 @@ class DistributedModel(torch.nn.Module):
                                st.world_group, cfg.timeout_s)
         else:
             graph = trace(self.module, call.args, call.kwargs)
-            plan = fixed_plan(graph, pp, self._manual_stages(graph), options)
+            plan = fixed_plan(graph, pp, manual_stages(self.module, graph), options)
             plan.graph = graph
         return plan
 
@@ -214,30 +182,6 @@ class DistributedModel(torch.nn.Module):
         marked = state.get().checkpointed
         return [name for name, m in self.module.named_modules() if m in marked]
 
-    def _manual_stages(self, graph: Any) -> np.ndarray:
-        """Each op goes where its innermost placed module is; an op of no placed module goes to
-        ``default_partition``, or to its latest producer's partition when that comes later (so glue code
-        in an unplaced parent, e.g. the root module's forward, never sends a tensor backwards)."""
-        st = state.get()
-        placed = {name: st.placement[m] for name, m in self.module.named_modules() if m in st.placement}
-        stage = np.full(graph.num_nodes, -1, np.int64)
-        for i, path in enumerate(graph.modules):
-            parts = path.split(".") if path else []
-            for cut in range(len(parts), -1, -1):
-                prefix = ".".join(parts[:cut])
-                if prefix in placed:
-                    stage[i] = placed[prefix]
-                    break
-        order = np.argsort(graph.dst, kind="stable")
-        src, starts = graph.src[order], np.searchsorted(graph.dst[order], np.arange(graph.num_nodes + 1))
-        default = st.config.default_partition or 0
-        for i in range(graph.num_nodes):  # index order is topological: producers are settled first
-            if stage[i] < 0:
-                preds = src[starts[i]:starts[i + 1]]
-                stage[i] = max(default, int(stage[preds].max())) if len(preds) else default
-        stage[[i for i, k in enumerate(graph.kinds) if k == "output"]] = st.config.pipeline_parallel_degree - 1
-        return stage
-
     # -- what this rank holds ----------------------------------------------------------------------------
     def _local_ids(self) -> set[int]:
         """Ids of the parameters and buffers this rank holds (all of them before partitioning)."""
@@ -251,17 +195,21 @@ class DistributedModel(torch.nn.Module):
         return {id(t) for n, t in named if n in mine}
 
     def local_named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        """(name, parameter) pairs of the parameters this rank's stages own."""
         ids = self._local_ids()
         return ((n, p) for n, p in self.module.named_parameters() if id(p) in ids)
 
     def local_parameters(self) -> Iterator[torch.nn.Parameter]:
+        """The parameters this rank's stages own."""
         return (p for _, p in self.local_named_parameters())
 
     def local_buffers(self) -> Iterator[torch.Tensor]:
+        """The buffers this rank's stages own."""
         ids = self._local_ids()
         return (b for b in self.module.buffers() if id(b) in ids)
 
     def local_modules(self) -> Iterator[torch.nn.Module]:
+        """The submodules holding at least one parameter or buffer this rank's stages own."""
         ids = self._local_ids()
         return (m for m in self.module.modules()
                 if any(id(t) in ids for t in list(m.parameters(recurse=False)) + list(m.buffers(recurse=False))))

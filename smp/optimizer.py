@@ -97,9 +97,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return gradnorm.clip_grad_norm_(params, max_norm, norm_type)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a parameter group to the wrapped optimizer."""
         self.optimizer.add_param_group(param_group)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the gradients of this rank's parameters (as the wrapped optimizer's ``zero_grad``)."""
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def local_state_dict(self) -> dict[str, Any]:

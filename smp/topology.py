@@ -26,6 +26,7 @@ class Topology:
 
     @property
     def dp(self) -> int:
+        """The data-parallel degree: how many replicas of the pipeline run."""
         return self.world // self.pp
 
     def mp_groups(self) -> list[list[int]]:
@@ -40,7 +41,9 @@ class Topology:
         return [[group[s] for group in mp] for s in range(self.pp)]
 
     def pp_rank(self, rank: int) -> int:
+        """The pipeline stage index of global ``rank`` within its model replica."""
         return next(g.index(rank) for g in self.mp_groups() if rank in g)
 
     def dp_rank(self, rank: int) -> int:
+        """Which model replica global ``rank`` belongs to."""
         return next(g.index(rank) for g in self.dp_groups() if rank in g)

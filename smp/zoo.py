@@ -153,6 +153,7 @@ class MLP(nn.Module):
         self.head = nn.Linear(width, _CLASSES)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Class logits of a batch of feature vectors."""
         return self.head(self.layers(self.embed(x)))
 
 
@@ -187,6 +188,7 @@ class UNet(nn.Module):
         self.head = nn.Conv2d(chans[0], _CLASSES, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Per-pixel class logits of a batch of images (encoder, bottleneck, decoder with skips)."""
         skips = []
         for down in self.blocks[: self.levels]:
             x = down(x)
@@ -229,6 +231,7 @@ class Inception(nn.Module):
         self.head = nn.Linear(channels, _CLASSES)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Class logits of a batch of images."""
         x = F.relu(self.stem(x))
         for block in self.blocks:
             x = block(x)
