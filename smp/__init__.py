@@ -60,6 +60,7 @@ if TYPE_CHECKING:
     from .commit import CheckpointError
     from .compat import NoEffectWarning
     from .config import Config, ConfigError
+    from .materialize import delay_param_initialization, model_creation
     from .model import DistributedModel
     from .optimizer import DistributedOptimizer
     from .placement import partition, set_activation_checkpointing, set_partition
@@ -80,7 +81,7 @@ __all__ = [
     "get_dp_process_group", "barrier", "broadcast", "allgather", "send", "recv_from", "CommGroup", "RankType",
     "WORLD", "MP_GROUP", "PP_GROUP", "DP_GROUP", "RDP_GROUP",
     "nn", "optimizers", "utils", "tensor_parallelism", "NoEffectWarning", "__version__",
-    "profile", "annotate",
+    "profile", "annotate", "delay_param_initialization", "model_creation",
 ]
 
 __getattr__, __dir__ = lazy_exports(__name__)

@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from smp.spawn import run_ranks
 from smp.weights import WeightsError, load_local, read_weights
 
 
@@ -88,3 +89,74 @@ def test_a_path_without_a_checkpoint_says_so(tmp_path):
         read_weights(tmp_path, ["x"])
     with pytest.raises(WeightsError, match="no checkpoint at"):
         read_weights(tmp_path / "nope.pt", ["x"])
+
+
+def _train(rank: int, world: int, weights: str | None, pipeline: str, steps: int = 3) -> dict:
+    """A few Adam steps of the tiny Llama under smp: built with weights (seeded), or built without them and
+    loaded from ``weights``; what the rank read and held, the losses and (rank 0) the gathered state."""
+    import smp
+    import smp.model as model_mod
+    from smp import state
+
+    smp.init({"pipeline_parallel_degree": 2, "microbatches": 4, "pipeline": pipeline, "ddp": world > 2})
+    reads = []
+    if weights is None:
+        net = _tiny_llama()
+    else:
+        with smp.delay_param_initialization():
+            net = _tiny_llama()
+        real = model_mod.load_local
+        model_mod.load_local = lambda *a, **k: reads.append(real(*a, **k)) or reads[-1]  # record what is read
+    model = smp.DistributedModel(net)
+    if weights is not None:
+        model.load_weights(weights)
+    opt = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2))
+
+    @smp.step
+    def train_step(model, ids):
+        loss = model(input_ids=ids, labels=ids).loss
+        model.backward(loss)
+        return loss
+
+    losses = []
+    for _ in range(steps):
+        ids = torch.randint(0, 128, (8, 16), generator=torch.Generator().manual_seed(0))  # one batch: loss falls
+        losses.append(float(train_step(model, ids.chunk(smp.dp_size())[smp.dp_rank()]).reduce_mean()))
+        opt.step()
+        opt.zero_grad()
+    local = dict(model.local_named_parameters())
+    held = sorted(n for n, p in net.named_parameters() if not p.is_meta)
+    full = {k: v.clone() for k, v in model.state_dict().items()}
+    out = {"losses": losses, "held": held, "local": sorted(local), "state": full if rank == 0 else None,
+           "read": sorted(reads[0].keys_read) if reads else None, "files": reads[0].files_opened if reads else None}
+    smp.barrier()
+    state.reset()
+    return out
+
+
+def _both(rank: int, world: int, weights: str, pipeline: str) -> tuple[dict, dict]:
+    return _train(rank, world, None, pipeline), _train(rank, world, weights, pipeline)
+
+
+@pytest.mark.parametrize("world,pipeline", [(2, "interleaved"), pytest.param(2, "simple", marks=pytest.mark.slow),
+                                            pytest.param(4, "interleaved", marks=pytest.mark.slow),
+                                            pytest.param(4, "simple", marks=pytest.mark.slow)])
+def test_a_model_built_without_weights_and_loaded_from_disk_trains_like_the_materialised_one(tmp_path, world, pipeline):
+    """Built on meta under delay_param_initialization and loaded from a sharded save_pretrained checkpoint, each
+    rank reads and holds only its stages' tensors, and training gives the losses and weights of the model built
+    with those weights (pp2, and pp2 x dp2)."""
+    _tiny_llama().save_pretrained(tmp_path, max_shard_size="40KB")
+    assert len(list(tmp_path.glob("model-*.safetensors"))) > 1
+    results = run_ranks(_both, world, str(tmp_path), pipeline, timeout=240)
+    every = {n for n, _ in _tiny_llama().named_parameters()}
+    for full, delayed in results:
+        assert delayed["losses"] == pytest.approx(full["losses"], rel=1e-6, abs=0)
+        assert delayed["held"] == delayed["local"] == full["held"] == full["local"]  # only its own share...
+        assert set(delayed["held"]) < every  # ...which is not everything
+        shared = {"model.embed_tokens.weight", "lm_head.weight"}  # tied: one storage, read under either name
+        assert set(delayed["read"]) - shared == set(delayed["local"]) - shared
+    assert results[0][0]["losses"][-1] < results[0][0]["losses"][0]
+    a, b = results[0][0]["state"], results[0][1]["state"]
+    assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], rtol=1e-5, atol=1e-7) for k in a)
+    held = [set(r[1]["held"]) for r in results[:2]]
+    assert not held[0] & held[1] - {"model.embed_tokens.weight", "lm_head.weight"}  # stages do not overlap
