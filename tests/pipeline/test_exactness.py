@@ -83,13 +83,13 @@ def _exactness(rank: int, world: int, name: str, ms: tuple[int, ...], schedules:
     return errors
 
 
-@pytest.mark.parametrize("name", ["mlp", "unet", "gpt2"])
+@pytest.mark.parametrize("name", ["mlp", pytest.param("unet", marks=pytest.mark.slow), "gpt2"])
 def test_two_ranks_every_schedule(name):
     errors = run_ranks(_exactness, 2, name, (1, 4), SCHEDULES, 2, timeout=180)
     assert errors == [[], []], "\n".join(sum(errors, []))
 
 
-@pytest.mark.parametrize("world", [3, 4])
+@pytest.mark.parametrize("world", [3, pytest.param(4, marks=pytest.mark.slow)])
 def test_more_ranks_mlp(world):
     errors = run_ranks(_exactness, world, "mlp", (2, 8), SCHEDULES, 1, timeout=180)
     assert all(e == [] for e in errors), "\n".join(sum(errors, []))

@@ -51,7 +51,8 @@ def _fail(rank: int, world: int, how: str):
     return ("ok", "", time.monotonic() - t0)
 
 
-@pytest.mark.parametrize("how,limit", [("raise", 3.0), ("die", 3.0), ("hang", 15.0)])
+@pytest.mark.parametrize("how,limit", [("raise", 3.0), ("die", 3.0),
+                                       pytest.param("hang", 15.0, marks=pytest.mark.slow)])
 def test_peer_failure_is_reported_in_bounded_time(how, limit):
     out = run_ranks(_fail, 2, how, timeout=90, allow_failure=True)
     kind, message, elapsed = out[0]

@@ -87,7 +87,7 @@ def _peaks(rank: int, world: int, ms: tuple[int, ...]):
     return out
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_in_flight_activations(world):
     ms = (8, 3) if world == 4 else (8,)
     results = run_ranks(_peaks, world, ms, timeout=120)

@@ -206,6 +206,7 @@ def _autocast(rank: int, world: int):
             "switched": switched}
 
 
+@pytest.mark.slow  # the smp path (config bf16) is tested on two ranks in tests/smp/test_precision.py
 def test_autocast_bf16_on_two_ranks():
     for r in run_ranks(_autocast, 2, timeout=240):
         assert r["out_dtypes"] == ["torch.bfloat16"], r  # the model's matmuls ran in bf16
@@ -255,7 +256,7 @@ def _scaler(rank: int, world: int, inf_on: int):
     return {"changed": changed, "scales": scales, "param_err": _param_err(model, reference)}
 
 
-@pytest.mark.parametrize("inf_on", [0, 1])
+@pytest.mark.parametrize("inf_on", [0, pytest.param(1, marks=pytest.mark.slow)])
 def test_grad_scaler_skips_on_every_rank(inf_on):
     results = run_ranks(_scaler, 2, inf_on, timeout=240)
     for r in results:
@@ -324,7 +325,7 @@ def _sharded(rank: int, world: int, scaled: bool):
             and all(torch.allclose(model_sd[k], v, rtol=1e-4, atol=1e-6) for k, v in ref_sd.items())}
 
 
-@pytest.mark.parametrize("scaled", [False, True])
+@pytest.mark.parametrize("scaled", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_shard_optimizer_state_pp2_dp2(scaled):
     results = run_ranks(_sharded, 4, scaled, timeout=300)
     for r in results:
@@ -387,7 +388,7 @@ def _ranks(rank: int, world: int, placement: str):
 
 @pytest.mark.parametrize("placement,mp,dp", [
     ("cluster", [[0, 1], [2, 3]], [[0, 2], [1, 3]]),
-    ("spread", [[0, 2], [1, 3]], [[0, 1], [2, 3]]),
+    pytest.param("spread", [[0, 2], [1, 3]], [[0, 1], [2, 3]], marks=pytest.mark.slow),
 ])
 def test_rank_helpers_pp2_dp2(placement, mp, dp):
     results = run_ranks(_ranks, 4, placement, timeout=240)

@@ -116,6 +116,7 @@ def test_smp_profile_and_annotations_are_in_the_trace(runs):
     assert sum(e.cat == "optimizer" for e in events) == 2 * 5  # after every step of the block
 
 
+@pytest.mark.slow
 def test_a_rank_slowed_by_a_busy_loop_is_a_straggler(tmp_path):
     run_ranks(_straggler, 2, str(tmp_path), timeout=300)
     f = _fired(tmp_path)["Straggler"]

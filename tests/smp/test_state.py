@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import time
 
+import pytest
+
 from smp.spawn import run_ranks
 from tests.smp.scripts import mlp_step, outcome
 
@@ -26,6 +28,7 @@ def _pause(rank: int, world: int, pause: float):
     return outcomes
 
 
+@pytest.mark.slow
 def test_pause_longer_than_the_timeout_fails_and_passes_once_raised():
     (raised0, default0), (raised1, default1) = run_ranks(_pause, 2, 4.0, timeout=120)
     # Raised in the config (which wins over the environment), a 4 s pause is just a pause.
@@ -53,6 +56,7 @@ def _dp_peer_dies(rank: int, world: int):
     return outcome(step)
 
 
+@pytest.mark.slow
 def test_data_parallel_rank_whose_peer_dies_reports_it():
     out = run_ranks(_dp_peer_dies, 4, timeout=150, allow_failure=True)
     assert out[3].startswith("FAILED: rank 3 exited with code 3"), out

@@ -176,6 +176,7 @@ def _exact_resume(tmp_path, world: int, config: dict) -> None:
             assert r["first"] == 2 and r["losses"] == w["losses"][2:], (kind, r["losses"], w["losses"])
 
 
+@pytest.mark.slow
 def test_exact_resume_pp2(tmp_path):
     _exact_resume(tmp_path, 2, CFG)
 

@@ -17,14 +17,19 @@ def _check(results, steps):
     assert results[0]["losses"][-1] < results[0]["losses"][0]  # it trains
 
 
-@pytest.mark.parametrize("pipeline", ["interleaved", "simple"])
-@pytest.mark.parametrize("name", ["cnn", "gpt2", "inception"])
+_SLOW = pytest.mark.slow  # every model and schedule runs under -m slow; each of both in the default run
+
+
+@pytest.mark.parametrize("name,pipeline", [("gpt2", "interleaved"), ("cnn", "simple"), ("inception", "interleaved"),
+                                           pytest.param("gpt2", "simple", marks=_SLOW),
+                                           pytest.param("cnn", "interleaved", marks=_SLOW),
+                                           pytest.param("inception", "simple", marks=_SLOW)])
 def test_pp2(name, pipeline):
     cfg = {"pipeline_parallel_degree": 2, "microbatches": 4, "pipeline": pipeline}
     _check(run_ranks(train, 2, cfg, name, 3, 8, timeout=240), 3)
 
 
-@pytest.mark.parametrize("placement", ["cluster", "spread"])
+@pytest.mark.parametrize("placement", ["cluster", pytest.param("spread", marks=pytest.mark.slow)])
 def test_pp2_dp2(placement):
     cfg = {"pipeline_parallel_degree": 2, "microbatches": 2, "ddp": True, "placement_strategy": placement}
     results = run_ranks(train, 4, cfg, "cnn", 3, 8, timeout=240)
