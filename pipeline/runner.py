@@ -236,6 +236,15 @@ class PipelineRunner:
         shared, self._shared = self._shared, []
         self.transport.report_failure(exc, also=[g for g, _, _ in shared] + list(also))
 
+    def close(self) -> None:
+        """Destroy the runner's process groups (a runner replaced by another, e.g. after re-partitioning, would
+        otherwise keep its connections open for the life of the process). The runner cannot step afterwards."""
+        groups = [self.transport.group, *(g for g, _, _ in self._shared)]
+        self.transport.group, self._shared = None, []
+        for group in groups:
+            if group is not None and group != dist.GroupMember.NON_GROUP_MEMBER:
+                dist.destroy_process_group(group)
+
     def train(self, mode: bool = True) -> "PipelineRunner":
         """Put this rank's stages in training or evaluation mode (dropout, BatchNorm), as ``nn.Module.train``.
         Stages start in the mode the model was traced in."""

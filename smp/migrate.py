@@ -98,3 +98,4 @@ def migrate(model: Any, plan: PartitionPlan) -> None:
             if wrapped is not None:
                 wrapped.state.pop(t, None)
     model.runner = smp_runner(plan, model._checkpointed_paths())  # also releases what this rank gave up
+    old.close()

@@ -123,13 +123,16 @@ def _train(rank: int, workdir: str, cfg: dict, steps: int, place_first: bool = F
         opt.step()
         opt.zero_grad()
         first_stage.append(model.runner.plan.stages[0].nodes)
+        if i == 0:
+            groups = len(torch.distributed.distributed_c10d._world.pg_map)
+    groups = (groups, len(torch.distributed.distributed_c10d._world.pg_map))  # open process groups: no more
     params = {k: v.clone() for k, v in model.state_dict().items()}
     opt_state = opt.state_dict()["state"]
     if cfg.get("auto_repartition") and rank == 0:
         model.runner.plan.to_json(os.path.join(workdir, "plan.json"))
     smp.barrier()
     state.reset()
-    return losses, first_stage, params, opt_state
+    return losses, first_stage, params, opt_state, groups
 
 
 def _in_flight(rank: int, world: int, workdir: str, pp: int):
@@ -141,15 +144,17 @@ def _in_flight(rank: int, world: int, workdir: str, pp: int):
     same_params = all(torch.equal(auto[2][k], fresh[2][k]) for k in auto[2])
     same_state = all(torch.equal(a, b) for k in auto[3] for a, b in zip(auto[3][k].values(), fresh[3][k].values())
                      if isinstance(a, torch.Tensor))
-    return auto[0], auto[1], fresh[0], fresh[1], same_params, same_state
+    # The replaced runner closed its process groups: as many are open at the end as after the first step.
+    return auto[0], auto[1], fresh[0], fresh[1], same_params, same_state, auto[4]
 
 
 def _check_in_flight(results):
-    for auto_losses, auto_stage, fresh_losses, fresh_stage, same_params, same_state in results:
+    for auto_losses, auto_stage, fresh_losses, fresh_stage, same_params, same_state, no_leak in results:
         assert auto_stage[:3] == [2, 2, 2] and auto_stage[3] > 2  # re-partitioned before step 3
         assert fresh_stage == [auto_stage[-1]] * 5
         assert auto_losses == fresh_losses  # bit for bit, before and after the move
         assert same_params and same_state
+        assert no_leak[0] == no_leak[1], no_leak
 
 
 def test_auto_repartition_moves_to_the_new_plan_exactly(tmp_path):
