@@ -105,14 +105,17 @@ def test_inspect_a_meta_llama_for_an_h100_in_bf16(tmp_path: Path, capsys) -> Non
     spec = importlib.util.spec_from_file_location("llama_factory", tmp_path / "llama.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    numel = sum(p.numel() for p in module.build()[0].parameters())
+    model = module.build()[0]
+    trained = 2 * sum(p.numel() for p in model.parameters())
     memory = data["memory"]
     assert [m["stage"] for m in memory] == [0, 1, 2]
-    assert sum(m["weights_bytes"] for m in memory) == 2 * numel  # bf16 weights, nothing tied
+    # bf16 weights, nothing tied, and the rotary embedding's inv_freq buffer (used by the forward)
+    assert sum(m["weights_bytes"] for m in memory) == trained + 2 * model.model.rotary_emb.inv_freq.numel()
+    assert sum(m["gradient_bytes"] for m in memory) == trained  # buffers have no gradient or state
+    assert sum(m["master_bytes"] for m in memory) == 2 * trained  # fp32 master weights
+    assert sum(m["optimizer_bytes"] for m in memory) == 4 * trained  # Adam's two fp32 moments
     for m, s in zip(memory, data["stages"]):
-        w = m["weights_bytes"]
-        assert s["param_bytes"] == w and m["gradient_bytes"] == w
-        assert m["master_bytes"] == 2 * w and m["optimizer_bytes"] == 4 * w  # fp32 master, Adam's 2 fp32 moments
+        assert s["param_bytes"] == m["weights_bytes"]
         assert m["in_flight"] == min(3 - m["stage"], 4)  # 1F1B's peak, from the simulated schedule
         assert m["activation_bytes"] == m["in_flight"] * m["activation_bytes_per_microbatch"] > 0
         assert abs(m["total_bytes"] - s["memory_bytes"]) <= 4  # the plan's memory, broken down (rounding)
