@@ -21,7 +21,10 @@ from typing import Any
 
 from .errors import EngineError
 
-__all__ = ["DeviceRates", "Link", "PROFILES", "LINKS", "DEVICES", "profile", "UnknownDeviceError"]
+__all__ = ["DeviceRates", "Link", "PROFILES", "LINKS", "DEVICES", "PRECISIONS", "profile", "UnknownDeviceError"]
+
+# Training precisions (dtypes) a device is priced in; their bytes are :mod:`partitioner.precision`'s.
+PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
 
 
 class UnknownDeviceError(EngineError, ValueError):
@@ -112,8 +115,8 @@ class DeviceRates:
         """Peak FLOP/s of matmul-class ops (matmuls, convolutions, attention) trained in ``dtype``."""
         rates = {"fp32": None, "tf32": self.tf32_flops_per_s, "bf16": self.bf16_flops_per_s,
                  "fp16": self.fp16_flops_per_s}
-        if dtype not in rates:
-            raise ValueError(f"dtype={dtype!r} is not known; use one of {list(rates)}")
+        if dtype not in PRECISIONS:
+            raise ValueError(f"dtype={dtype!r} is not known; use one of {list(PRECISIONS)}")
         return self.flops_per_s if rates[dtype] is None else rates[dtype]
 
     def comm_s(self, nbytes: float, messages: float = 1.0) -> float:

@@ -27,10 +27,10 @@ from .devices import DeviceRates
 from .errors import EngineError
 from .graph import OpGraph, unique_ints
 from .options import PartitionOptions
-from .precision import at_precision, param_memory, weight_bytes
+from .precision import activation_bytes, param_memory, value_bytes, weight_bytes
 from .units import format_bytes
 
-__all__ = ["Problem", "Evaluation", "evaluate", "crossings", "stage_crossings", "check_acyclic", "budget_error",
+__all__ = ["Problem", "Evaluation", "evaluate", "crossings", "stage_crossings", "stage_params", "check_acyclic", "budget_error",
            "MemoryBudgetError", "dominates", "choose", "NEAR"]
 
 NEAR = 0.01  # objectives within 1% of the best count as the same: fewer bytes cut and in flight decide
@@ -71,8 +71,8 @@ class Problem:
         self.time = self.costs.total_s
         self.weights = weight_bytes(g, o.dtype)
         self.param_mem = param_memory(g, o.dtype, o.optimizer)  # + gradients, optimizer state, master copy
-        self.act_bytes = at_precision(g.act_bytes, g.act_float_bytes, o.dtype)
-        self.value_bytes = at_precision(g.value_bytes, g.value_float_bytes, o.dtype)
+        self.act_bytes = activation_bytes(g, o.dtype)
+        self.value_bytes = value_bytes(g, o.dtype)
         self.inflight = np.array([in_flight(s, self.num_stages, o.microbatches, o.pipeline)
                                   for s in range(self.num_stages)], np.float64)
         self.placeable = np.fromiter((kind != "output" for kind in g.kinds), bool, count=g.num_nodes)
@@ -170,14 +170,23 @@ def crossings(g: OpGraph, stage: np.ndarray, k: int,
     return producer_of_value[val], consumer, (g.value_bytes if value_bytes is None else value_bytes)[val]
 
 
-def stage_crossings(g: OpGraph, stage: np.ndarray, k: int) -> dict[tuple[int, int], tuple[int, int]]:
-    """(producer stage, consumer stage) -> (bytes, tensors) crossing per microbatch, as :func:`evaluate`
-    counts them (a value read by several ops of one stage is sent to it once)."""
+def stage_crossings(g: OpGraph, stage: np.ndarray, k: int,
+                    dtype: str = "fp32") -> dict[tuple[int, int], tuple[int, int]]:
+    """(producer stage, consumer stage) -> (bytes at the training ``dtype``, tensors) crossing per
+    microbatch, as :func:`evaluate` counts them (a value read by several ops of one stage is sent to it once)."""
     out: dict[tuple[int, int], tuple[int, int]] = {}
-    for s, t, b in zip(*(x.tolist() for x in crossings(g, np.asarray(stage, np.int64), k))):
+    for s, t, b in zip(*(x.tolist() for x in crossings(g, np.asarray(stage, np.int64), k, value_bytes(g, dtype)))):
         nbytes, count = out.get((s, t), (0, 0))
-        out[(s, t)] = (nbytes + b, count + 1)
+        out[(s, t)] = (nbytes + int(round(b)), count + 1)
     return dict(sorted(out.items()))
+
+
+def stage_params(g: OpGraph, stage: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The (stage, parameter) pairs of an assignment, each once: a parameter used on several stages (a tied
+    weight) is held by each of them."""
+    n_params = max(len(g.param_names), 1)
+    pairs = unique_ints(stage[g.use_node] * n_params + g.use_param) if len(g.use_node) else np.zeros(0, np.int64)
+    return pairs // n_params, pairs % n_params
 
 
 def evaluate(p: Problem, stage: np.ndarray) -> Evaluation:
@@ -192,9 +201,7 @@ def evaluate(p: Problem, stage: np.ndarray) -> Evaluation:
     msgs = np.bincount(cons, minlength=k) + np.bincount(prod, minlength=k)
     # Activations forward and gradients back: the same bytes twice.
     comm = 2.0 * ((b_in + b_out) / r.link_bytes_per_s + msgs * r.link_latency_s)
-    n_params = max(len(g.param_names), 1)
-    pairs = unique_ints(stage[g.use_node] * n_params + g.use_param) if len(g.use_node) else np.zeros(0, np.int64)
-    p_stage, p_idx = pairs // n_params, pairs % n_params
+    p_stage, p_idx = stage_params(g, stage, k)
     param_bytes = np.bincount(p_stage, weights=p.weights[p_idx], minlength=k)
     param_mem = np.bincount(p_stage, weights=p.param_mem[p_idx], minlength=k)
     act = np.bincount(stage, weights=p.act_bytes, minlength=k) * p.inflight

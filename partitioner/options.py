@@ -13,14 +13,13 @@ from typing import Any
 
 from .calibrate import calibrate
 from .cost import PIPELINES
-from .devices import DEVICES, LINKS, DeviceRates, UnknownDeviceError, profile
-from .precision import OPTIMIZER_STATE_FACTOR, PRECISIONS
-from .units import parse_size
+from .devices import DEVICES, LINKS, PRECISIONS, DeviceRates, UnknownDeviceError, profile
+from .precision import OPTIMIZER_STATE_FACTOR
+from .units import UNLIMITED, parse_size
 
 __all__ = ["PartitionOptions", "METHODS", "UNLIMITED"]
 
 METHODS = ("auto", "dp", "metis")
-UNLIMITED = "unlimited"  # device_memory: no budget, not even the device's own memory
 
 
 @dataclass(frozen=True)

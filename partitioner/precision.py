@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from .devices import PRECISIONS
 from .graph import OpGraph
 
-__all__ = ["PRECISIONS", "OPTIMIZER_STATE_FACTOR", "at_precision", "weight_bytes", "param_memory"]
+__all__ = ["PRECISIONS", "OPTIMIZER_STATE_FACTOR", "at_precision", "weight_bytes", "activation_bytes",
+           "value_bytes", "param_memory_parts", "param_memory"]
 
-PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
 # Optimizer state per fp32 parameter byte (Adam keeps two moments; SGD with momentum one).
 OPTIMIZER_STATE_FACTOR = {"adam": 2.0, "adamw": 2.0, "sgd": 1.0, "none": 0.0}
 _SHRINK = {"fp32": 1.0, "tf32": 1.0, "bf16": 0.5, "fp16": 0.5}  # bytes per fp32 byte
@@ -38,11 +39,30 @@ def weight_bytes(graph: OpGraph, dtype: str) -> np.ndarray:
     return at_precision(graph.param_bytes, graph.param_float_bytes, dtype)
 
 
-def param_memory(graph: OpGraph, dtype: str, optimizer: str) -> np.ndarray:
-    """Per parameter, the bytes it holds in training: weights, plus for a trainable one its gradient, the
-    optimizer state and, under mixed precision, the fp32 master weights (none without an optimizer)."""
+def activation_bytes(graph: OpGraph, dtype: str) -> np.ndarray:
+    """Per op, the bytes it keeps alive for backward, at ``dtype``."""
+    return at_precision(graph.act_bytes, graph.act_float_bytes, dtype)
+
+
+def value_bytes(graph: OpGraph, dtype: str) -> np.ndarray:
+    """Per value, its bytes at ``dtype`` (what crosses a stage boundary)."""
+    return at_precision(graph.value_bytes, graph.value_float_bytes, dtype)
+
+
+def param_memory_parts(graph: OpGraph, dtype: str, optimizer: str) -> dict[str, np.ndarray]:
+    """Per parameter, what it holds in training, by kind: ``weights`` (16-bit copies under mixed
+    precision), and for a trainable one ``gradients`` (as wide as the weights), ``optimizer`` state (per fp32
+    byte, :data:`OPTIMIZER_STATE_FACTOR`) and, under mixed precision, ``master`` fp32 weights (none without
+    an optimizer)."""
     weights = weight_bytes(graph, dtype)
     fp32 = graph.param_bytes.astype(np.float64)
-    master = fp32 if _SHRINK[dtype] < 1.0 and OPTIMIZER_STATE_FACTOR[optimizer] > 0 else 0.0
-    trained = 2.0 * weights + master + OPTIMIZER_STATE_FACTOR[optimizer] * fp32
-    return np.where(graph.param_trainable, trained, weights)
+    trained = np.asarray(graph.param_trainable, bool)
+    state = OPTIMIZER_STATE_FACTOR[optimizer]
+    master = fp32 if _SHRINK[dtype] < 1.0 and state > 0 else np.zeros_like(fp32)
+    return {"weights": weights, "gradients": np.where(trained, weights, 0.0),
+            "optimizer": np.where(trained, state * fp32, 0.0), "master": np.where(trained, master, 0.0)}
+
+
+def param_memory(graph: OpGraph, dtype: str, optimizer: str) -> np.ndarray:
+    """Per parameter, the bytes it holds in training: the sum of :func:`param_memory_parts`."""
+    return sum(param_memory_parts(graph, dtype, optimizer).values())

@@ -8,7 +8,9 @@ from __future__ import annotations
 import math
 import re
 
-__all__ = ["parse_size", "format_bytes", "parse_duration", "format_seconds"]
+__all__ = ["UNLIMITED", "parse_size", "format_bytes", "parse_duration", "format_seconds"]
+
+UNLIMITED = "unlimited"  # a memory budget of no limit (PartitionOptions.device_memory, smp --device-memory)
 
 _SIZE_UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
                "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}

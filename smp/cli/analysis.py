@@ -1,9 +1,12 @@
 """What ``smp inspect`` and ``smp demo`` compute: the plan, its baselines, and the simulated schedule.
 
 The plan comes from :func:`partitioner.partition`; the baselines (uniform, params, layers) are scored under
-the same cost model and simulated under the same schedule, so the table compares like with like. Transfers
-between stages are priced per microbatch from the bytes :func:`partitioner.objective.stage_crossings` counts,
-over the plan's link rates. ``--measure`` times every stage for real (:func:`partitioner.measure_stages`).
+the same cost model and simulated under the same schedule, so the table compares like with like. Everything is
+priced for the plan's device and training precision (``--device``, ``--dtype``): transfers between stages per
+microbatch from the bytes :func:`partitioner.objective.stage_crossings` counts at that precision, over the
+plan's link rates. What each stage's rank holds (:func:`partitioner.stage_memory`) counts the activations of
+the microbatches the simulated schedule keeps in flight at its peak (:func:`pipeline.schedule.peak_in_flight`).
+``--measure`` times every stage for real (:func:`partitioner.measure_stages`).
 """
 from __future__ import annotations
 
@@ -46,7 +49,7 @@ def plan_sim(plan: Any, graph: Any, opts: Options, forward_s: Sequence[float] | 
     from partitioner.objective import stage_crossings
 
     rates = DeviceRates(**plan.rates) if plan.rates else DeviceRates()
-    crossing = stage_crossings(graph, stage_of_ops(plan, graph), plan.num_stages)
+    crossing = stage_crossings(graph, stage_of_ops(plan, graph), plan.num_stages, opts.partition.dtype)
     comm = {e: rates.comm_s(b, messages=c) for e, (b, c) in crossing.items()}
     fwd = forward_s if forward_s is not None else [s.forward_s for s in plan.stages]
     bwd = backward_s if backward_s is not None else [s.backward_s for s in plan.stages]
@@ -57,10 +60,11 @@ def analyse(graph: Any, opts: Options, *, target: Target | None = None,
             progress: Callable[[str], None] = lambda m: None) -> tuple[Any, Any]:
     """Partition ``graph``, score the baselines, simulate the schedule, and measure if asked.
 
-    Returns ``(plan, sim)``: the plan with ``extra["baselines"]``, ``extra["schedule"]`` (and
-    ``extra["measured"]``, ``extra["target"]``) filled in, and the simulator's result for its schedule.
+    Returns ``(plan, sim)``: the plan with ``extra["baselines"]``, ``extra["schedule"]``, ``extra["memory"]``
+    (and ``extra["measured"]``, ``extra["target"]``) filled in, and the simulator's result for its schedule.
     """
-    from partitioner import measure_stages, partition
+    from partitioner import measure_stages, partition, stage_memory
+    from pipeline.schedule import peak_in_flight
     from partitioner.baselines import all_baselines
     from partitioner.partition import make_problem
     from partitioner.split import split
@@ -80,6 +84,7 @@ def analyse(graph: Any, opts: Options, *, target: Target | None = None,
         "predicted_step_s": sim.step_s, "bubble": sim.bubble,
         "throughput_microbatches_per_s": opts.microbatches / sim.step_s if sim.step_s > 0 else 0.0,
     }
+    plan.extra["memory"] = [m.to_dict() for m in stage_memory(plan, graph, peak_in_flight(sim.schedule))]
     if target is not None:
         plan.extra["target"] = target.spec
     if opts.measure_stages:

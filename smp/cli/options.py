@@ -17,12 +17,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
-from partitioner.units import parse_duration, parse_size
+from partitioner.devices import DEVICES, LINKS, PRECISIONS
+from partitioner.units import UNLIMITED, parse_duration, parse_size
 
 from .errors import CLIError
 from .limits import DEFAULT_MAX_ACTIONS
 
-__all__ = ["Options", "Parser", "add_target_args", "add_plan_args", "positive_int", "size", "duration",
+__all__ = ["Options", "Parser", "add_target_args", "add_plan_args", "positive_int", "size", "duration", "budget",
            "check_output"]
 
 
@@ -79,8 +80,14 @@ def _weight(text: str) -> float:
     return value
 
 
+def _budget(text: str) -> float | str:
+    """``"16GiB"`` -> bytes; ``"unlimited"`` -> no budget at all (not even the device's memory)."""
+    return UNLIMITED if text.strip().lower() == UNLIMITED else parse_size(text)
+
+
 positive_int = _typed(_positive_int)
 size = _typed(parse_size)
+budget = _typed(_budget)
 duration = _typed(parse_duration)
 memory_weight = _typed(_weight)
 
@@ -108,8 +115,22 @@ def add_plan_args(p: argparse.ArgumentParser, *, microbatches_required: bool = F
                    help="partitioner: auto (default, the best of dp and metis), dp or metis")
     p.add_argument("--memory-weight", type=memory_weight, default=keep,
                    help="0..1, how much memory balance counts next to time (SMP's memory_weight, default 0.2)")
-    p.add_argument("--device-memory", metavar="SIZE", type=size, default=keep,
-                   help="per-device memory budget, e.g. 16GiB or 512MB (default: no limit)")
+    p.add_argument("--device", metavar="NAME", choices=DEVICES, default=keep,
+                   help=f"the device the stages will run on, priced from its profile: {', '.join(DEVICES)} "
+                        "(default cpu: this machine, measured)")
+    p.add_argument("--dtype", metavar="NAME", choices=PRECISIONS, default=keep,
+                   help=f"training precision: {', '.join(PRECISIONS)} (default fp32; bf16 and fp16 are mixed "
+                        "precision: 16-bit activations, weights and gradients, fp32 master weights and "
+                        "optimizer state)")
+    p.add_argument("--link", metavar="NAME", choices=sorted(LINKS), default=keep,
+                   help=f"link between stages within a node: {', '.join(sorted(LINKS))} (default: the "
+                        "device's, e.g. nvlink4 for an H100; loopback for cpu)")
+    p.add_argument("--inter-node-link", metavar="NAME", choices=sorted(LINKS), default=keep,
+                   help="link between nodes, one of the --link names (default: the device's, e.g. "
+                        "infiniband-ndr for an H100; ethernet-10g for cpu)")
+    p.add_argument("--device-memory", metavar="SIZE", type=budget, default=keep,
+                   help="per-device memory budget, e.g. 16GiB or 512MB, or unlimited (default: the device's "
+                        "memory; no limit on cpu)")
     p.add_argument("--optimizer", metavar="NAME", default=keep,
                    help="optimizer whose state counts in memory: adam (default), adamw, sgd or none")
     p.add_argument("--max-actions", type=positive_int, default=DEFAULT_MAX_ACTIONS,

@@ -3,8 +3,9 @@
 Up to ``EXACT_MAX_STAGES`` stages (and no more than the model has ops) the costs are a real plan's. Beyond
 that no real plan is made: every stage gets the model's total forward and backward time divided by P, as if
 the model were proportionally deeper, and every boundary carries the mean boundary of a real plan of up to 16
-stages. A boundary costs nothing between stages on one rank, the plan's link within a node, and the
-inter-node link between nodes (ranks fill nodes in order, SMP's "cluster" placement).
+stages. Bytes are at the training precision (``--dtype``). A boundary costs nothing between stages on one rank,
+the plan's link within a node, and the inter-node link between nodes (ranks fill nodes in order, SMP's
+"cluster" placement).
 """
 from __future__ import annotations
 
@@ -43,26 +44,29 @@ def pipeline_costs(graph: Any, opts: Options, stages: int, *, exact: bool = True
     the model's totals scaled to total / P per stage, with the mean boundary of a real plan of up to 16 stages."""
     import numpy as np
 
-    from partitioner import partition
+    from partitioner import UNLIMITED, partition
     from partitioner.objective import stage_crossings
+    from partitioner.precision import activation_bytes
 
     ops = sum(k != "output" for k in graph.kinds)
+    dtype = opts.partition.dtype
+    act_bytes = activation_bytes(graph, dtype)
 
     def acts(plan: Any) -> list[float]:
-        return np.bincount(stage_of_ops(plan, graph), weights=graph.act_bytes, minlength=plan.num_stages).tolist()
+        return np.bincount(stage_of_ops(plan, graph), weights=act_bytes, minlength=plan.num_stages).tolist()
 
     if exact and stages <= min(ops, EXACT_MAX_STAGES):
         plan = partition(graph, stages, opts.partition)
-        crossing = stage_crossings(graph, stage_of_ops(plan, graph), stages)
+        crossing = stage_crossings(graph, stage_of_ops(plan, graph), stages, dtype)
         return PipelineCosts([s.forward_s for s in plan.stages], [s.backward_s for s in plan.stages],
                              sorted(crossing), crossing, True,
                              f"a real {stages}-stage plan ({plan.method}, balance {plan.balance:.3f})", plan.rates,
                              acts(plan))
     k0 = max(1, min(ops, 16, stages))
-    plan = partition(graph, k0, opts.partition, device_memory=None)
+    plan = partition(graph, k0, opts.partition, device_memory=UNLIMITED)  # a stage of many: no budget applies
     fwd = sum(s.forward_s for s in plan.stages)
     bwd = sum(s.backward_s for s in plan.stages)
-    crossing = stage_crossings(graph, stage_of_ops(plan, graph), k0)
+    crossing = stage_crossings(graph, stage_of_ops(plan, graph), k0, dtype)
     per_boundary = plan.cut_bytes / max(k0 - 1, 1)
     tensors = max(1, round(sum(c for _, c in crossing.values()) / max(k0 - 1, 1)))
     why = (f"P={stages} > the model's {ops} ops, so no real plan exists" if stages > ops
@@ -71,7 +75,7 @@ def pipeline_costs(graph: Any, opts: Options, stages: int, *, exact: bool = True
     note = (f"{why}: every stage gets total/P = ({ms(fwd)} + {ms(bwd)} ms)/{stages} per microbatch{deeper}; "
             f"each boundary carries {format_bytes(per_boundary)}, the mean boundary of a real {k0}-stage plan")
     chain = [(s, s + 1) for s in range(stages - 1)]
-    total_act = float(graph.act_bytes.sum())
+    total_act = float(act_bytes.sum())
     return PipelineCosts([fwd / stages] * stages, [bwd / stages] * stages, chain,
                          {e: (int(per_boundary), tensors) for e in chain}, False, note, plan.rates,
                          [total_act / stages] * stages)

@@ -1,6 +1,7 @@
 """The report ``smp inspect`` prints: one row per stage, the totals, and why the plan is what it is.
 
-After the table: the lower bound and the balance (bottleneck / lower bound), the cut and the largest stage's
+First the device, precision and links the plan is priced for; then the stage table, and the bytes the rank
+running each stage holds by kind (:func:`partitioner.stage_memory`). After the tables: the lower bound and the balance (bottleneck / lower bound), the cut and the largest stage's
 memory, shared parameters, the simulated schedule (and the one with measured stage times), and the baselines
 scored by the same cost model and schedule.
 """
@@ -14,7 +15,7 @@ from partitioner.units import format_bytes, format_seconds
 from .graph import is_ancestor
 from .text import format_flops, ms, table
 
-__all__ = ["format_report", "module_range", "pipeline_title"]
+__all__ = ["format_report", "module_range", "pipeline_title", "priced_for"]
 
 _SCHEDULE_TITLE = {"1f1b": "1F1B", "gpipe": "GPipe"}
 
@@ -61,9 +62,36 @@ def _stage_table(plan: Any, graph: Any) -> list[str]:
     return lines
 
 
+def priced_for(options: dict[str, Any], rates: dict[str, Any]) -> str:
+    """The device, precision, links and memory budget a plan is priced for, in one line."""
+    budget = options.get("device_memory")
+    dtype = options.get("dtype", "fp32")
+    mixed = " mixed precision" if dtype in ("bf16", "fp16") else ""
+    return (f"priced for {rates.get('name', options.get('device', 'cpu'))} in {dtype}{mixed}; links "
+            f"{rates.get('link', '?')} within a node, {rates.get('inter_node_link', '?')} between nodes; memory "
+            f"budget {format_bytes(budget) + ' per device' if budget else 'none'}")
+
+
+def _memory_table(memory: Sequence[dict[str, Any]]) -> list[str]:
+    header = ["stage", "weights", "gradients", "optimizer", "master", "activations in flight", "total"]
+    keys = ("weights_bytes", "gradient_bytes", "optimizer_bytes", "master_bytes")
+    rows = [[str(m["stage"]), *(format_bytes(m[k]) for k in keys),
+             f"{m['in_flight']} x {format_bytes(m['activation_bytes_per_microbatch'])} = "
+             f"{format_bytes(m['activation_bytes'])}", format_bytes(m["total_bytes"])] for m in memory]
+    return table(header, rows)
+
+
 def format_report(plan: Any, graph: Any = None) -> str:
-    """The table ``smp inspect`` prints: one row per stage, totals, bounds, schedule, baselines."""
-    lines = _stage_table(plan, graph)
+    """What ``smp inspect`` prints: the device line, one row per stage, totals, what each stage's rank holds,
+    bounds, schedule, baselines."""
+    lines = [priced_for(plan.options, plan.rates), *_stage_table(plan, graph)]
+    memory = plan.extra.get("memory")
+    if memory:
+        lines.append("")
+        lines.append(f"memory per rank ({plan.options.get('dtype', 'fp32')}, {plan.options.get('optimizer', 'adam')}"
+                     "; what the rank running each stage holds at its peak, activations in flight by the "
+                     "simulated schedule):")
+        lines += _memory_table(memory)
     worst = max(plan.stages, key=lambda s: s.cost_s).index
     lines.append("")
     lines.append(f"lower bound {ms(plan.lower_bound)} ms per microbatch (max of total compute/{plan.num_stages} and "

@@ -17,7 +17,7 @@ from .errors import CLIError
 from .limits import check_actions, schedule_actions
 from .options import Options, add_plan_args, add_target_args, check_output, duration, positive_int, size
 from .pricing import PipelineCosts, pipeline_costs, sim_row
-from .report import pipeline_title
+from .report import pipeline_title, priced_for
 from .target import load_target, trace_target
 from .text import Progress, ms, table
 
@@ -26,9 +26,6 @@ __all__ = ["register", "run", "COMPARED", "check_work"]
 # --schedules name -> pipeline.schedule name.
 COMPARED = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved-virtual": "interleaved-virtual", "zero-bubble": "zb-h1"}
 SPLIT_BACKWARD = {"zb-h1"}  # schedules with a W pass per microbatch and stage
-# Link defaults between nodes: 10 Gb/s Ethernet (within a node the plan's link, DeviceRates).
-INTER_NODE_BYTES_PER_S = 1.25e9
-INTER_NODE_LATENCY_S = 1.0e-4
 SCALING_SIM_MAX = 1 << 16  # p * m up to which a scaling cell is simulated (well under a second)
 
 
@@ -42,10 +39,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ranks-per-node", type=positive_int, default=8,
                    help="ranks per node: consecutive stages on one node use the plan's (intra-node) link, "
                         "stage boundaries between nodes the inter-node link (default 8)")
-    p.add_argument("--inter-node-bandwidth", metavar="SIZE", type=size, default=INTER_NODE_BYTES_PER_S,
-                   help="inter-node bytes per second, e.g. 1.25GB (default 1.25GB = 10 Gb/s Ethernet)")
-    p.add_argument("--inter-node-latency", metavar="TIME", type=duration, default=INTER_NODE_LATENCY_S,
-                   help="inter-node latency (default 100us)")
+    p.add_argument("--inter-node-bandwidth", metavar="SIZE", type=size,
+                   help="inter-node bytes per second, e.g. 1.25GB (default: the --inter-node-link's, 1.25GB = "
+                        "10 Gb/s Ethernet on cpu)")
+    p.add_argument("--inter-node-latency", metavar="TIME", type=duration,
+                   help="inter-node latency (default: the --inter-node-link's, 100us on cpu)")
     p.add_argument("--virtual-stages", type=positive_int, default=2,
                    help="model chunks per rank for the interleaved-virtual row (default 2)")
     p.add_argument("--schedules", default="all",
@@ -97,17 +95,20 @@ def check_work(opts: Options, compared: list[str], V: int) -> None:
 
 def run(ns: argparse.Namespace) -> int:
     """Run ``smp simulate`` on parsed arguments."""
+    from partitioner import DeviceRates
+
     check_output(ns.json, "--json", (".json",))
     opts = Options.from_args(ns)
     compared = _schedule_list(ns.schedules, opts.schedule)
     P, M, V, rpn = opts.partitions, opts.microbatches, ns.virtual_stages, ns.ranks_per_node
     check_work(opts, compared, V)
-    inter = (ns.inter_node_bandwidth, ns.inter_node_latency)
     progress = Progress(ns.quiet)
     target = load_target(ns.target, size=ns.size, batch=ns.batch, progress=progress)
     graph = trace_target(target, progress)
     progress(f"pricing {P} stages")
     costs = pipeline_costs(graph, opts, P)
+    inter = (costs.rates["inter_node_bytes_per_s"] if ns.inter_node_bandwidth is None else ns.inter_node_bandwidth,
+             costs.rates["inter_node_latency_s"] if ns.inter_node_latency is None else ns.inter_node_latency)
     rows: dict[str, dict[str, Any]] = {}
     for key in compared:
         name = COMPARED[key]
@@ -136,6 +137,7 @@ def run(ns: argparse.Namespace) -> int:
                "intra_node": {"bytes_per_s": costs.rates.get("link_bytes_per_s"),
                               "latency_s": costs.rates.get("link_latency_s")},
                "inter_node": {"bytes_per_s": inter[0], "latency_s": inter[1]}, "rates": costs.rates,
+               "options": opts.partition.to_dict(DeviceRates.from_dict(costs.rates)),
                "stage_forward_s": costs.forward_s, "stage_backward_s": costs.backward_s,
                "predicted_step_s": main_row["predicted_step_s"], "bubble": main_row["bubble"],
                "throughput_microbatches_per_s": main_row["throughput_microbatches_per_s"],
@@ -153,12 +155,15 @@ def run(ns: argparse.Namespace) -> int:
 
 def _print(spec: str, graph: Any, opts: Options, costs: PipelineCosts, rpn: int, inter: tuple[float, float],
            rows: dict[str, dict[str, Any]], best: str, scaling: list[dict[str, Any]]) -> None:
+    from partitioner import DeviceRates
+
     P, M = opts.partitions, opts.microbatches
     main_row = rows[opts.schedule]
     T = sum(costs.forward_s) + sum(costs.backward_s)
     print(f"{spec}: {graph.describe()}")
     print(f"{P} stages on {math.ceil(P / rpn)} node(s) of {rpn} ranks, {M} microbatches, "
           f"{pipeline_title(opts.pipeline, opts.schedule)}")
+    print(priced_for(opts.partition.to_dict(DeviceRates.from_dict(costs.rates)), costs.rates))
     print(f"stage costs: {costs.note}")
     print(f"links: within a node {format_bytes(costs.rates.get('link_bytes_per_s', 0))}/s + "
           f"{format_seconds(costs.rates.get('link_latency_s', 0))} per tensor (the plan's link); between nodes "

@@ -70,3 +70,52 @@ def test_inspect_gpt2_readme_command(tmp_path: Path) -> None:
     check_plan_json(tmp_path / "plan.json", 4, 8, "interleaved")
     check_png(tmp_path / "g.png")
     check_png(tmp_path / "t.png")
+
+
+LLAMA = '''
+import torch
+import transformers
+
+
+def build():
+    cfg = transformers.LlamaConfig(num_hidden_layers=4, hidden_size=64, intermediate_size=160, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=512, max_position_embeddings=32, use_cache=False)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(cfg)
+    return model, (torch.zeros(2, 32, dtype=torch.long),)
+'''
+
+
+def test_inspect_a_meta_llama_for_an_h100_in_bf16(tmp_path: Path, capsys) -> None:
+    """Planned for a rented device in mixed precision: the report and the JSON say so, and what each rank
+    holds is counted in bf16 (16-bit weights and gradients, fp32 master weights and two fp32 Adam states)."""
+    import importlib.util
+
+    from smp.cli import main
+
+    (tmp_path / "llama.py").write_text(LLAMA)
+    assert main(["inspect", f"{tmp_path / 'llama.py'}:build", "-p", "3", "-m", "4", "-q", "--device", "h100-80gb",
+                 "--dtype", "bf16", "--json", str(tmp_path / "plan.json")]) == 0
+    out = capsys.readouterr().out
+    assert "priced for h100-80gb in bf16 mixed precision; links nvlink4 within a node, infiniband-ndr" in out
+    assert "memory per rank (bf16, adam" in out and "master" in out
+    data = check_plan_json(tmp_path / "plan.json", 3, 4, "interleaved")
+    assert (data["options"]["device"], data["options"]["dtype"]) == ("h100-80gb", "bf16")
+    assert data["options"]["device_memory"] == 80e9 and data["rates"]["name"] == "h100-80gb"
+    spec = importlib.util.spec_from_file_location("llama_factory", tmp_path / "llama.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    model = module.build()[0]
+    trained = 2 * sum(p.numel() for p in model.parameters())
+    memory = data["memory"]
+    assert [m["stage"] for m in memory] == [0, 1, 2]
+    # bf16 weights, nothing tied, and the rotary embedding's inv_freq buffer (used by the forward)
+    assert sum(m["weights_bytes"] for m in memory) == trained + 2 * model.model.rotary_emb.inv_freq.numel()
+    assert sum(m["gradient_bytes"] for m in memory) == trained  # buffers have no gradient or state
+    assert sum(m["master_bytes"] for m in memory) == 2 * trained  # fp32 master weights
+    assert sum(m["optimizer_bytes"] for m in memory) == 4 * trained  # Adam's two fp32 moments
+    for m, s in zip(memory, data["stages"]):
+        assert s["param_bytes"] == m["weights_bytes"]
+        assert m["in_flight"] == min(3 - m["stage"], 4)  # 1F1B's peak, from the simulated schedule
+        assert m["activation_bytes"] == m["in_flight"] * m["activation_bytes_per_microbatch"] > 0
+        assert abs(m["total_bytes"] - s["memory_bytes"]) <= 4  # the plan's memory, broken down (rounding)

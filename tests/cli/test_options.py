@@ -65,3 +65,30 @@ def test_budgets_that_are_not_finite_are_errors(argv, needle, capsys) -> None:
     assert main([*argv, "-q"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("smp: error: argument --") and needle in err and err.count("\n") == 1, err
+
+
+def test_device_dtype_and_links_reach_the_partition_options() -> None:
+    from smp.cli.entry import build_parser
+
+    ns = build_parser().parse_args(["inspect", "zoo:mlp", "-p", "2", "--device", "h100-80gb", "--dtype", "bf16",
+                                    "--link", "pcie5", "--inter-node-link", "efa-p5", "--device-memory", "unlimited"])
+    assert Options.from_args(ns).partition == PartitionOptions(device="h100-80gb", dtype="bf16", link="pcie5",
+                                                               inter_node_link="efa-p5", device_memory="unlimited")
+    ns = build_parser().parse_args(["simulate", "zoo:mlp", "-p", "2", "-m", "2", "--device", "a100-40gb"])
+    rates = Options.from_args(ns).partition.resolve_rates()
+    assert Options.from_args(ns).partition.budget(rates) == 40e9  # --device-memory defaults to the device's
+
+
+@pytest.mark.parametrize("flag, value, known", [("--device", "h100", "h100-80gb"), ("--dtype", "int8", "bf16"),
+                                                ("--link", "nvlink", "nvlink4"),
+                                                ("--inter-node-link", "ib", "infiniband-ndr")])
+def test_unknown_device_dtype_or_link_lists_the_known_ones(flag, value, known, capsys) -> None:
+    from partitioner import DEVICES, LINKS
+
+    from smp.cli import main
+
+    assert main(["inspect", "zoo:mlp", "-p", "2", "-q", flag, value]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"smp: error: argument {flag}: invalid choice: '{value}'") and known in err, err
+    names = DEVICES if flag == "--device" else LINKS if "link" in flag else ()
+    assert all(name in err for name in names), err
