@@ -1,8 +1,9 @@
-"""The examples run end to end on 2 CPU ranks, exit 0, and their printed losses fall.
+"""The examples run end to end on 2 CPU ranks, exit 0, and their printed losses fall; the SMP v1-style ones
+(``smp_v1_*.py``) also run on 4 ranks and resume from their checkpoints to the same printed losses.
 
 Each example runs as users launch it, as a subprocess of torchrun (``python -m torch.distributed.run
 --standalone --nproc-per-node 2``; ``smp launch`` is a thin wrapper over it); the GPT-2 demo also runs through
-``smp launch`` itself. The CNN example is in the default run; the transformer ones are marked slow.
+``smp launch`` itself. The CNN examples (2 ranks) are in the default run; the others are marked slow.
 """
 from __future__ import annotations
 
