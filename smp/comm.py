@@ -26,7 +26,8 @@ __all__ = ["CommGroup", "RankType", "WORLD", "MP_GROUP", "PP_GROUP", "DP_GROUP",
            "local_rank", "local_size", "pp_rank", "pp_size", "mp_rank", "mp_size", "dp_rank", "dp_size", "rdp_rank",
            "rdp_size", "tp_rank", "tp_size", "get_mp_group", "get_dp_group", "get_pp_group", "get_rdp_group",
            "get_tp_group", "get_pp_process_group", "get_dp_process_group", "get_mp_process_group",
-           "get_rdp_process_group", "get_tp_process_group", "get_world_process_group", "barrier", "broadcast", "allgather", "send", "recv_from"]
+           "get_rdp_process_group", "get_tp_process_group", "get_world_process_group", "barrier", "broadcast",
+           "allgather", "send", "recv_from"]
 
 
 class CommGroup(enum.Enum):

@@ -1,9 +1,10 @@
 """One call of an ``@smp.step`` function on this rank, run as a unit.
 
 The step announces itself to the rank's pipeline (:mod:`smp.collective`), takes pp_rank 0's arguments
-(SMP v1: they are the truth, :func:`smp.step_values.share_inputs`), partitions the model on its first call, walks this rank's schedule while the microbatches' threads run the user's function
-(:mod:`smp.step`), averages gradients over the data-parallel replicas and brings the last stage's return
-values to every rank (:mod:`smp.step_values`). Every wait in it is bounded by ``timeout_s``. When anything in it
+(SMP v1: they are the truth, :func:`smp.step_values.share_inputs`), partitions the model on its first call,
+walks this rank's schedule while the microbatches' threads run the user's function (:mod:`smp.step`),
+averages gradients over the data-parallel replicas and brings the last stage's return values to every rank
+(:mod:`smp.step_values`). Every wait in it is bounded by ``timeout_s``. When anything in it
 fails — here, or on a peer, seen as a closed connection or a silence — this rank releases the step's
 threads, explains a silent peer by the smp call that peer is in instead, leaves the failure note and
 closes smp's process groups (:meth:`smp.state.State.report_failure`), so that every rank ends the step with
