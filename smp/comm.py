@@ -24,8 +24,10 @@ from . import state
 
 __all__ = ["CommGroup", "RankType", "WORLD", "MP_GROUP", "PP_GROUP", "DP_GROUP", "RDP_GROUP", "rank", "size",
            "local_rank", "local_size", "pp_rank", "pp_size", "mp_rank", "mp_size", "dp_rank", "dp_size", "rdp_rank",
-           "rdp_size", "tp_rank", "tp_size", "get_mp_group", "get_dp_group", "get_pp_process_group",
-           "get_dp_process_group", "barrier", "broadcast", "allgather", "send", "recv_from"]
+           "rdp_size", "tp_rank", "tp_size", "get_mp_group", "get_dp_group", "get_pp_group", "get_rdp_group",
+           "get_tp_group", "get_pp_process_group", "get_dp_process_group", "get_mp_process_group",
+           "get_rdp_process_group", "get_tp_process_group", "get_world_process_group", "barrier", "broadcast",
+           "allgather", "send", "recv_from"]
 
 
 class CommGroup(enum.Enum):
@@ -129,14 +131,44 @@ def get_dp_group() -> list[int]:
     return state.get().ranks("data-parallel")
 
 
+def get_tp_group() -> list[int]:
+    """This rank alone: without tensor parallelism each rank is its own tensor-parallel group."""
+    return [state.get().rank]
+
+
+get_pp_group = get_mp_group  # the pipeline is the model-parallel group without tensor parallelism
+get_rdp_group = get_dp_group  # reduced-data-parallel = data-parallel without tensor parallelism
+
+
 def get_pp_process_group() -> Any:
-    """The torch process group of this rank's pipeline (created with ``timeout_s``)."""
+    """The torch process group of this rank's pipeline (created with ``timeout_s``; also
+    ``smp.get_mp_process_group()``)."""
     return state.get().group("pipeline")
 
 
 def get_dp_process_group() -> Any:
-    """The torch process group of this rank's stage across replicas (created with ``timeout_s``)."""
+    """The torch process group of this rank's stage across replicas (created with ``timeout_s``; also
+    ``smp.get_rdp_process_group()``)."""
     return state.get().group("data-parallel")
+
+
+get_mp_process_group, get_rdp_process_group = get_pp_process_group, get_dp_process_group
+
+
+def get_world_process_group() -> Any:
+    """The torch process group of every rank, with smp's ``timeout_s``."""
+    return state.get().group("world")
+
+
+def get_tp_process_group() -> Any:
+    """A torch process group of this rank alone (no tensor parallelism), made on first use; only its member
+    takes part in making it, so ranks may ask for it at different times."""
+    st = state.get()
+    st.group("world")  # after a failure closed smp's groups, say so
+    if st.tp_group is None:
+        st.tp_group = dist.new_group([st.rank], timeout=datetime.timedelta(seconds=st.config.timeout_s),
+                                     use_local_synchronization=True)
+    return st.tp_group
 
 
 def _kind(group: CommGroup) -> str:

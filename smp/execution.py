@@ -1,9 +1,10 @@
 """One call of an ``@smp.step`` function on this rank, run as a unit.
 
-The step announces itself to the rank's pipeline (:mod:`smp.collective`), partitions the model on its
-first call, walks this rank's schedule while the microbatches' threads run the user's function
-(:mod:`smp.step`), averages gradients over the data-parallel replicas and brings the last stage's return
-values to every rank (:mod:`smp.results`). Every wait in it is bounded by ``timeout_s``. When anything in it
+The step announces itself to the rank's pipeline (:mod:`smp.collective`), takes pp_rank 0's arguments
+(SMP v1: they are the truth, :func:`smp.step_values.share_inputs`), partitions the model on its first call,
+walks this rank's schedule while the microbatches' threads run the user's function (:mod:`smp.step`),
+averages gradients over the data-parallel replicas and brings the last stage's return values to every rank
+(:mod:`smp.step_values`). Every wait in it is bounded by ``timeout_s``. When anything in it
 fails — here, or on a peer, seen as a closed connection or a silence — this rank releases the step's
 threads, explains a silent peer by the smp call that peer is in instead, leaves the failure note and
 closes smp's process groups (:meth:`smp.state.State.report_failure`), so that every rank ends the step with
@@ -21,7 +22,7 @@ from pipeline import PeerError
 from pipeline.p2p import named_failures
 
 from . import state
-from .results import broadcast_results
+from .step_values import broadcast_values, share_inputs
 
 __all__ = ["run_step"]
 
@@ -52,6 +53,8 @@ def run_step(model: Any, run: Any) -> list[Any]:
 
 def _run(model: Any, run: Any, call: str) -> list[Any]:
     st = state.get()
+    if st.topology.pp > 1:
+        _take_first_stage_inputs(run)
     if not model.partitioned:
         model._partition(run.call_of(0))
     runner = model.runner
@@ -82,10 +85,23 @@ def _run(model: Any, run: Any, call: str) -> list[Any]:
     waiting_on = [src] if not last else [r for r in runner.ranks if r != st.rank]
     with named_failures("receiving the step's results from the last stage" if not last else
                         "sending the step's results", waiting_on, st.rank, st.config.timeout_s):
-        results, run.backward_missing = broadcast_results(
-            local if last else None, src, runner.transport.group, run.memo,
+        results, run.backward_missing = broadcast_values(
+            local if last else None, src, runner.transport.group, run.memo.setdefault("results", {}),
             flag=last and train and run.without_backward())
     return results
+
+
+def _take_first_stage_inputs(run: Any) -> None:
+    """Replace this rank's step arguments with those of pp_rank 0 of its pipeline (which sends them)."""
+    st = state.get()
+    ranks = st.ranks("pipeline")
+    src = ranks[0]
+    waiting_on = [src] if st.rank != src else ranks[1:]
+    with named_failures("receiving the step's arguments from pp_rank 0" if st.rank != src else
+                        "sending the step's arguments to the pipeline", waiting_on, st.rank, st.config.timeout_s):
+        inputs = share_inputs(run.inputs, src, st.group("pipeline"), run.memo.setdefault("inputs", {}))
+    if st.rank != src:
+        run.use_inputs(*inputs)
 
 
 def _reduce_data_parallel(params: list[torch.nn.Parameter], call: str) -> None:

@@ -21,6 +21,7 @@ from .collective import CallLog, CollectiveError
 from .config import Config, load_config
 from .spawn import free_port
 from .topology import Topology
+from .workers import Workers
 
 __all__ = ["State", "get", "init", "is_initialized", "reset", "GROUP_KINDS"]
 
@@ -43,6 +44,8 @@ class State:
     model: Any = None          # the DistributedModel, once created
     optimizer: Any = None      # the DistributedOptimizer, once created (handed to post-partition hooks)
     in_step: Any = field(default=None, repr=False)  # the running step (smp.step), if any
+    workers: Workers = field(default_factory=Workers, repr=False)  # the threads that run steps' microbatches
+    tp_group: Any = None       # this rank alone (no tensor parallelism), made on first use (smp.get_tp_process_group)
     placement: dict = field(default_factory=dict)    # module -> partition, from smp.partition / set_partition
     partition_blocks: list = field(default_factory=list)  # open smp.partition(i) blocks, innermost last
     checkpointed: set = field(default_factory=set)   # modules marked by smp.set_activation_checkpointing

@@ -11,10 +11,14 @@ last stage. So each microbatch's call of the user function runs in its own threa
   ``model.backward(loss)``, which hands the loss to the executor for the backward the schedule runs later.
 * On earlier stages nothing downstream of ``model(...)`` is needed: the thread stops there and the
   function's return values come from the last stage, broadcast over the model-parallel group
-  (:mod:`smp.results`).
+  (:mod:`smp.step_values`).
 
 Grad mode and autocast are thread-local in torch, so both are captured at ``model(...)`` and re-entered
-around the stage forwards. Return values come back as :class:`StepOutput`, one per returned leaf.
+around the stage forwards. Returned tensors come back as :class:`StepOutput`, Python values as lists, one
+per returned leaf.
+
+As in SMP v1, the arguments of pp_rank 0 are the truth: this rank splits its own into microbatches only when
+it is pp_rank 0; elsewhere :mod:`smp.execution` replaces them with pp_rank 0's first (:mod:`smp.step_values`).
 
 Every wait of the main thread for a microbatch's thread is bounded by the config's ``timeout_s``: user code
 that stalls inside the step (before ``model(...)``, in the loss, after ``model.backward``) ends the step
@@ -24,7 +28,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import queue
 import threading
 import warnings
 import weakref
@@ -39,11 +42,9 @@ from partitioner.errors import EngineError
 from pipeline import microbatch
 
 from . import precision, profiling, state
-from .results import detach
+from .step_values import detach
 
-__all__ = ["step", "StepOutput", "StepTimeoutError", "current_microbatch"]
-
-_local = threading.local()
+__all__ = ["step", "StepOutput", "StepTimeoutError"]
 
 
 class _Abandon(BaseException):
@@ -89,46 +90,6 @@ class _Micro:
             self.cond.notify_all()
 
 
-class _Workers:
-    """Daemon threads that run the microbatches' calls of the user's function, reused across steps (starting
-    a thread per microbatch per step costs more than the rest of smp's per-step work). A task may block for
-    as long as the schedule needs, so a new thread starts whenever no idle one is left; one stuck for good
-    (a step that failed) is simply not reused, and as a daemon it never holds up the interpreter's exit."""
-
-    def __init__(self) -> None:
-        self._tasks: queue.SimpleQueue = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._idle = 0  # threads waiting for a task, or about to
-
-    def submit(self, task: Callable[[], None]) -> None:
-        with self._lock:
-            spawn = self._idle == 0
-            if not spawn:
-                self._idle -= 1
-        if spawn:
-            threading.Thread(target=self._loop, name="smp-step", daemon=True).start()
-        self._tasks.put(task)
-
-    def _loop(self) -> None:
-        while True:
-            task = self._tasks.get()
-            try:
-                task()
-            finally:
-                del task  # an idle thread must not keep its last step (outputs, activations) alive
-                with self._lock:
-                    self._idle += 1
-
-
-_workers = _Workers()
-
-
-def current_microbatch() -> int | None:
-    """The microbatch the calling thread is running inside a step, or None outside a step."""
-    micro = getattr(_local, "micro", None)
-    return None if micro is None else micro.index
-
-
 class StepOutput:
     """One returned value of a step, per microbatch, with SMP's reductions."""
 
@@ -168,9 +129,15 @@ def _autocast_state() -> tuple[str, torch.dtype] | None:
     return None
 
 
+def _current() -> _Micro | None:
+    """The microbatch the calling thread runs in the running step, if any."""
+    run = state.get().in_step
+    return None if run is None else run.threads.get(threading.get_ident())
+
+
 def model_call(model: Any, args: tuple, kwargs: dict) -> Any:
     """``DistributedModel.__call__`` inside a step thread."""
-    micro: _Micro | None = getattr(_local, "micro", None)
+    micro = _current()
     if micro is None:
         raise RuntimeError("smp.DistributedModel was called outside an @smp.step function: put the forward "
                            "and model.backward(loss) inside a function decorated with @smp.step")
@@ -188,7 +155,7 @@ def model_call(model: Any, args: tuple, kwargs: dict) -> Any:
 
 def model_backward(tensors: Any, grad_tensors: Any = None) -> None:
     """``DistributedModel.backward`` inside a step thread: hand the loss to the schedule."""
-    micro: _Micro | None = getattr(_local, "micro", None)
+    micro = _current()
     if micro is None:
         raise RuntimeError("model.backward() was called outside an @smp.step function")
     if micro.backward_called:
@@ -208,23 +175,33 @@ def model_backward(tensors: Any, grad_tensors: Any = None) -> None:
 class _StepRun:
     """One call of a step function: its microbatch threads and the hooks the executor calls."""
 
-    def __init__(self, fn: Callable, mbs: list[tuple[tuple, dict]], model: Any, timeout_s: float, memo: dict):
+    def __init__(self, fn: Callable, inputs: tuple[tuple, dict], split: Callable[[tuple, dict], list],
+                 model: Any, timeout_s: float, memo: dict):
         self.fn = fn
         self.name = getattr(fn, "__name__", repr(fn))
-        self.mbs = mbs
+        self.inputs = inputs  # this rank's (args, kwargs); on a pipeline pp_rank 0's replace them (use_inputs)
+        self.split = split
+        self.mbs: list[tuple[tuple, dict]] = []
         self.model = model
         self.timeout_s = timeout_s
-        self.memo = memo  # per step function, across calls: how results travel, warnings given
-        self.micros = [_Micro(k) for k in range(len(mbs))]
-        self.started = [False] * len(mbs)
+        self.memo = memo  # per step function, across calls: how arguments and results travel, warnings given
+        n = state.get().config.microbatches
+        self.micros = [_Micro(k) for k in range(n)]
+        self.started = [False] * n
+        self.threads: dict[int, _Micro] = {}  # thread id -> the microbatch it runs
         self.backward_missing = False  # set by the model: a training step that never called model.backward
         # Grad mode and autocast are thread-local: the caller's (``with torch.no_grad(): step(...)``) must
         # hold in the microbatch threads too.
         self.grad_enabled = torch.is_grad_enabled()
         self.autocast = _autocast_state() or precision.configured_autocast()  # config fp16/bf16
 
+    def use_inputs(self, args: tuple, kwargs: dict) -> None:
+        """Run the step on these arguments, split into microbatches."""
+        self.inputs = (args, kwargs)
+        self.mbs = self.split(args, kwargs)
+
     def _thread(self, micro: _Micro) -> None:
-        _local.micro = micro
+        self.threads[threading.get_ident()] = micro
         a, kw = self.mbs[micro.index]
         ac = self.autocast
         try:
@@ -237,7 +214,7 @@ class _StepRun:
         except BaseException as exc:  # handed to the main thread, which raises it
             micro.update(error=exc)
         finally:
-            _local.micro = None
+            del self.threads[threading.get_ident()]
             micro.update(finished=True)
 
     def _wait(self, micro: _Micro, ready: Callable[[], bool], doing: str) -> None:
@@ -254,7 +231,7 @@ class _StepRun:
         micro = self.micros[k]
         if not self.started[k]:
             self.started[k] = True
-            _workers.submit(lambda: self._thread(micro))
+            state.get().workers.submit(lambda: self._thread(micro))
         self._wait(micro, lambda: micro.call is not None or micro.finished, "did not reach model(...)")
         if micro.call is None:
             if micro.error is not None:
@@ -323,7 +300,9 @@ class _StepRun:
 
 
 def _wrap(results: list[Any]) -> Any:
-    """Per-microbatch results -> the same structure with a StepOutput at every leaf."""
+    """Per-microbatch results -> the same structure with, at every leaf, a StepOutput where the leaf is a
+    tensor and a plain list (one value per microbatch) where it is a Python value, as in SMP v1, so that
+    ``sum(loss_batch)`` works on a returned ``loss.item()``."""
     flat = [pytree.tree_flatten(r) for r in results]
     spec = flat[0][1]
     for _, s in flat[1:]:
@@ -332,7 +311,8 @@ def _wrap(results: list[Any]) -> Any:
                                f"{spec} vs {s}")
     if not flat[0][0] and results[0] is None:
         return None
-    columns = [StepOutput([leaves[i] for leaves, _ in flat]) for i in range(len(flat[0][0]))]
+    columns = [[leaves[i] for leaves, _ in flat] for i in range(len(flat[0][0]))]
+    columns = [StepOutput(c) if any(isinstance(v, torch.Tensor) for v in c) else c for c in columns]
     return pytree.tree_unflatten(columns, spec)
 
 
@@ -355,9 +335,12 @@ def step(fn: Callable | None = None, *, non_split_inputs: list[str] | tuple[str,
             raise RuntimeError("create smp.DistributedModel(model) before calling an @smp.step function")
         if st.in_step is not None:
             raise RuntimeError("@smp.step functions cannot be nested or run concurrently")
-        mbs = microbatch.split(args, kwargs, st.config.microbatches, non_split_inputs=non_split_inputs,
-                               input_split_axes=input_split_axes, arg_names=arg_names)
-        run = _StepRun(fn, mbs, model, st.config.timeout_s, memo)
+        split = functools.partial(microbatch.split, num_microbatches=st.config.microbatches,
+                                  non_split_inputs=non_split_inputs, input_split_axes=input_split_axes,
+                                  arg_names=arg_names)
+        run = _StepRun(fn, (args, kwargs), split, model, st.config.timeout_s, memo)
+        if st.topology.pp_rank(st.rank) == 0:  # elsewhere pp_rank 0's arguments replace these (smp.execution)
+            run.use_inputs(args, kwargs)  # a batch that does not split fails here, before any communication
         st.in_step = run
         try:
             results = profiling.run_step(model, run)  # model.run_step(run), profiled (smp.profile)

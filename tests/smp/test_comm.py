@@ -73,3 +73,37 @@ def test_unknown_group_is_an_error():
 
     with pytest.raises(ValueError, match="unknown group 'pp'; use one of smp.WORLD"):
         comm._kind("pp")
+
+
+def _groups(rank: int, world: int):
+    import torch.distributed as dist
+
+    import smp
+
+    smp.init({"pipeline_parallel_degree": 2, "ddp": True, "placement_strategy": "spread"})
+    if rank % 2:  # the tensor-parallel group is made by its one member alone: other ranks never ask
+        time.sleep(0.5)
+    tp = smp.get_tp_process_group()
+    one = torch.ones(1) * (rank + 1)
+    dist.all_reduce(one, group=tp)  # a group of this rank alone: nothing added
+    world_sum = torch.ones(1)
+    dist.all_reduce(world_sum, group=smp.get_world_process_group())
+    pp_sum = torch.tensor([float(rank)])
+    dist.all_reduce(pp_sum, group=smp.get_mp_process_group())
+    return {"lists": (smp.get_pp_group(), smp.get_mp_group(), smp.get_tp_group(), smp.get_rdp_group(),
+                      smp.get_dp_group()),
+            "sizes": [dist.get_world_size(g) for g in (tp, smp.get_world_process_group(), smp.get_mp_process_group(),
+                                                          smp.get_pp_process_group(), smp.get_rdp_process_group(),
+                                                          smp.get_dp_process_group())],
+            "same": (smp.get_tp_process_group() is tp, smp.get_rdp_process_group() is smp.get_dp_process_group()),
+            "sums": (float(one), float(world_sum), float(pp_sum))}
+
+
+def test_group_getters_of_smp_v1_return_real_groups():
+    results = run_ranks(_groups, 4, timeout=120)
+    for rank, r in enumerate(results):
+        pipeline = [0, 2] if rank % 2 == 0 else [1, 3]  # spread: the replicas of a stage are neighbours
+        replicas = [0, 1] if rank < 2 else [2, 3]
+        assert r["lists"] == (pipeline, pipeline, [rank], replicas, replicas), r
+        assert r["sizes"] == [1, 4, 2, 2, 2, 2] and r["same"] == (True, True), r
+        assert r["sums"] == (rank + 1, 4, sum(pipeline)), r

@@ -1,8 +1,9 @@
-"""The examples run end to end on 2 CPU ranks, exit 0, and their printed losses fall.
+"""The examples run end to end on 2 CPU ranks, exit 0, and their printed losses fall; the SMP v1-style ones
+(``smp_v1_*.py``) also run on 4 ranks and resume from their checkpoints to the same printed losses.
 
 Each example runs as users launch it, as a subprocess of torchrun (``python -m torch.distributed.run
 --standalone --nproc-per-node 2``; ``smp launch`` is a thin wrapper over it); the GPT-2 demo also runs through
-``smp launch`` itself. The CNN example is in the default run; the transformer ones are marked slow.
+``smp launch`` itself. The CNN examples (2 ranks) are in the default run; the others are marked slow.
 """
 from __future__ import annotations
 
@@ -90,3 +91,37 @@ def test_train_vit_distillation():
     out = torchrun("train_vit.py", "--steps", "3")
     assert_falls(losses(out, 3))
     assert "student partition plan:" in out and "distill" in out
+
+
+def smp_launch(script: str, *args: str, nproc: int, timeout: float = 300) -> str:
+    return _run([sys.executable, "-m", "smp.cli", "launch", "-n", str(nproc), f"examples/{script}", *args], timeout)
+
+
+def _resume_reproduces(script: str, nproc: int, steps: int, ckpt: Path) -> tuple[list[str], str]:
+    """The printed losses of ``steps`` uninterrupted steps, and of steps/2 + save, then resume + steps/2: equal
+    to the last printed digit. Returns the losses and the checkpoint directory's listing."""
+    whole = smp_launch(script, "--steps", str(steps), "--ckpt", str(ckpt / "whole"), nproc=nproc)
+    values = losses(whole, steps)
+    assert_falls(values)
+    half = str(steps // 2)
+    first = smp_launch(script, "--steps", str(steps), "--ckpt", str(ckpt / "cut"), "--stop-after", half, nproc=nproc)
+    rest = smp_launch(script, "--steps", str(steps), "--ckpt", str(ckpt / "cut"), "--resume", nproc=nproc)
+    printed = [v for _, _, v in STEP.findall(whole)]
+    resumed = [v for _, _, v in STEP.findall(first + rest)]
+    assert resumed == printed, (printed, resumed)
+    return printed, " ".join(sorted(p.name for p in (ckpt / "cut").iterdir()))
+
+
+@pytest.mark.parametrize("nproc", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_smp_v1_mnist_resumes_exactly(nproc, tmp_path):
+    """Data on pp_rank 0 only, ``sum(loss_batch)`` of ``loss.item()`` returns, ``smp.save`` on rdp_rank 0."""
+    _, files = _resume_reproduces("smp_v1_mnist.py", nproc, 4, tmp_path)
+    assert files == "model.manifest.json model_0 model_1 optimizer.manifest.json optimizer_0 optimizer_1", files
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_smp_v1_gpt2_resumes_exactly(nproc, tmp_path):
+    """bf16, the optimizer and ``args`` as step arguments, ``smp.save_checkpoint`` / ``resume_from_checkpoint``."""
+    _, files = _resume_reproduces("smp_v1_gpt2.py", nproc, 4, tmp_path)
+    assert files == "newest step2_partial", files

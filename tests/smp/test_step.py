@@ -124,3 +124,27 @@ def test_training_step_without_backward_warns_once_on_every_rank():
         assert len(seen[2]) == 1, seen
         assert "forgetful_step" in seen[2][0] and "gradients were not computed" in seen[2][0], seen
         assert seen[3] == seen[2] and seen[4] == seen[2], seen  # once; never in eval mode or under no_grad
+
+
+def _returns(rank: int, world: int):
+    import smp
+
+    smp.init({"pipeline_parallel_degree": 1, "microbatches": 4})
+    torch.manual_seed(0)
+    model = smp.DistributedModel(torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)))
+
+    @smp.step
+    def train_step(model, x, y):
+        loss = F.cross_entropy(model(x), y)
+        model.backward(loss)
+        return {"loss": loss, "item": loss.item(), "n": len(x), "none": None}
+
+    out = train_step(model, torch.randn(8, 16), torch.randint(4, (8,)))
+    return (type(out["loss"]).__name__, type(out["item"]).__name__, sum(out["item"]) / 4,
+            float(out["loss"].reduce_mean()), out["n"], out["none"])
+
+
+def test_python_values_come_back_as_lists_tensors_as_step_output():
+    [(loss_kind, item_kind, item_mean, loss_mean, n, none)] = run_ranks(_returns, 1, timeout=120)
+    assert (loss_kind, item_kind) == ("StepOutput", "list"), (loss_kind, item_kind)
+    assert abs(item_mean - loss_mean) < 1e-6 and n == [2, 2, 2, 2] and none == [None] * 4
