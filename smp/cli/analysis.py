@@ -64,10 +64,10 @@ def analyse(graph: Any, opts: Options, *, target: Target | None = None,
     (and ``extra["measured"]``, ``extra["target"]``) filled in, and the simulator's result for its schedule.
     """
     from partitioner import measure_stages, partition, stage_memory
-    from pipeline.schedule import peak_in_flight
     from partitioner.baselines import all_baselines
     from partitioner.partition import make_problem
     from partitioner.split import split
+    from pipeline.schedule import peak_in_flight
 
     progress(f"partitioning into {opts.partitions} stages (method {opts.partition.method})")
     plan = partition(graph, opts.partitions, opts.partition)

@@ -84,7 +84,6 @@ def test_device_dtype_and_links_reach_the_partition_options() -> None:
                                                 ("--inter-node-link", "ib", "infiniband-ndr")])
 def test_unknown_device_dtype_or_link_lists_the_known_ones(flag, value, known, capsys) -> None:
     from partitioner import DEVICES, LINKS
-
     from smp.cli import main
 
     assert main(["inspect", "zoo:mlp", "-p", "2", "-q", flag, value]) == 2
