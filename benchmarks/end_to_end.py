@@ -18,7 +18,8 @@ timed from a barrier to a barrier; variants alternate inside every round, the or
 the table shows medians, speed-ups are ratios of medians from the same run, and the load average is
 printed before and after.
 
-Run: ``python benchmarks/end_to_end.py [--models gpt2,t5,vit,unet] [--rounds 8] [--microbatches 4]``.
+Run: ``python benchmarks/end_to_end.py [--models gpt2,t5,vit,unet] [--rounds 8] [--microbatches 4]``;
+``--quick`` runs GPT-2 at toy sizes for 2 rounds (every variant runs and agrees; the timings mean nothing).
 """
 from __future__ import annotations
 
