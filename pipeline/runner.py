@@ -59,11 +59,12 @@ def stage_deps(sm: SplitModel) -> list[tuple[int, int]]:
     return sorted({(src, s.index) for s in sm.stages for src in s.sources.values() if src != MODEL_INPUT})
 
 
-def boundary_requires_grad(sm: SplitModel) -> dict[str, bool]:
+def boundary_requires_grad(sm: SplitModel, autocast: tuple[str, torch.dtype] | None = None) -> dict[str, bool]:
     """Which values crossing stages carry a gradient back: one run of the stages on fake tensors
-    (no memory, no compute) so every rank agrees without exchanging metadata."""
+    (no memory, no compute) so every rank agrees without exchanging metadata; under ``autocast``
+    ((device type, dtype)) when the model was traced under it, as the values' dtypes then say."""
     flags: dict[str, bool] = {}
-    with FakeTensorMode() as mode:
+    with FakeTensorMode() as mode, torch.autocast(autocast[0], dtype=autocast[1]) if autocast else nullcontext():
         values = {n: mode.from_tensor(torch.empty(tuple(m.shape), dtype=m.dtype)) if isinstance(m, torch.Tensor) else m
                   for n, m in zip(sm.program.input_names, sm.program.input_meta)}
         for stage in sm.stages:
@@ -87,13 +88,15 @@ class PipelineRunner:
                  virtual_stages: int = 1, max_in_flight: int | None = None, ranks: list[int] | None = None,
                  pipelines: list[list[int]] | None = None, timeout_s: float = 60.0,
                  device: str | torch.device | None = None, record: bool = False,
-                 average_grads_across_microbatches: bool = True, checkpoint_modules: list[str] = ()):
+                 average_grads_across_microbatches: bool = True, checkpoint_modules: list[str] = (),
+                 autocast: tuple[str, torch.dtype] | None = None):
         """``ranks``: the global ranks of this pipeline, stage order (default: all ranks). With several
         pipelines side by side (data parallelism), pass them all as ``pipelines`` instead: process groups
         are created collectively, so every rank must name every pipeline in the same order. ``timeout_s``
         bounds every wait and collective of the runner (its process groups are created with it). ``record``:
         True keeps every pass's span in memory (``events``); a directory or
-        :class:`pipeline.profile.ProfileOptions` profiles the steps (see :meth:`write_profile`)."""
+        :class:`pipeline.profile.ProfileOptions` profiles the steps (see :meth:`write_profile`). ``autocast``:
+        ``(device type, dtype)`` when the plan was traced under ``torch.autocast`` (run the steps under it too)."""
         if not dist.is_initialized():
             raise RuntimeError("PipelineRunner needs torch.distributed: call dist.init_process_group (torchrun or "
                                "`smp launch` sets up the environment) before creating it")
@@ -131,7 +134,7 @@ class PipelineRunner:
             st.module.to(self.device)
             set_device(st.module, self.device)
         self.executor = Executor(self.split_model, self.schedule, self.rank, self.ranks, self.transport,
-                                 boundary_requires_grad(self.split_model), self.device, self.recorder,
+                                 boundary_requires_grad(self.split_model, autocast), self.device, self.recorder,
                                  checkpointed=_stages_running(plan, checkpoint_modules))
         self._shared = self._shared_groups()
 

@@ -17,7 +17,7 @@ from partitioner import PartitionOptions, PartitionPlan, partition, trace
 from pipeline import PipelineRunner, microbatch
 from pipeline.p2p import named_failures
 
-from . import state
+from . import precision, state
 from .materialize import keep_own_share
 from .weights import load_local
 
@@ -62,6 +62,7 @@ def pipeline_runner(model: torch.nn.Module, args: tuple = (), kwargs: dict | Non
     keep_own_share(model, local, runner_kwargs.get("device") or "cpu", initialise=weights is None)
     if weights is not None:
         load_local(model, weights, {id(t) for name, t in _named_tensors(model) if name in local})
+    runner_kwargs.setdefault("autocast", precision.active_autocast())  # traced under it: the stages run under it
     return PipelineRunner(plan, microbatches=microbatches, virtual_stages=virtual_stages, **runner_kwargs)
 
 
@@ -85,4 +86,4 @@ def smp_runner(plan: PartitionPlan, checkpoint_modules: list[str], initialise: b
     return PipelineRunner(plan, schedule=cfg.schedule, microbatches=cfg.microbatches,
                           max_in_flight=cfg.active_microbatches if cfg.schedule == "1f1b" else None,
                           pipelines=st.topology.mp_groups(), device=st.device, timeout_s=cfg.timeout_s,
-                          checkpoint_modules=checkpoint_modules)
+                          checkpoint_modules=checkpoint_modules, autocast=st.model._traced_autocast)

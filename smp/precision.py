@@ -28,7 +28,8 @@ from . import amp, state
 from .compat import warn_no_effect
 from .config import Config
 
-__all__ = ["autocast_dtype", "configured_autocast", "LossScaler", "loss_scaler", "scaled_for_backward"]
+__all__ = ["autocast_dtype", "active_autocast", "configured_autocast", "LossScaler", "loss_scaler",
+           "scaled_for_backward"]
 
 # SMP's defaults for dynamic_loss_args.
 _DYNAMIC_DEFAULTS = {"init_scale": 2.0 ** 32, "scale_factor": 2.0, "scale_window": 1000, "min_scale": 1.0,
@@ -38,6 +39,14 @@ _DYNAMIC_DEFAULTS = {"init_scale": 2.0 ** 32, "scale_factor": 2.0, "scale_window
 def autocast_dtype(config: Config) -> torch.dtype | None:
     """The dtype a config's steps compute in (None: the model's own)."""
     return torch.float16 if config.fp16 else torch.bfloat16 if config.bf16 else None
+
+
+def active_autocast() -> tuple[str, torch.dtype] | None:
+    """The ``torch.autocast`` (device type, dtype) this thread runs under; None outside autocast."""
+    for device in ("cuda", "cpu"):
+        if torch.is_autocast_enabled(device):
+            return device, torch.get_autocast_dtype(device)
+    return None
 
 
 def configured_autocast() -> tuple[str, torch.dtype] | None:

@@ -122,13 +122,6 @@ class StepOutput:
         return f"StepOutput({self.outputs!r})"
 
 
-def _autocast_state() -> tuple[str, torch.dtype] | None:
-    for device in ("cuda", "cpu"):
-        if torch.is_autocast_enabled(device):
-            return device, torch.get_autocast_dtype(device)
-    return None
-
-
 def _current() -> _Micro | None:
     """The microbatch the calling thread runs in the running step, if any."""
     run = state.get().in_step
@@ -144,7 +137,7 @@ def model_call(model: Any, args: tuple, kwargs: dict) -> Any:
     if micro.call is not None:
         raise RuntimeError("the DistributedModel was called twice in one @smp.step microbatch; call it once per "
                            "step (run other modules, such as a frozen teacher, as plain torch modules)")
-    micro.update(call=_Call(args, kwargs, torch.is_grad_enabled(), _autocast_state()))
+    micro.update(call=_Call(args, kwargs, torch.is_grad_enabled(), precision.active_autocast()))
     if not model.is_last_stage_rank():
         raise _Abandon()
     micro.wait(lambda: micro.have_outputs or micro.abandoned)
@@ -193,7 +186,7 @@ class _StepRun:
         # Grad mode and autocast are thread-local: the caller's (``with torch.no_grad(): step(...)``) must
         # hold in the microbatch threads too.
         self.grad_enabled = torch.is_grad_enabled()
-        self.autocast = _autocast_state() or precision.configured_autocast()  # config fp16/bf16
+        self.autocast = precision.active_autocast() or precision.configured_autocast()  # config fp16/bf16
 
     def use_inputs(self, args: tuple, kwargs: dict) -> None:
         """Run the step on these arguments, split into microbatches."""

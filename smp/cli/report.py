@@ -1,9 +1,9 @@
 """The report ``smp inspect`` prints: one row per stage, the totals, and why the plan is what it is.
 
-First the device, precision and links the plan is priced for; then the stage table, and the bytes the rank
-running each stage holds by kind (:func:`partitioner.stage_memory`). After the tables: the lower bound and
-the balance (bottleneck / lower bound), the cut and the largest stage's memory, shared parameters, the simulated schedule (and the one with measured stage times), and the baselines
-scored by the same cost model and schedule.
+First the device, precision and links the plan is priced for; then the stage table, and the bytes the rank running
+each stage holds by kind (:func:`partitioner.stage_memory`). After the tables: the lower bound and the balance
+(bottleneck / lower bound), the cut and the largest stage's memory, shared parameters, the simulated schedule (and
+the one with measured stage times), and the baselines scored by the same cost model and schedule.
 """
 from __future__ import annotations
 

@@ -151,3 +151,34 @@ def test_bf16_config_autocasts_without_loss_scaling():
         assert r["scales"] == [None] * 4 and r["overflow"] == [False] * 4, r
         for got, want in zip(r["losses"], r["ref_losses"]):
             assert abs(got - want) <= 3e-2 * abs(want), (r["losses"], r["ref_losses"])
+
+
+def _hf_labels(rank: int, world: int):
+    """A Hugging Face model computing its own loss from ``labels=`` (as SMP's GPT-2 example does) under bf16:
+    the pipelined loss and the single-process bf16 autocast loss."""
+    import smp
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    smp.init({"pipeline_parallel_degree": 2, "microbatches": 2, "bf16": True})
+    torch.manual_seed(0)
+    net = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=16,
+                                     bos_token_id=0, eos_token_id=0))
+    ids = torch.randint(0, 100, (4, 8), generator=torch.Generator().manual_seed(0))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = sum(float(net(input_ids=half, labels=half).loss) for half in ids.chunk(2)) / 2
+    model = smp.DistributedModel(net)
+
+    @smp.step
+    def train_step(model, ids):
+        loss = model(input_ids=ids, labels=ids).loss
+        model.backward(loss)
+        return loss
+
+    return float(train_step(model, ids).reduce_mean()), ref
+
+
+def test_bf16_with_a_model_that_computes_its_own_loss():
+    """The stages' fake run that finds which boundary values carry gradients runs under the traced autocast
+    (it failed with a dtype mismatch before)."""
+    for got, want in run_ranks(_hf_labels, 2, timeout=240):
+        assert abs(got - want) <= 1e-2 * abs(want), (got, want)
