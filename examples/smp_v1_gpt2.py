@@ -6,10 +6,10 @@ changed: a Hugging Face ``GPT2LMHeadModel`` from a small config (random weights,
     smp launch -n 2 examples/smp_v1_gpt2.py --steps 6 --ckpt /tmp/gpt2 --stop-after 3    # save at step 3, stop
     smp launch -n 2 examples/smp_v1_gpt2.py --steps 6 --ckpt /tmp/gpt2 --resume          # go on from there
 
-As in the SMP example: the ``bf16`` config (autocast), next-token cross-entropy on the logits, a step that
-also takes the optimizer and the ``args`` namespace (objects each rank keeps its own of), token ids read only on
-pp_rank 0 with empty placeholders elsewhere, and ``smp.save_checkpoint`` / ``smp.resume_from_checkpoint`` with
-``user_content``. A resumed run prints the same losses as an uninterrupted one, digit for digit.
+As in the SMP example: the ``bf16`` config (autocast), the model computing its own loss (``labels=input_ids``), a
+step that also takes the optimizer and the ``args`` namespace (objects each rank keeps its own of), token ids read
+only on pp_rank 0 with empty placeholders elsewhere, and ``smp.save_checkpoint`` / ``smp.resume_from_checkpoint``
+with ``user_content``. A resumed run prints the same losses as an uninterrupted one, digit for digit.
 """
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ import argparse
 import os
 
 import torch
-import torch.nn.functional as F
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import smp  # was: import smdistributed.modelparallel.torch as smp
@@ -60,8 +59,7 @@ def main() -> None:
 
     @smp.step
     def train_step(model, optimizer, input_ids, attention_mask, args):
-        logits = model(input_ids=input_ids, attention_mask=attention_mask)["logits"]
-        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), input_ids[:, 1:].flatten())
+        loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=input_ids)["loss"]
         model.backward(loss)
         return loss
 
