@@ -155,8 +155,6 @@ def _value(env: dict[str, Any], node: torch.fx.Node) -> Any:
     return env[node.name]
 
 
-
-
 @dataclass
 class StageTimes:
     """Seconds per stage of a plan run for real: medians of forward and backward, and the fastest repeat

@@ -136,5 +136,4 @@ class PartitionOptions:
         return cls(memory_weight=data["memory_weight"], device_memory=UNLIMITED if budget is None else budget,
                    microbatches=data["microbatches"], pipeline=data["pipeline"], optimizer=data["optimizer"],
                    device=data["device"] if data.get("device") in DEVICES else "cpu", dtype=data.get("dtype", "fp32"),
-                   rates=rates, seed=data.get("seed", 0), link=link,
-                   inter_node_link=inter_node_link)
+                   rates=rates, seed=data.get("seed", 0), link=link, inter_node_link=inter_node_link)
