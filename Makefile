@@ -23,4 +23,9 @@ test: $(VENV)/.installed
 test-slow: $(VENV)/.installed
 	$(PY) -m pytest -q -m slow
 
-.PHONY: setup demo test test-slow
+# Static checks (config in pyproject.toml); the `test` extra installs ruff and mypy.
+lint: $(VENV)/.installed
+	$(PY) -m ruff check .
+	$(PY) -m mypy
+
+.PHONY: setup demo test test-slow lint

@@ -73,8 +73,8 @@ def main(argv: list[str] | None = None) -> int:
         plan = json.loads(plan_path.read_text())
     largest = max(s["memory_bytes"] for s in plan["stages"])
     device_mem = plan["rates"].get("memory_bytes")
-    head = (f"{'wall s':>7} {'CPU s':>7} {'peak RSS':>10} {'balance':>8} {'method':>7} {'cut/mb':>10} {'largest stage':>14} "
-            f"{'fits':>5} " + " ".join(f"{b + ' largest':>16}" for b in plan["baselines"]))
+    head = (f"{'wall s':>7} {'CPU s':>7} {'peak RSS':>10} {'balance':>8} {'method':>7} {'cut/mb':>10} "
+            f"{'largest stage':>14} {'fits':>5} " + " ".join(f"{b + ' largest':>16}" for b in plan["baselines"]))
     print(head)
     print("-" * len(head))
     print(f"{wall:>7.1f} {cpu:>7.1f} {format_bytes(peak_rss):>10} {plan['balance']:>8.3f} {plan['method']:>7} "

@@ -86,7 +86,8 @@ def granularity_floor(graph: partitioner.OpGraph, costs, k: int) -> float:
     """The smallest max/mean stage time any contiguous plan reaches with these per-op costs and free
     communication: how far balance is limited by the size of the ops themselves."""
     free = dataclasses.replace(partitioner.DeviceRates(), link_bytes_per_s=1e30, link_latency_s=0.0)
-    p = Problem(graph=graph, costs=costs, num_stages=k, rates=free, options=partitioner.PartitionOptions(memory_weight=0.0))
+    p = Problem(graph=graph, costs=costs, num_stages=k, rates=free,
+                options=partitioner.PartitionOptions(memory_weight=0.0))
     ev = evaluate(p, dp_partition(p)[0])  # the fastest contiguous plan
     return float(ev.compute_s.max() / (ev.compute_s.sum() / k))
 
@@ -117,7 +118,8 @@ def llama_rows(opts: argparse.Namespace) -> list[str]:
     rates = options.resolve_rates()
     print(f"# Llama shapes on the meta device, seq 2048, 1 sequence per microbatch; {opts.device}, {opts.dtype}, "
           f"16 microbatches 1F1B, memory_weight={opts.memory_weight}, no memory limit; {load_average()}")
-    cols = "".join(f" {b:>8}" for b in BASELINES) + f" {'cut GiB':>8}" + "".join(f" {b[:6] + ' cut':>10}" for b in BASELINES)
+    cols = "".join(f" {b:>8}" for b in BASELINES) + f" {'cut GiB':>8}"
+    cols += "".join(f" {b[:6] + ' cut':>10}" for b in BASELINES)
     cols += f" {'mem GiB':>8}" + "".join(f" {b[:6] + ' mem':>10}" for b in BASELINES)
     head = f"{'model':<10} {'k':>3} {'ours':>6} {'method':>8}{cols} {'fits':>4} {'dominated':>9} {'part s':>7}"
     print(head)
@@ -200,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     meas_cols = "".join(f" {'m.' + b[:6]:>8}" for b in BASELINES) if opts.measure_baselines else ""
     cost_cols = f" {'floor':>6} {'m.pred':>6} {'m.meas':>6}" if with_costs else ""
     head = (f"{'model':<10} {'k':>2} {'blk/st':>6} {'LB ms':>8} {'ours':>6} {'method':>6}{bl_cols}"
-            f" {'cut MiB':>8}{cut_cols} {'dominated':>9} {'part s':>7} {'p.comp':>6} {'measured':>8} {'m.best':>7}{cost_cols}{meas_cols}")
+            f" {'cut MiB':>8}{cut_cols} {'dominated':>9} {'part s':>7} {'p.comp':>6} {'measured':>8} {'m.best':>7}"
+            f"{cost_cols}{meas_cols}")
     print(head)
     print("-" * len(head))
     failures: list[str] = []
@@ -232,8 +235,9 @@ def main(argv: list[str] | None = None) -> int:
                 cc = f" {floor:>6.3f} {mplan.balance:>6.3f} {balance(mtimes.total_s):>6.3f}"
             mb = ""
             if opts.measure_baselines and not opts.no_measure:
-                mb = "".join(f" {balance(time_stages(g, bp.assignment, k, zm.args, zm.kwargs, opts.repeats).total_s):>8.3f}"
-                             for bp in base.values())
+                mb = "".join(
+                    f" {balance(time_stages(g, bp.assignment, k, zm.args, zm.kwargs, opts.repeats).total_s):>8.3f}"
+                    for bp in base.values())
             blk = n_blocks / k
             comp = [st.forward_s + st.backward_s for st in plan.stages]
             p_comp = max(comp) / (sum(comp) / k)

@@ -127,11 +127,13 @@ def main(argv: list[str] | None = None) -> int:
                     plan = partitioner.partition(g, k, method=method, rates=rates)
                     dt, dc = time.perf_counter() - t0, time.process_time() - c0
                     goal = GOALS.get(n)
-                    verdict = "" if goal is None or method != "auto" else (f"< {goal:g} s " + ("ok" if dt < goal else "MISSED"))
+                    verdict = "" if goal is None or method != "auto" else (
+                        f"< {goal:g} s " + ("ok" if dt < goal else "MISSED"))
                     if verdict.endswith("MISSED"):
                         missed.append(f"{family} n={n} k={k}: {dt:.2f} s > {goal} s")
-                    print(f"{family:<9} {n:>9} {g.num_edges:>9} {k:>2} {('auto>' + plan.method) if method == 'auto' else method:>10} "
-                          f"{dt:>8.3f} {dc:>7.3f} {plan.balance:>8.3f} {plan.cut_bytes / 2**20:>9.2f}  {verdict}", flush=True)
+                    shown = ("auto>" + plan.method) if method == "auto" else method
+                    print(f"{family:<9} {n:>9} {g.num_edges:>9} {k:>2} {shown:>10} {dt:>8.3f} {dc:>7.3f} "
+                          f"{plan.balance:>8.3f} {plan.cut_bytes / 2**20:>9.2f}  {verdict}", flush=True)
             print(f"# ({family}, n={n}: graph built in {t_build:.2f} s, not counted)")
             if opts.profile and n == max(sizes):
                 import cProfile

@@ -114,7 +114,7 @@ def worker(rank: int, world: int, cfg: dict) -> dict[str, Any] | None:
     runners["estimated, profiled"] = PipelineRunner(plans["estimated"].bind(graph), microbatches=m, timeout_s=300,
                                                     record=ProfileOptions(os.path.join(profile_dir, "every")))
     wall: dict[str, list[float]] = {k: [] for k in runners}
-    for name, runner in runners.items():  # warm-up
+    for runner in runners.values():  # warm-up
         runner.step((x,), target=y, loss_fn=F.mse_loss)
         model.zero_grad(set_to_none=True)
     for rnd in range(cfg["rounds"]):
@@ -172,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     speedup = wall["estimated"] / wall["re-planned"]
     overhead = wall["estimated, profiled"] / wall["estimated"] - 1
     print(f"medians of {len(res['wall']['ideal'])} steps each; the re-planner predicted {res['gain']:.2f}x")
-    print(f"re-planned / ideal: {to_ideal:.3f} (goal <= {GOAL_IDEAL:.2f}: {'PASS' if to_ideal <= GOAL_IDEAL else 'MISS'}); "
+    print(f"re-planned / ideal: {to_ideal:.3f} (goal <= {GOAL_IDEAL:.2f}: "
+          f"{'PASS' if to_ideal <= GOAL_IDEAL else 'MISS'}); "
           f"estimated / re-planned: {speedup:.2f}x (goal >= {GOAL_SPEEDUP:.1f}x: "
           f"{'PASS' if speedup >= GOAL_SPEEDUP else 'MISS'}); profiling every step: {overhead * 100:+.2f} % (goal <= "
           f"{GOAL_OVERHEAD * 100:.0f} %: {'PASS' if overhead <= GOAL_OVERHEAD else 'MISS'})")

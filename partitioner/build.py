@@ -37,7 +37,7 @@ def _module_path(node: torch.fx.Node) -> str:
 
 def _input_nodes(node: torch.fx.Node) -> list[torch.fx.Node]:
     found: list[torch.fx.Node] = []
-    torch.fx.node.map_arg((node.args, node.kwargs), lambda n: found.append(n) or n)
+    torch.fx.node.map_arg((node.args, node.kwargs), found.append)
     return found
 
 
@@ -220,7 +220,6 @@ def _fuse(ops: list[_Op], op_of: dict[str, int], groups: list[list[int]],
 
 def _kind(node: torch.fx.Node) -> str:
     target = node.target
-    packet = getattr(target, "overloadpacket", None)
-    if packet is not None:
-        return f"{target.namespace}.{packet.__name__}"
+    if isinstance(target, torch._ops.OpOverload):
+        return f"{target.namespace}.{target.overloadpacket.__name__}"
     return getattr(target, "__name__", str(target))

@@ -107,9 +107,9 @@ class DeviceRates:
                     value < 0 if zero_ok else value <= 0):  # an infinite rate is free: tests use it
                 raise ValueError(f"DeviceRates.{f.name} must be a {'non-negative' if zero_ok else 'positive'} "
                                  f"number, got {value!r}")
-        for f in ("compute_efficiency", "memory_efficiency"):
-            if getattr(self, f) > 1:
-                raise ValueError(f"DeviceRates.{f} is a fraction of the peak, in (0, 1]; got {getattr(self, f)!r}")
+        for name in ("compute_efficiency", "memory_efficiency"):
+            if (fraction := getattr(self, name)) > 1:
+                raise ValueError(f"DeviceRates.{name} is a fraction of the peak, in (0, 1]; got {fraction!r}")
 
     def matmul_flops_per_s(self, dtype: str) -> float:
         """Peak FLOP/s of matmul-class ops (matmuls, convolutions, attention) trained in ``dtype``."""
@@ -117,7 +117,8 @@ class DeviceRates:
                  "fp16": self.fp16_flops_per_s}
         if dtype not in PRECISIONS:
             raise ValueError(f"dtype={dtype!r} is not known; use one of {list(PRECISIONS)}")
-        return self.flops_per_s if rates[dtype] is None else rates[dtype]
+        rate = rates[dtype]
+        return self.flops_per_s if rate is None else rate
 
     def comm_s(self, nbytes: float, messages: float = 1.0) -> float:
         """Seconds to send ``nbytes`` in ``messages`` messages over the link (0 for nothing to send)."""

@@ -209,7 +209,7 @@ def _best_blend(grid: _Grid, k: int) -> list[int] | None:
     most = grid.axes(fastest)[1]
     if most <= least * (1 + 1e-9):
         return fastest
-    tried = {most: fastest}
+    tried: dict[float, list[int] | None] = {most: fastest}  # cap -> fastest plan under it (None: none fits)
     for cap in least * (most / least) ** np.linspace(0, 1, CAP_GRID)[:-1]:
         tried[cap] = _fastest(grid, k, cap)
     caps = sorted(tried)
@@ -258,7 +258,7 @@ def dp_partition(p: Problem) -> list[np.ndarray]:
     N = len(grid.cand)
     best = _best_blend(grid, k)
     fits = best is not None
-    if not fits:  # nothing fits the budget: the fastest plan, for the error's numbers
+    if best is None:  # nothing fits the budget: the fastest plan, for the error's numbers
         best = _min_max(lambda s: grid.time, k, N)[1] or list(np.linspace(0, N - 1, k + 1).astype(int))
     found = [best]
     if k > 1 and fits:

@@ -99,9 +99,9 @@ def op_flops_and_bytes(node: torch.fx.Node) -> tuple[float, int, int, bool]:
             return 2.0 * t[0].numel() * w.shape[1] * math.prod(w.shape[2:]), moved, moved_float, False
         return 2.0 * out_numel * w.shape[1] * math.prod(w.shape[2:]), moved, moved_float, False
     if _is_attention(name):
-        q, k = t[0], t[1]
+        q, key = t[0], t[1]
         batch = q.numel() // (q.shape[-2] * q.shape[-1])
-        scores = batch * q.shape[-2] * k.shape[-2]
+        scores = batch * q.shape[-2] * key.shape[-2]
         return 4.0 * scores * q.shape[-1] + 5.0 * scores, moved, moved_float, False
     if name == "embedding":  # reads the looked-up rows, writes them out
         return 0.0, 2 * tensor_bytes(out), 2 * float_bytes(out), False

@@ -161,7 +161,9 @@ class OpGraph:
             else:
                 lists[f.name] = [list(v) if isinstance(v, tuple) else v for v in value]
         with open(path, "wb") as fh:
-            np.savez_compressed(fh, **arrays, _lists=np.array(json.dumps(lists)))
+            # Numeric arrays only, as load() reads them (allow_pickle=False); naming it also keeps mypy from
+            # matching **arrays against the flag.
+            np.savez_compressed(fh, allow_pickle=False, **arrays, _lists=np.array(json.dumps(lists)))
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> "OpGraph":

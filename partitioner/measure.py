@@ -77,10 +77,11 @@ def measure(graph: OpGraph, args: tuple, kwargs: dict | None = None, *, repeats:
     bwd_samples: dict[str, list[float]] = {}
     call_overhead = _backward_call_overhead(clock, repeats) - rates.op_overhead_s
 
-    def leaf(v: Any, written: bool) -> Any:
+    def leaf(env: dict[str, Any], written: set[str], n: torch.fx.Node) -> Any:
+        v = env[n.name]
         if isinstance(v, torch.Tensor) and v.requires_grad and id(v) not in params:
             v = v.detach().requires_grad_(True)
-            return v.clone() if written else v  # an in-place op may not write to a leaf
+            return v.clone() if n.name in written else v  # an in-place op may not write to a leaf
         return v
 
     try:
@@ -94,11 +95,10 @@ def measure(graph: OpGraph, args: tuple, kwargs: dict | None = None, *, repeats:
                     env[node.name] = _fetch(gm, node.target)
                 elif node.op == "call_function":
                     if node.target is operator.getitem:  # part of its producer, timed there
-                        env[node.name] = node.target(*torch.fx.node.map_arg(node.args, lambda n, env=env: env[n.name]))
+                        env[node.name] = node.target(*torch.fx.node.map_arg(node.args, functools.partial(_value, env)))
                         continue
                     written = {n.name for n in written_inputs(node)}
-                    a, k = torch.fx.node.map_arg((node.args, node.kwargs),
-                                                 lambda n, env=env, w=written: leaf(env[n.name], n.name in w))
+                    a, k = torch.fx.node.map_arg((node.args, node.kwargs), functools.partial(leaf, env, written))
                     t0 = clock()
                     out = node.target(*a, **k)
                     t1 = clock()
@@ -151,6 +151,8 @@ def _fetch(module: torch.nn.Module, target: str) -> Any:
     return obj
 
 
+def _value(env: dict[str, Any], node: torch.fx.Node) -> Any:
+    return env[node.name]
 
 
 @dataclass
@@ -209,8 +211,8 @@ def run_stages(sm: SplitModel, args: tuple, kwargs: dict | None, seeds: Seeds | 
         else:
             tensors, grads = [], []
             for name, o in zip(st.outputs, outs_of[st.index]):
-                parts = [leaves[c][name].grad for c in st.consumers.get(name, [])
-                         if name in leaves[c] and leaves[c][name].grad is not None]
+                received = [leaves[c][name].grad for c in st.consumers.get(name, []) if name in leaves[c]]
+                parts = [g for g in received if g is not None]
                 if isinstance(o, torch.Tensor) and o.requires_grad and parts:
                     tensors.append(o)
                     grads.append(sum(parts[1:], parts[0]))

@@ -228,20 +228,22 @@ def check_acyclic(g: OpGraph, stage: np.ndarray) -> None:
 
 def budget_error(p: Problem, ev: Evaluation) -> MemoryBudgetError:
     """The error for a budget no plan fits, with the numbers of ``ev`` (the most memory-balanced plan)."""
+    budget = p.budget
+    assert budget is not None, "budget_error is for a problem with a memory budget"
     worst = int(np.argmax(ev.memory))
     total = float(p.param_mem.sum() + p.act_bytes.sum())
-    need = int(np.ceil(total / p.budget))
+    need = int(np.ceil(total / budget))
     op_mem = p.node_param_mem() + p.act_bytes  # one op alone, one microbatch in flight
     big = int(np.argmax(op_mem))
     ops = int(p.placeable.sum())  # the most stages any plan can have (partition's own limit)
-    if need > ops or op_mem[big] > p.budget:
+    if need > ops or op_mem[big] > budget:
         # More stages cannot help when a single op does not fit, or when it would take more stages than ops.
         more = (f"No number of stages can fit it: op {p.graph.names[big]} ({p.graph.modules[big] or 'the model root'}) "
                 f"alone needs {_size(op_mem[big])}, and the model has {ops} ops to place. Fix: a larger device")
     else:
         more = f"Fix: use at least {max(need, p.num_stages + 1)} stages, a larger device"
     return MemoryBudgetError(
-        f"no {p.num_stages}-stage plan fits device_memory={_size(p.budget)}: the most memory-balanced plan's stage "
+        f"no {p.num_stages}-stage plan fits device_memory={_size(budget)}: the most memory-balanced plan's stage "
         f"{worst} needs {_size(ev.memory[worst])} (parameters, gradients and {p.options.optimizer} state, plus "
         f"activations for {int(p.inflight[worst])} microbatch(es) in flight); the whole model needs "
         f"{_size(total)} with one microbatch in flight. {more}, a cheaper optimizer (optimizer='sgd', "

@@ -131,8 +131,8 @@ class PartitionOptions:
             raise ValueError(f"the plan was priced with hand-made rates (device={data.get('device')!r}); pass "
                              "rates=DeviceRates.from_dict(plan.rates)")
         budget = data.get("device_memory")
-        links = {} if rates else {"link": data.get("link"), "inter_node_link": data.get("inter_node_link")}
+        link, inter_node_link = (None, None) if rates else (data.get("link"), data.get("inter_node_link"))
         return cls(memory_weight=data["memory_weight"], device_memory=UNLIMITED if budget is None else budget,
                    microbatches=data["microbatches"], pipeline=data["pipeline"], optimizer=data["optimizer"],
                    device=data["device"] if data.get("device") in DEVICES else "cpu", dtype=data.get("dtype", "fp32"),
-                   rates=rates, seed=data.get("seed", 0), **links)
+                   rates=rates, seed=data.get("seed", 0), link=link, inter_node_link=inter_node_link)

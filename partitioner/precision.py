@@ -65,4 +65,5 @@ def param_memory_parts(graph: OpGraph, dtype: str, optimizer: str) -> dict[str, 
 
 def param_memory(graph: OpGraph, dtype: str, optimizer: str) -> np.ndarray:
     """Per parameter, the bytes it holds in training: the sum of :func:`param_memory_parts`."""
-    return sum(param_memory_parts(graph, dtype, optimizer).values())
+    parts = param_memory_parts(graph, dtype, optimizer)
+    return np.sum(list(parts.values()), axis=0)

@@ -240,7 +240,8 @@ def _follow_module_mode(node: torch.fx.Node, g: torch.fx.Graph) -> torch.fx.Node
         return node
     counter = node.args[0]
     if node.target is torch.ops.aten.add_.Tensor and isinstance(counter, torch.fx.Node) \
-            and counter.op == "get_attr" and counter.target.endswith("num_batches_tracked"):
+            and counter.op == "get_attr" and isinstance(counter.target, str) \
+            and counter.target.endswith("num_batches_tracked"):
         node.target, node.args = _add_if_training, (*node.args, _training(g, node))
         return node
     names = [a.name for a in schema.arguments]

@@ -54,8 +54,8 @@ def _offending_module(model: torch.nn.Module, exc: BaseException) -> str:
 @contextmanager
 def _without_kv_cache(model: torch.nn.Module) -> Iterator[None]:
     """Turn ``use_cache`` off in every (Hugging Face) config the model's modules hold, restore it after."""
-    configs = {id(c): c for c in (getattr(m, "config", None) for m in model.modules())
-               if getattr(c, "use_cache", False) is True}
+    configs: dict[int, Any] = {id(c): c for c in (getattr(m, "config", None) for m in model.modules())
+                               if getattr(c, "use_cache", False) is True}
     for c in configs.values():
         c.use_cache = False
     try:

@@ -280,13 +280,13 @@ class Executor:
         box = self._to_send("B", a.stage, k, {src for src in stage.sources.values()
                                               if src != MODEL_INPUT and not self._local(src)})
         for n, t in held.inputs.items():
-            g = input_grads.get(n)
-            g = g if g is not None else torch.zeros_like(t)
+            got_grad = input_grads.get(n)
+            grad = got_grad if got_grad is not None else torch.zeros_like(t)
             if self._local(stage.sources[n]):
                 key = (n, k)
-                self._grads[key] = self._grads[key] + g if key in self._grads else g
+                self._grads[key] = self._grads[key] + grad if key in self._grads else grad
             else:
-                box[n] = g.contiguous()
+                box[n] = grad.contiguous()
 
     def _weight(self, a: Action) -> None:
         held = self._held.pop((a.stage, a.microbatch), None)  # None: B already did everything

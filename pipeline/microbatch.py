@@ -111,7 +111,7 @@ def split(
     def pieces(value: Any, name: str | None, path: str) -> list[Any]:
         if name in non_split_inputs:
             return [value] * num_microbatches
-        return _split_value(value, path, name, num_microbatches, axes.get(name, 0))
+        return _split_value(value, path, name, num_microbatches, 0 if name is None else axes.get(name, 0))
 
     names = [arg_names[i] if i < len(arg_names) else None for i in range(len(args))]  # *args may be unnamed
     positional = [pieces(value, name, name or f"args[{i}]") for i, (value, name) in enumerate(zip(args, names))]

@@ -195,7 +195,7 @@ class Profiler:
         }
         if not dist.is_initialized():
             return [part]
-        parts: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        parts: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
         dist.gather_object(part, parts, dst=0, group=self._group)
         return parts
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime
 import os
+from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -88,7 +89,7 @@ class PipelineRunner:
                  virtual_stages: int = 1, max_in_flight: int | None = None, ranks: list[int] | None = None,
                  pipelines: list[list[int]] | None = None, timeout_s: float = 60.0,
                  device: str | torch.device | None = None, record: bool = False,
-                 average_grads_across_microbatches: bool = True, checkpoint_modules: list[str] = (),
+                 average_grads_across_microbatches: bool = True, checkpoint_modules: Sequence[str] = (),
                  autocast: tuple[str, torch.dtype] | None = None):
         """``ranks``: the global ranks of this pipeline, stage order (default: all ranks). With several
         pipelines side by side (data parallelism), pass them all as ``pipelines`` instead: process groups
@@ -150,7 +151,7 @@ class PipelineRunner:
             positions = tuple(sorted({stage_rank[s] for s in stages}))
             if len(positions) > 1:
                 by_positions.setdefault(positions, []).append(name)
-        local = {}
+        local: dict[str, torch.Tensor | None] = {}
         for st in self.local_stages:
             for path, canonical in st.param_names.items():
                 local.setdefault(canonical, st.module.get_parameter(path) if _is_param(st.module, path) else None)
@@ -160,7 +161,7 @@ class PipelineRunner:
                                                          timeout=self._timeout)
             holders = [self.ranks[i] for i in positions]
             if dist.get_rank() in holders:
-                tensors = [local[n] for n in names if local.get(n) is not None]
+                tensors = [t for t in map(local.get, names) if t is not None]
                 with torch.no_grad(), self._named("receiving shared parameters", holders[:1]):
                     for t in tensors:
                         dist.broadcast(t, src=holders[0], group=group)

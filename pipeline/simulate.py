@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from numbers import Real
 from operator import sub
+from typing import cast
 
 from .lowering import lower
 from .schedule import (
@@ -187,12 +188,12 @@ def replay(
             first, needs, duration = info
             ready = free
             for slot, cost in needs:
-                t = end[slot + k]
-                if t is None:
+                done = end[slot + k]
+                if done is None:
                     parked.setdefault(slot + k, []).append(rank)
                     break
-                if t + cost > ready:
-                    ready = t + cost
+                if done + cost > ready:
+                    ready = done + cost
             else:  # every dependency done: run it
                 free = ready + duration
                 end[first + k] = free
@@ -251,7 +252,11 @@ def bubble_bound(p: int, m: int) -> float:
 
 
 def _per_stage(name: str, value: Seconds, num_stages: int) -> list[float]:
-    values = [float(value)] * num_stages if isinstance(value, Real) else [float(x) for x in value]
+    # numbers.Real also takes numpy scalars, but mypy cannot narrow by it, hence the cast.
+    if isinstance(value, Real):
+        values = [float(value)] * num_stages
+    else:
+        values = [float(x) for x in cast(Sequence[float], value)]
     if len(values) != num_stages:
         raise ValueError(
             f"{name} has {len(values)} entries but the schedule has {num_stages} stages; give one per stage or a scalar"

@@ -56,7 +56,9 @@ def backward_input(tensors: list[torch.Tensor], grads: list[torch.Tensor | None]
     # view, which refuses (pytorch#142229), or saved by a node W still needs (a residual stream that the
     # stage also reads), which would break W: hand it throwaway copies, roots of the same graph.
     roots = [t.clone() for t in tensors]
-    dinputs, groups = stage_backward_input(roots, grads, leaves, iter(params))
+    # torch annotates output_grads as list[Tensor], but passes each entry on to autograd.grad, where None
+    # (a scalar loss's implicit 1) is valid: the executor gives a loss root None.
+    dinputs, groups = stage_backward_input(roots, grads, leaves, iter(params))  # type: ignore[arg-type]
     return SplitBackward(dict(zip(inputs, dinputs)), lambda: _weight_grads(params, groups))
 
 
@@ -64,9 +66,11 @@ def _inputs_reach_all(roots: list[torch.Tensor], inputs: list[torch.Tensor]) -> 
     """Does every root depend on some input? Then each path from a parameter to a root meets the inputs'
     part of the graph, where ``stage_backward_input`` records the gradient, so W's parameter gradients are
     complete; a root that depends on parameters alone would have its contribution lost."""
-    root_nodes = [_get_grad_fn_or_grad_acc(t) for t in roots]
-    reached, _ = reverse_closure([_get_grad_fn_or_grad_acc(t) for t in inputs], set(),
-                                 construct_reverse_graph(root_nodes))
+    root_nodes = [n for n in map(_get_grad_fn_or_grad_acc, roots) if n is not None]
+    if len(root_nodes) < len(roots):  # a root outside autograd depends on no input
+        return False
+    input_nodes = [n for n in map(_get_grad_fn_or_grad_acc, inputs) if n is not None]  # None: reaches nothing
+    reached, _ = reverse_closure(input_nodes, set(), construct_reverse_graph(root_nodes))
     return all(n in reached for n in root_nodes)
 
 

@@ -120,7 +120,7 @@ def test_stage_modules_wiring(traced):
     for s in stages:
         for value, src in s.sources.items():
             assert src < s.index, (s.index, value, src)  # MODEL_INPUT is -1
-        for name, readers in s.consumers.items():
+        for readers in s.consumers.values():
             assert readers and all(r > s.index for r in readers)
     assert stages[-1].consumers == {}
 

@@ -156,8 +156,9 @@ def test_bf16_config_autocasts_without_loss_scaling():
 def _hf_labels(rank: int, world: int):
     """A Hugging Face model computing its own loss from ``labels=`` (as SMP's GPT-2 example does) under bf16:
     the pipelined loss and the single-process bf16 autocast loss."""
-    import smp
     from transformers import GPT2Config, GPT2LMHeadModel
+
+    import smp
 
     smp.init({"pipeline_parallel_degree": 2, "microbatches": 2, "bf16": True})
     torch.manual_seed(0)
