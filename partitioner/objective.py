@@ -30,8 +30,8 @@ from .options import PartitionOptions
 from .precision import activation_bytes, param_memory, value_bytes, weight_bytes
 from .units import format_bytes
 
-__all__ = ["Problem", "Evaluation", "evaluate", "crossings", "stage_crossings", "stage_params", "check_acyclic", "budget_error",
-           "MemoryBudgetError", "dominates", "choose", "NEAR"]
+__all__ = ["Problem", "Evaluation", "evaluate", "crossings", "stage_crossings", "stage_params", "check_acyclic",
+           "budget_error", "MemoryBudgetError", "dominates", "choose", "NEAR"]
 
 NEAR = 0.01  # objectives within 1% of the best count as the same: fewer bytes cut and in flight decide
 _REL = 1e-9  # float noise when comparing seconds and bytes summed in different orders
