@@ -19,7 +19,7 @@ import datetime
 import os
 from collections.abc import Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -46,8 +46,20 @@ __all__ = ["PipelineRunner", "StepResult", "boundary_requires_grad", "stage_deps
 
 @dataclass
 class StepResult:
-    losses: list[float]            # per microbatch, on every rank of the pipeline
-    outputs: Any                   # the model's outputs merged over microbatches (last stage's rank only)
+    """What :meth:`PipelineRunner.step` returns: the losses on every rank of the pipeline, and on the last
+    stage's rank the model's outputs per microbatch, merged into one batch when ``outputs`` is first read (a
+    training loop that reads only the loss never pays for concatenating the logits of every microbatch)."""
+
+    losses: list[float]                          # per microbatch, on every rank of the pipeline
+    microbatch_outputs: list[Any] | None = None  # the model's outputs per microbatch (last stage's rank only)
+    _merged: Any = field(default=None, init=False, repr=False)
+
+    @property
+    def outputs(self) -> Any:
+        """The model's outputs merged over microbatches (None except on the last stage's rank)."""
+        if self._merged is None and self.microbatch_outputs:
+            self._merged = microbatch.merge(self.microbatch_outputs)
+        return self._merged
 
     @property
     def loss(self) -> float:
@@ -205,10 +217,8 @@ class PipelineRunner:
             last_rank = self.ranks[self.schedule.stage_to_rank[-1]]
             with self._named("receiving the losses", [last_rank]):
                 dist.broadcast(losses, src=last_rank, group=self.transport.group)
-        outputs = None
-        if results:
-            outputs = microbatch.merge([pytree.tree_unflatten(list(results[k]), sm.program.out_spec) for k in range(m)])
-        return StepResult(losses=losses.tolist() if loss_fn is not None else [], outputs=outputs)
+        outputs = [pytree.tree_unflatten(list(results[k]), sm.program.out_spec) for k in range(m)] if results else None
+        return StepResult(losses=losses.tolist() if loss_fn is not None else [], microbatch_outputs=outputs)
 
     def run_microbatches(self, mb_inputs: Any, loss_hook: Any, train: bool,
                          before_forward: Any = None) -> dict[int, tuple]:

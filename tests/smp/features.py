@@ -1,0 +1,109 @@
+"""The model and training loop that the SMP feature tests share (module level: spawned ranks import them).
+
+Exactness checks follow test_training: a single-process copy of the model trained on the same global
+batches is the reference, parameters must agree to rel 1e-4 (SGD; Adam where noted)."""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+PARAM_TOL = 1e-4
+
+
+# --- models and helpers (module level: the spawned ranks import them) ---------------------------------------
+
+
+class Net(nn.Module):
+    """embed -> block1 -> block2 -> head; ``placed`` builds it under smp.partition contexts (``"nested"``:
+    the first half's block inside the second's, where the inner one must win)."""
+
+    def __init__(self, placed: bool | str = False, dropout: float = 0.0) -> None:
+        super().__init__()
+        import contextlib
+
+        if placed:
+            import smp
+            first, second = smp.partition(0), smp.partition(1)
+        else:
+            first = second = contextlib.nullcontext()
+        nested = placed == "nested"
+        with second if nested else contextlib.nullcontext():
+            with first:
+                self.embed = nn.Linear(16, 32)
+                self.block1 = nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.Dropout(dropout))
+            with contextlib.nullcontext() if nested else second:
+                self.block2 = nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.Dropout(dropout))
+                self.head = nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.block2(self.block1(torch.relu(self.embed(x)))))
+
+
+def make_batch(step: int, batch: int = 8):
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(batch, 16, generator=g), torch.randint(4, (batch,), generator=g)
+
+
+def make_net(seed: int = 0, **kwargs) -> Net:
+    torch.manual_seed(seed)
+    return Net(**kwargs)
+
+
+def param_err(model, reference: nn.Module) -> float:
+    ref = dict(reference.named_parameters())
+    worst = 0.0
+    for name, p in model.local_named_parameters():
+        r = ref[name]
+        worst = max(worst, float(((p - r).abs() / (r.abs() + 1e-3)).max().detach()))
+    return worst
+
+
+def module_stages(plan) -> dict[str, list[int]]:
+    """Top-level module name -> the stages holding its ops."""
+    out: dict[str, set[int]] = {}
+    for name, module in zip(plan.graph.names, plan.graph.modules):
+        if module:
+            out.setdefault(module.split(".")[0], set()).add(plan.assignment[name])
+    return {k: sorted(v) for k, v in out.items()}
+
+
+def train(net: Net, steps: int, *, checkpoint: str | None = None, hook=None, batch: int = 8):
+    """Train ``net`` with smp (already initialised) and a copy in one process (SGD + momentum)."""
+    import smp
+
+    reference = copy.deepcopy(net)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
+    if checkpoint:
+        smp.set_activation_checkpointing(getattr(net, checkpoint))
+    model = smp.DistributedModel(net)
+    if hook:
+        model.register_post_partition_hook(hook)
+    opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+
+    @smp.step
+    def train_step(model, x, y):
+        loss = F.cross_entropy(model(x), y)
+        model.backward(loss)
+        return loss
+
+    losses, ref_losses = [], []
+    for step in range(steps):
+        x, y = make_batch(step, batch)
+        ref_loss = F.cross_entropy(reference(x), y)
+        ref_opt.zero_grad()
+        ref_loss.backward()
+        ref_opt.step()
+        ref_losses.append(float(ref_loss))
+        losses.append(float(train_step(model, x, y).reduce_mean()))
+        opt.step()
+        opt.zero_grad()
+    return model, {"losses": losses, "ref_losses": ref_losses, "param_err": param_err(model, reference)}
+
+
+def assert_exact(r: dict) -> None:
+    for got, want in zip(r["losses"], r["ref_losses"]):
+        assert abs(got - want) <= 1e-5 * abs(want) + 1e-6, (r["losses"], r["ref_losses"])
+    assert r["param_err"] < PARAM_TOL, r["param_err"]
