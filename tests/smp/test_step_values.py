@@ -64,8 +64,12 @@ def _train(rank: int, world: int, mode: str, placement: str):
     return {"got": got, "want": want, "own_labels": own_labels, "param_err": err}
 
 
-@pytest.mark.parametrize("mode", ["placeholder", "mismatch"])
-@pytest.mark.parametrize("world,placement", [(2, "cluster"), (4, "cluster"), (4, "spread")])
+@pytest.mark.parametrize("mode,world,placement", [
+    ("placeholder", 2, "cluster"), ("mismatch", 2, "cluster"), ("mismatch", 4, "cluster"),  # the default run
+    pytest.param("placeholder", 4, "cluster", marks=pytest.mark.slow),
+    pytest.param("placeholder", 4, "spread", marks=pytest.mark.slow),
+    pytest.param("mismatch", 4, "spread", marks=pytest.mark.slow),
+])
 def test_step_arguments_come_from_pp_rank_0(mode, world, placement):
     for r in run_ranks(_train, world, mode, placement, timeout=240):
         for (loss, item_mean, scales), want in zip(r["got"], r["want"]):

@@ -54,7 +54,7 @@ def _ranks(rank: int, world: int, placement: str):
 
 
 @pytest.mark.parametrize("placement,mp,dp", [
-    ("cluster", [[0, 1], [2, 3]], [[0, 2], [1, 3]]),
+    pytest.param("cluster", [[0, 1], [2, 3]], [[0, 2], [1, 3]], marks=pytest.mark.slow),  # 4 ranks: test_comm's getters
     pytest.param("spread", [[0, 2], [1, 3]], [[0, 1], [2, 3]], marks=pytest.mark.slow),
 ])
 def test_rank_helpers_pp2_dp2(placement, mp, dp):
