@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from partitioner.errors import EngineError
 
-__all__ = ["Transport", "PeerError", "FAILURE_KEY", "default_store", "failure_note", "named_failures",
+__all__ = ["Transport", "PeerError", "FAILURE_KEY", "default_store", "failure_note", "named_failures", "close_groups",
            "report_failure"]
 
 FAILURE_KEY = "smp/pipeline/failure"
@@ -112,8 +112,14 @@ def report_failure(exc: BaseException, rank: int, groups: Iterable[Any], store: 
             store.compare_set(FAILURE_KEY, "", text)  # set only if absent: the first observation wins
         except Exception:
             pass
+    close_groups(groups)
+
+
+def close_groups(groups: Iterable[Any]) -> None:
+    """Destroy ``groups`` (skipping None, the default group and groups this rank is not in), each as far as it
+    can be: one a failure already closed is passed over. Callers drop their references (see report_failure)."""
     for group in groups:
-        if group is None or group is dist.GroupMember.WORLD:
+        if group is None or group is dist.GroupMember.WORLD or group is dist.GroupMember.NON_GROUP_MEMBER:
             continue
         try:
             dist.destroy_process_group(group)

@@ -35,7 +35,7 @@ from partitioner.trace import trace
 from . import microbatch
 from .executor import Executor
 from .lowering import lower
-from .p2p import Transport, named_failures
+from .p2p import Transport, close_groups, named_failures
 from .profile import ProfileOptions, Profiler
 from .profile_run import run_description
 from .schedule import make_schedule
@@ -255,9 +255,7 @@ class PipelineRunner:
         otherwise keep its connections open for the life of the process). The runner cannot step afterwards."""
         groups = [self.transport.group, *(g for g, _, _ in self._shared)]
         self.transport.group, self._shared = None, []
-        for group in groups:
-            if group is not None and group != dist.GroupMember.NON_GROUP_MEMBER:
-                dist.destroy_process_group(group)
+        close_groups(groups)
 
     def train(self, mode: bool = True) -> "PipelineRunner":
         """Put this rank's stages in training or evaluation mode (dropout, BatchNorm), as ``nn.Module.train``.

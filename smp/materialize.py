@@ -29,7 +29,7 @@ from . import state
 from .compat import warn_no_effect
 
 __all__ = ["delay_param_initialization", "model_creation", "has_meta", "materialize", "release", "keep_own_share",
-           "MaterializeError"]
+           "tensor_ids", "MaterializeError"]
 
 
 class MaterializeError(EngineError, RuntimeError):
@@ -83,6 +83,14 @@ def has_meta(module: torch.nn.Module) -> bool:
 def _tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return dict(itertools.chain(module.named_parameters(remove_duplicate=False),
                                 module.named_buffers(remove_duplicate=False)))
+
+
+def tensor_ids(module: torch.nn.Module, names: Iterable[str] | None = None) -> set[int]:
+    """Ids of the parameters and buffers of ``module`` named in ``names`` (every one of them when None); a
+    tied tensor is in it when any of its names is."""
+    tensors = _tensors(module)
+    wanted = set(tensors) if names is None else set(names)
+    return {id(t) for n, t in tensors.items() if n in wanted}
 
 
 def _swap(t: torch.Tensor, data: torch.Tensor) -> None:

@@ -26,8 +26,9 @@ from pipeline import PipelineRunner
 from . import execution, precision, state
 from .commit import CheckpointError
 from .compat import warn_no_effect
+from .materialize import tensor_ids
 from .placement import manual_stages
-from .planning import own_stages, shared_plan, smp_runner
+from .planning import own_tensors, shared_plan, smp_runner
 from .state_dicts import key_error, on_cpu
 from .weights import load_local
 
@@ -185,14 +186,10 @@ class DistributedModel(torch.nn.Module):
     # -- what this rank holds ----------------------------------------------------------------------------
     def _local_ids(self) -> set[int]:
         """Ids of the parameters and buffers this rank holds (all of them before partitioning)."""
-        named = list(self.module.named_parameters(remove_duplicate=False))
-        named += list(self.module.named_buffers(remove_duplicate=False))
         if not self.partitioned:
-            return {id(t) for _, t in named}
+            return tensor_ids(self.module)
         st = state.get()
-        plan = self.runner.plan
-        mine = plan.stage_tensors(own_stages(plan, st.topology.pp_rank(st.rank), st.topology.pp))
-        return {id(t) for n, t in named if n in mine}
+        return tensor_ids(self.module, own_tensors(self.runner.plan, st.topology.pp_rank(st.rank), st.topology.pp))
 
     def local_named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
         """(name, parameter) pairs of the parameters this rank's stages own."""

@@ -18,10 +18,10 @@ from pipeline import PipelineRunner, microbatch
 from pipeline.p2p import named_failures
 
 from . import precision, state
-from .materialize import keep_own_share
+from .materialize import keep_own_share, tensor_ids
 from .weights import load_local
 
-__all__ = ["shared_plan", "pipeline_runner", "smp_runner", "own_stages"]
+__all__ = ["shared_plan", "pipeline_runner", "smp_runner", "own_tensors"]
 
 
 def shared_plan(model: torch.nn.Module, args: tuple, kwargs: dict, num_stages: int,
@@ -58,21 +58,18 @@ def pipeline_runner(model: torch.nn.Module, args: tuple = (), kwargs: dict | Non
     mine = next(p for p in pipelines if dist.get_rank() in p)
     stages = num_stages or len(mine) * virtual_stages
     plan = shared_plan(model, mb_args, mb_kwargs, stages, PartitionOptions.of(options, microbatches=microbatches))
-    local = plan.stage_tensors(own_stages(plan, mine.index(dist.get_rank()), len(mine)))
+    local = own_tensors(plan, mine.index(dist.get_rank()), len(mine))
     keep_own_share(model, local, runner_kwargs.get("device") or "cpu", initialise=weights is None)
     if weights is not None:
-        load_local(model, weights, {id(t) for name, t in _named_tensors(model) if name in local})
+        load_local(model, weights, tensor_ids(model, local))
     runner_kwargs.setdefault("autocast", precision.active_autocast())  # traced under it: the stages run under it
     return PipelineRunner(plan, microbatches=microbatches, virtual_stages=virtual_stages, **runner_kwargs)
 
 
-def _named_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    return list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
-
-
-def own_stages(plan: PartitionPlan, rank: int, ranks: int) -> list[int]:
-    """The stages of ``plan`` that pipeline rank ``rank`` of ``ranks`` runs (stage s on rank s mod ranks)."""
-    return [s for s in range(plan.num_stages) if s % ranks == rank]
+def own_tensors(plan: PartitionPlan, rank: int, ranks: int) -> set[str]:
+    """Names of the parameters and buffers that pipeline rank ``rank`` of ``ranks`` holds: those of the stages of
+    ``plan`` it runs (stage s on rank s mod ranks)."""
+    return plan.stage_tensors([s for s in range(plan.num_stages) if s % ranks == rank])
 
 
 def smp_runner(plan: PartitionPlan, checkpoint_modules: list[str], initialise: bool = True) -> PipelineRunner:
@@ -81,8 +78,8 @@ def smp_runner(plan: PartitionPlan, checkpoint_modules: list[str], initialise: b
     where they were created without weights (unless weights are about to be loaded), then the runner."""
     st = state.get()
     cfg = st.config
-    stages = own_stages(plan, st.topology.pp_rank(st.rank), st.topology.pp)
-    keep_own_share(st.model.module, plan.stage_tensors(stages), st.device, initialise)
+    local = own_tensors(plan, st.topology.pp_rank(st.rank), st.topology.pp)
+    keep_own_share(st.model.module, local, st.device, initialise)
     return PipelineRunner(plan, schedule=cfg.schedule, microbatches=cfg.microbatches,
                           max_in_flight=cfg.active_microbatches if cfg.schedule == "1f1b" else None,
                           pipelines=st.topology.mp_groups(), device=st.device, timeout_s=cfg.timeout_s,
