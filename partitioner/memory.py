@@ -68,7 +68,7 @@ def stage_memory(plan: PartitionPlan, graph: OpGraph, in_flight: Sequence[int] |
                      for s in range(k)]
     if len(in_flight) != k:
         raise ValueError(f"in_flight has {len(in_flight)} entries for {k} stages")
-    stage = np.array([plan.assignment[n] for n in graph.names], np.int64)
+    stage = plan.stage_of_ops(graph)
     p_stage, p_idx = stage_params(graph, stage, k)
     parts = {kind: np.bincount(p_stage, weights=per_param[p_idx], minlength=k)
              for kind, per_param in param_memory_parts(graph, dtype, optimizer).items()}

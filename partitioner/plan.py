@@ -194,12 +194,16 @@ class PartitionPlan:
                              "synthetic graph): pass graph=partitioner.trace(model, args, kwargs)")
         return graph
 
+    def stage_of_ops(self, graph: Any) -> np.ndarray:
+        """The stage of every op of ``graph`` (the plan's graph), as an int64 array in graph order."""
+        return np.array([self.assignment[n] for n in graph.names], np.int64)
+
     def stage_tensors(self, stages: Iterable[int], graph: Any = None) -> set[str]:
         """Names of the parameters and buffers the given stages use (a tied weight by its first name).
         Tensors no op uses belong to stage 0, so that some rank holds (and saves) them."""
         g = self._bound(graph)
         want = set(stages)
-        stage = np.array([self.assignment[n] for n in g.names], np.int64)
+        stage = self.stage_of_ops(g)
         used = {int(q) for q, s in zip(g.use_param.tolist(), stage[g.use_node].tolist()) if s in want}
         if 0 in want:
             used |= set(range(len(g.param_names))) - set(g.use_param.tolist())

@@ -11,8 +11,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
-
 from partitioner import DeviceRates
 from partitioner.objective import stage_crossings
 
@@ -50,7 +48,7 @@ def plan_edges(plan: Any, graph: Any) -> list[list[Any]]:
     """[producer stage, consumer stage, predicted seconds per microbatch] of every stage edge of ``plan``:
     the bytes crossing it over the plan's link rates."""
     rates = DeviceRates.from_dict(plan.rates) if plan.rates else DeviceRates()
-    stage = np.array([plan.assignment[n] for n in graph.names], np.int64)
+    stage = plan.stage_of_ops(graph)
     crossing = stage_crossings(graph, stage, plan.num_stages)
     return [[s, t, rates.comm_s(b, messages=c)] for (s, t), (b, c) in crossing.items()]
 

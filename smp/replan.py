@@ -106,7 +106,7 @@ def replan(m: Measurements, graph: OpGraph) -> Replan:
     if set(graph.names) != set(old.assignment):
         raise ProfileError("the op graph does not belong to the profiled plan (another model's?): profile again")
     options = PartitionOptions.from_dict(old.options, rates=DeviceRates.from_dict(old.rates))
-    stage = np.array([old.assignment[n] for n in graph.names], np.int64)
+    stage = old.stage_of_ops(graph)
     estimated = estimate(graph, options.resolve_rates(), options.dtype)
     costs = fit_costs(graph, estimated, stage, m.stage_forward_s, m.stage_backward_s)
     new = partition(graph, old.num_stages, options, costs=costs)

@@ -17,14 +17,7 @@ from .errors import CLIError
 from .options import Options
 from .target import Target
 
-__all__ = ["stage_of_ops", "simulate_stages", "analyse", "plan_sim"]
-
-
-def stage_of_ops(plan: Any, graph: Any) -> Any:
-    """The plan's stage of every op of ``graph``, as an array in graph order."""
-    import numpy as np
-
-    return np.array([plan.assignment[n] for n in graph.names], np.int64)
+__all__ = ["simulate_stages", "analyse", "plan_sim"]
 
 
 def simulate_stages(schedule_name: str, microbatches: int, forward_s: Sequence[float], backward_s: Sequence[float],
@@ -49,7 +42,7 @@ def plan_sim(plan: Any, graph: Any, opts: Options, forward_s: Sequence[float] | 
     from partitioner.objective import stage_crossings
 
     rates = DeviceRates(**plan.rates) if plan.rates else DeviceRates()
-    crossing = stage_crossings(graph, stage_of_ops(plan, graph), plan.num_stages, opts.partition.dtype)
+    crossing = stage_crossings(graph, plan.stage_of_ops(graph), plan.num_stages, opts.partition.dtype)
     comm = {e: rates.comm_s(b, messages=c) for e, (b, c) in crossing.items()}
     fwd = forward_s if forward_s is not None else [s.forward_s for s in plan.stages]
     bwd = backward_s if backward_s is not None else [s.backward_s for s in plan.stages]

@@ -91,7 +91,7 @@ def module_graph(plan: Any, graph: Any) -> tuple[list[dict], list[dict]]:
     the distinct tensors they carry per microbatch; ``cut`` edges cross stages."""
     n = graph.num_nodes
     eff = group_ops(graph.modules)
-    stage = [plan.assignment[name] for name in graph.names]
+    stage = plan.stage_of_ops(graph).tolist()
     try:
         from partitioner import DeviceRates, estimate
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from partitioner.units import format_bytes
 
-from .analysis import simulate_stages, stage_of_ops
+from .analysis import simulate_stages
 from .options import Options
 from .text import ms
 
@@ -53,11 +53,11 @@ def pipeline_costs(graph: Any, opts: Options, stages: int, *, exact: bool = True
     act_bytes = activation_bytes(graph, dtype)
 
     def acts(plan: Any) -> list[float]:
-        return np.bincount(stage_of_ops(plan, graph), weights=act_bytes, minlength=plan.num_stages).tolist()
+        return np.bincount(plan.stage_of_ops(graph), weights=act_bytes, minlength=plan.num_stages).tolist()
 
     if exact and stages <= min(ops, EXACT_MAX_STAGES):
         plan = partition(graph, stages, opts.partition)
-        crossing = stage_crossings(graph, stage_of_ops(plan, graph), stages, dtype)
+        crossing = stage_crossings(graph, plan.stage_of_ops(graph), stages, dtype)
         return PipelineCosts([s.forward_s for s in plan.stages], [s.backward_s for s in plan.stages],
                              sorted(crossing), crossing, True,
                              f"a real {stages}-stage plan ({plan.method}, balance {plan.balance:.3f})", plan.rates,
@@ -66,7 +66,7 @@ def pipeline_costs(graph: Any, opts: Options, stages: int, *, exact: bool = True
     plan = partition(graph, k0, opts.partition, device_memory=UNLIMITED)  # a stage of many: no budget applies
     fwd = sum(s.forward_s for s in plan.stages)
     bwd = sum(s.backward_s for s in plan.stages)
-    crossing = stage_crossings(graph, stage_of_ops(plan, graph), k0, dtype)
+    crossing = stage_crossings(graph, plan.stage_of_ops(graph), k0, dtype)
     per_boundary = plan.cut_bytes / max(k0 - 1, 1)
     tensors = max(1, round(sum(c for _, c in crossing.values()) / max(k0 - 1, 1)))
     why = (f"P={stages} > the model's {ops} ops, so no real plan exists" if stages > ops
