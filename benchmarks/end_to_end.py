@@ -3,22 +3,25 @@
 For each model, on 2 gloo ranks of this host (one thread per rank, rank r pinned to core r), the same
 microbatches, fp32:
 
-* (a) ``ours``: ``partitioner.partition`` (the automatic plan) on our runtime, 1F1B;
+* (a) ``ours``: ``partitioner.partition`` (the automatic plan) on our runtime, 1F1B; the model is traced with
+  its loss (``trace(loss_fn=...)``) so the plan counts the loss the last stage computes, and every op is
+  timed on this machine (``measure=True``, what a user planning on a CPU does); rank 0 plans and shares it;
 * (b) ``torch``: ``torch.distributed.pipelining`` ``Schedule1F1B``, the model split by its tracer
   (``pipeline(..., split_spec=...)``) at equal layer counts (its tutorial's and torchtitan's default);
   where its tracer cannot split the model, the table says so with its error;
 * (c) ``ours/layers``: that same equal-layer split on our runtime (is our runtime the reason we win?);
 * (d) ``ours/params``: the equal-parameter split (DeepSpeed's default) on our runtime;
 * (e) ``single``: one process running the whole model over the same microbatches;
-* ``ideal``: the bubble-bound step of plan (a) from its stages' forward and backward times measured in
-  one process (:func:`partitioner.measure_stages`), simulated for 1F1B with free communication.
+* ``ideal``: the bubble-bound step of plan (a) from its stages' forward and backward times (the loss
+  included) measured in one process (:func:`partitioner.measure_stages`), simulated for 1F1B with free
+  communication.
 
 Every variant's loss is checked against the single-process loss (they compute the same thing). Steps are
 timed from a barrier to a barrier; variants alternate inside every round, the order flipping each round;
 the table shows medians, speed-ups are ratios of medians from the same run, and the load average is
 printed before and after.
 
-Run: ``python benchmarks/end_to_end.py [--models gpt2,t5,vit,unet] [--rounds 8] [--microbatches 4]``;
+Run: ``python benchmarks/end_to_end.py [--models gpt2,t5,vit,unet] [--rounds 8] [--microbatches 8] [--batch 16]``;
 ``--quick`` runs GPT-2 at toy sizes for 2 rounds (every variant runs and agrees; the timings mean nothing).
 """
 from __future__ import annotations
@@ -75,7 +78,8 @@ class Case:
 
 
 def _class_last(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.movedim(-1, 1), target)
+    # Classes last, flattened as HF's and torchtitan's losses do (a class dim moved to 1 is 3x slower on CPU).
+    return F.cross_entropy(logits.flatten(0, -2), target.flatten())
 
 
 def build_case(name: str, batch: int, quick: bool = False) -> Case:
@@ -131,10 +135,15 @@ def worker(rank: int, world: int, cfg: dict) -> dict | None:
     loss_fn = case.loss_fn
     args = tuple(a for a in case.args)
     mb_args = microbatch.split(args, {}, m)[0][0]
-    graph = partitioner.trace(model, mb_args)
-    rates = partitioner.DeviceRates()  # fixed rates: every rank makes the same plans
-    options = partitioner.PartitionOptions(microbatches=m, rates=rates)
-    plans: dict[str, Any] = {"ours": partitioner.partition(graph, world, options)}
+    mb_target = microbatch.split((case.target,), {}, m)[0][0][0]
+    # The plan prices the loss the last stage computes, and every op timed on this machine (measure=True, as
+    # a CPU user plans); rank 0 plans and shares it, as smp.planning does, since timings differ per rank.
+    graph = partitioner.trace(model, mb_args, loss_fn=loss_fn, target=mb_target)
+    options = partitioner.PartitionOptions(microbatches=m, rates=partitioner.DeviceRates())
+    text = [partitioner.partition(graph, world, options, measure=True, rates=None, example_inputs=mb_args).to_json()
+            if rank == 0 else None]
+    dist.broadcast_object_list(text, src=0)
+    plans: dict[str, Any] = {"ours": partitioner.PartitionPlan.from_json(text[0]).bind(graph)}
     first = next(i for i, mod in enumerate(graph.modules)
                  if mod == case.split_at or mod.startswith(case.split_at + "."))
     plans["ours/layers"] = fixed_plan(graph, world, [0 if i < first else 1 for i in range(graph.num_nodes)], options)
@@ -215,8 +224,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", default=None, help="comma-separated, of gpt2,t5,vit,unet (default: all; "
                     "with --quick: gpt2)")
     ap.add_argument("--rounds", type=int, default=None, help="timed rounds (default 8; with --quick: 2)")
-    ap.add_argument("--microbatches", type=int, default=4)
-    ap.add_argument("--batch", type=int, default=8, help="samples per step (all microbatches)")
+    ap.add_argument("--microbatches", type=int, default=8, help="microbatches per step (default 8: GPipe's "
+                    "m >= 4 x stages, so the bubble is small)")
+    ap.add_argument("--batch", type=int, default=16, help="samples per step (all microbatches; default 16: "
+                    "2 per microbatch)")
     ap.add_argument("--no-pin", action="store_true", help="let the OS place the ranks (default: rank r on core r)")
     ap.add_argument("--quick", action="store_true", help="toy model sizes, 2 rounds, 1 warm-up step: checks that "
                     "every variant runs and computes the single-process loss, in seconds; not a measurement")

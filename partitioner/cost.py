@@ -10,9 +10,10 @@ memory-bound elementwise ops around it. Backward is
 2x forward (two matmuls per forward matmul: the input gradient and the weight gradient) for ops that need
 a gradient, 1x for ops none of whose inputs needs one (the first layer: only its weight gradient), and 0
 for ops that need none (frozen teachers, index math); on top of that, every trainable parameter an op
-uses costs its bytes written at ``grad_bytes_per_s``: the weight gradient is a new tensor every step
-(``zero_grad(set_to_none=True)``), and on CPU writing fresh pages is page-fault bound -- for a conv net,
-whose late layers hold most of the weights and few of the FLOPs, this is most of the backward time.
+uses costs its bytes (of a view of it, the viewed bytes) written at ``grad_bytes_per_s``: the weight
+gradient is a new tensor every step (``zero_grad(set_to_none=True)``), and on CPU writing fresh pages is
+page-fault bound -- for a conv net, whose late layers hold most of the weights and few of the FLOPs,
+this is most of the backward time.
 :func:`partitioner.measure.measure` replaces the estimate by timing each op's forward and backward for real.
 
 Memory per stage: parameters (+ gradients + optimizer state for trainable ones, by optimizer kind and
@@ -27,7 +28,7 @@ import numpy as np
 
 from .calibrate import calibrate
 from .devices import DeviceRates
-from .flops import is_matmul_class
+from .flops import VIEW_OPS, is_matmul_class
 from .graph import OpGraph
 from .precision import at_precision, weight_bytes
 
@@ -82,7 +83,8 @@ def estimate(graph: OpGraph, rates: DeviceRates | None = None, dtype: str = "fp3
     moved = at_precision(graph.move_bytes, graph.move_float_bytes, dtype)
     compute = np.maximum(graph.flops / (flop_rate * rates.compute_efficiency),
                          moved / (rates.bytes_per_s * rates.memory_efficiency))
-    is_op = np.array([k != "output" for k in graph.kinds], bool)
+    # The output op does work only when a loss was priced on it (partitioner.trace(loss_fn=...)).
+    is_op = np.array([k != "output" for k in graph.kinds], bool) | (graph.flops > 0) | (graph.move_bytes > 0)
     fwd = np.where(is_op, compute + rates.op_overhead_s, 0.0)
     all_needs = needs_grad(graph)
     needs = all_needs & is_op
@@ -92,7 +94,12 @@ def estimate(graph: OpGraph, rates: DeviceRates | None = None, dtype: str = "fp3
     grad_bytes = np.zeros(graph.num_nodes)
     if len(graph.use_node):
         trainable = graph.param_trainable[graph.use_param]
-        np.add.at(grad_bytes, graph.use_node[trainable], weight_bytes(graph, dtype)[graph.use_param[trainable]])
+        node, param = graph.use_node[trainable], graph.use_param[trainable]
+        # A view of a parameter (a slice: partitioner.chunk's column chunks) writes only its share of the gradient.
+        is_view = np.fromiter((graph.kinds[i].rpartition(".")[2] in VIEW_OPS for i in node.tolist()), bool,
+                              count=len(node))
+        share = np.where(is_view, np.minimum(1.0, graph.out_bytes[node] / np.maximum(graph.param_bytes[param], 1)), 1.0)
+        np.add.at(grad_bytes, node, weight_bytes(graph, dtype)[param] * share)
     factor = np.where(input_grad, 2.0, 1.0)
     grad_s = grad_bytes / (rates.grad_bytes_per_s * rates.memory_efficiency)
     bwd = np.where(needs, factor * compute + grad_s + rates.op_overhead_s, 0.0)

@@ -28,6 +28,11 @@ VIEW_OPS = frozenset({
 # Normalisations and softmaxes: a handful of FLOPs per element (mean, variance, scale, shift).
 NORM_OPS = frozenset({"layer_norm", "native_layer_norm", "batch_norm", "native_batch_norm", "group_norm",
                       "softmax", "_softmax", "log_softmax", "_log_softmax", "rms_norm", "instance_norm"})
+# Losses reduce their input to a scalar: a log-softmax and a pick (cross-entropy) or a difference and a square
+# per input element, not per output element.
+LOSS_OPS = frozenset({"cross_entropy_loss", "nll_loss", "nll_loss_nd", "nll_loss2d", "mse_loss", "l1_loss",
+                      "smooth_l1_loss", "huber_loss", "binary_cross_entropy", "binary_cross_entropy_with_logits",
+                      "kl_div"})
 _MATMULS = frozenset({"addmm", "mm", "bmm", "baddbmm", "matmul", "linear"})
 _CONVS = frozenset({"conv1d", "conv2d", "conv3d", "convolution", "_convolution", "conv_transpose1d",
                     "conv_transpose2d", "conv_transpose3d"})
@@ -107,4 +112,6 @@ def op_flops_and_bytes(node: torch.fx.Node) -> tuple[float, int, int, bool]:
         return 0.0, 2 * tensor_bytes(out), 2 * float_bytes(out), False
     if name in NORM_OPS:
         return 5.0 * out_numel, moved, moved_float, False
+    if name in LOSS_OPS and t:
+        return 5.0 * t[0].numel(), moved, moved_float, False
     return float(out_numel), moved, moved_float, False

@@ -20,7 +20,10 @@ import numpy as np
 
 from .errors import EngineError
 
-__all__ = ["OpGraph", "GraphError", "unique_ints"]
+__all__ = ["OpGraph", "GraphError", "unique_ints", "WORK_FIELDS"]
+
+# The per-op fields that say how much work an op does (what a loss priced on the output op adds to).
+WORK_FIELDS = ("flops", "move_bytes", "move_float_bytes", "act_bytes", "act_float_bytes")
 
 
 def unique_ints(a: np.ndarray) -> np.ndarray:
@@ -115,6 +118,20 @@ class OpGraph:
     def edge_bytes(self) -> np.ndarray:
         """Bytes of the value each edge carries."""
         return self.value_bytes[self.value]
+
+    def add_output_work(self, work: dict[str, float]) -> None:
+        """Add ``work`` (per-op field name -> amount: ``flops``, ``move_bytes``, ``act_bytes`` and their
+        float parts) to the output op: the loss the last stage computes (``partitioner.trace(loss_fn=...)``)."""
+        out = self.kinds.index("output")
+        for name, amount in work.items():
+            field_ = getattr(self, name)
+            if field_ is not None:
+                field_[out] += amount
+
+    def output_work(self) -> dict[str, float]:
+        """The work priced on the output op (:meth:`add_output_work`), by field."""
+        out = self.kinds.index("output")
+        return {name: getattr(self, name)[out] for name in WORK_FIELDS if getattr(self, name) is not None}
 
     def by_first_user(self, per_param: np.ndarray) -> np.ndarray:
         """A per-parameter quantity attributed to each parameter's first user (for prefix sums along the

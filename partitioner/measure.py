@@ -25,6 +25,7 @@ import torch.utils._pytree as pytree
 from .calibrate import calibrate, cost_clock
 from .cost import NodeCosts, estimate
 from .devices import DeviceRates
+from .flops import VIEW_OPS
 from .graph import OpGraph
 from .mutation import written_inputs
 from .program import flatten_inputs
@@ -115,6 +116,14 @@ def measure(graph: OpGraph, args: tuple, kwargs: dict | None = None, *, repeats:
                         fwd_samples.setdefault(node.name, []).append(t1 - t0)
                         if outs:
                             bwd_samples.setdefault(node.name, []).append(max(t3 - t2 - call_overhead, 0.0))
+                elif node.op == "output" and fx.loss is not None:  # the loss the last stage computes
+                    f, b = _time_loss(fx, [leaf(env, set(), n) if isinstance(n, torch.fx.Node) else n
+                                           for n in pytree.tree_leaves(node.args[0])], clock)
+                    if rep:
+                        fwd_samples.setdefault(node.name, []).append(f)
+                        bwd_samples.setdefault(node.name, []).append(max(b - call_overhead, 0.0))
+                    for q in params.values():
+                        q.grad = None
     finally:
         with torch.no_grad():
             for b, value in saved_buffers:
@@ -127,8 +136,23 @@ def measure(graph: OpGraph, args: tuple, kwargs: dict | None = None, *, repeats:
         fwd[fx.op_of[name]] += statistics.median(ts)
     for name, ts in bwd_samples.items():
         bwd[fx.op_of[name]] += statistics.median(ts)
-    needs = estimate(graph, rates).needs_grad
-    return NodeCosts(forward_s=fwd, backward_s=np.where(needs, bwd, 0.0), needs_grad=needs, measured=True)
+    est = estimate(graph, rates)
+    # A view's backward, timed alone, builds a zero tensor of its base's size; in a stage, the views of one
+    # weight share one (partitioner.chunk.merge_weight_slices), so the estimate (its share) stands in.
+    view = np.fromiter((k.rpartition(".")[2] in VIEW_OPS for k in graph.kinds), bool, count=graph.num_nodes)
+    bwd = np.where(view, est.backward_s, bwd)
+    return NodeCosts(forward_s=fwd, backward_s=np.where(est.needs_grad, bwd, 0.0), needs_grad=est.needs_grad,
+                     measured=True)
+
+
+def _time_loss(fx: Any, outputs: list[Any], clock: Callable[[], float]) -> tuple[float, float]:
+    """Seconds of the traced loss's forward and backward on the model's outputs (fresh leaves)."""
+    loss_fn, target = fx.loss
+    t0 = clock()
+    loss = loss_fn(pytree.tree_unflatten(outputs, fx.out_spec), target)
+    t1 = clock()
+    loss.backward()
+    return t1 - t0, clock() - t1
 
 
 def _backward_call_overhead(clock, repeats: int) -> float:
@@ -181,7 +205,8 @@ def run_stages(sm: SplitModel, args: tuple, kwargs: dict | None, seeds: Seeds | 
     Every float tensor a stage receives from another stage is a fresh autograd leaf, so each stage's
     backward is its own autograd pass: from the last stage to the first, a stage backpropagates the
     gradients its consumers left on their leaves. The last stage starts from ``seeds(output)`` (tensors and
-    their gradients, e.g. ``([loss], [None])``); without ``seeds`` only the forward runs.
+    their gradients, e.g. ``([loss], [None])``), whose time counts as the last stage's forward (a loss is
+    computed there); without ``seeds`` only the forward runs.
     """
     flat = flatten_inputs(sm.program, args, kwargs)
     values: dict[str, Any] = dict(zip(sm.program.input_names, flat))
@@ -207,7 +232,9 @@ def run_stages(sm: SplitModel, args: tuple, kwargs: dict | None, seeds: Seeds | 
         return output, fwd, bwd
     for st in reversed(sm.stages):
         if st.index == len(sm.stages) - 1:
+            t0 = clock()
             tensors, grads = seeds(output)
+            fwd[st.index] += clock() - t0
         else:
             tensors, grads = [], []
             for name, o in zip(st.outputs, outs_of[st.index]):
@@ -226,9 +253,10 @@ def run_stages(sm: SplitModel, args: tuple, kwargs: dict | None, seeds: Seeds | 
 @_keeps_random_streams
 def measure_stages(sm: SplitModel, args: tuple, kwargs: dict | None = None, *, repeats: int = 3,
                    progress: Callable[[str], None] = lambda message: None) -> StageTimes:
-    """Time every stage's forward and backward (:func:`run_stages`; the last stage backpropagates a fixed
-    random gradient standing in for the loss), ``repeats`` times after one warm-up run. The parameters'
-    gradients are left as they were."""
+    """Time every stage's forward and backward (:func:`run_stages`), ``repeats`` times after one warm-up run.
+    The last stage computes the loss traced with the model (``partitioner.trace(loss_fn=...)``), its time
+    counted in that stage's; without one it backpropagates a fixed random gradient standing in for the
+    loss. The parameters' gradients are left as they were."""
     check_runnable(sm.program.module, "time the stages", (args, kwargs))
     params = list(dict.fromkeys(p for st in sm.stages for p in st.module.parameters()))
     saved = [p.grad for p in params]
@@ -236,6 +264,9 @@ def measure_stages(sm: SplitModel, args: tuple, kwargs: dict | None = None, *, r
     grads: list[torch.Tensor] = []
 
     def seeds(output: Any) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+        if sm.program.loss is not None:
+            loss_fn, target = sm.program.loss
+            return [loss_fn(output, target)], [None]
         outs = [o for o in pytree.tree_leaves(output) if isinstance(o, torch.Tensor) and o.requires_grad]
         if not grads:
             grads.extend(torch.randn(o.shape, generator=gen).to(o.dtype) for o in outs)

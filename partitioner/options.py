@@ -41,7 +41,11 @@ class PartitionOptions:
     activations held in flight; ``optimizer`` (``adam``, ``adamw``, ``sgd``, ``none``) the optimizer state
     per trainable byte. ``rates``: a hand-made :class:`DeviceRates` to price ops with instead of
     ``device``'s. ``measure``: time every op on this machine instead of estimating it (``device="cpu"``,
-    ``dtype="fp32"`` only). ``seed``: METIS's seed (plans are deterministic for a seed).
+    ``dtype="fp32"`` only). ``split_heavy_linears``: compute a linear layer that outweighs half a stage's
+    share (a large vocabulary's LM head) in column chunks that the stages share (:mod:`partitioner.chunk`);
+    off by default: the chunks' outputs cross the link to the stage that computes the loss, which on gloo
+    over loopback cost more than the balance gained (``benchmarks/end_to_end.py``).
+    ``seed``: METIS's seed (plans are deterministic for a seed).
     """
 
     method: str = "auto"
@@ -56,6 +60,7 @@ class PartitionOptions:
     inter_node_link: str | None = None
     rates: DeviceRates | None = None
     measure: bool = False
+    split_heavy_linears: bool = False
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -120,7 +125,8 @@ class PartitionOptions:
         return {"memory_weight": self.memory_weight, "device_memory": self.budget(rates),
                 "microbatches": self.microbatches, "pipeline": self.pipeline, "optimizer": self.optimizer,
                 "device": rates.name, "dtype": self.dtype, "link": rates.link,
-                "inter_node_link": rates.inter_node_link, "seed": self.seed}
+                "inter_node_link": rates.inter_node_link, "seed": self.seed,
+                "split_heavy_linears": self.split_heavy_linears}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], rates: DeviceRates | None = None) -> "PartitionOptions":
@@ -135,4 +141,5 @@ class PartitionOptions:
         return cls(memory_weight=data["memory_weight"], device_memory=UNLIMITED if budget is None else budget,
                    microbatches=data["microbatches"], pipeline=data["pipeline"], optimizer=data["optimizer"],
                    device=data["device"] if data.get("device") in DEVICES else "cpu", dtype=data.get("dtype", "fp32"),
-                   rates=rates, seed=data.get("seed", 0), link=link, inter_node_link=inter_node_link)
+                   rates=rates, seed=data.get("seed", 0), link=link, inter_node_link=inter_node_link,
+                   split_heavy_linears=data.get("split_heavy_linears", False))

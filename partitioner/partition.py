@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from .baselines import BASELINES, baseline_stage
+from .chunk import heavy_linears, split_columns
 from .cost import NodeCosts, estimate
 from .dp import dp_partition
 from .graph import OpGraph
@@ -82,9 +83,29 @@ def partition(graph_or_model: Any, num_stages: int, options: PartitionOptions | 
               **changes: Any) -> PartitionPlan:
     """Partition a model (traced with ``example_inputs``, one microbatch) or an :class:`OpGraph` into
     ``num_stages`` stages, under ``options`` with ``changes`` applied (``partition(g, 4, microbatches=8)``);
-    see :class:`partitioner.PartitionOptions`. ``costs``: per-op seconds to use instead of the cost model's."""
+    see :class:`partitioner.PartitionOptions`. ``costs``: per-op seconds to use instead of the cost model's.
+    With ``split_heavy_linears``, a graph whose heavy linears are split into column chunks
+    (:mod:`partitioner.chunk`) is partitioned too, and its plan (whose graph is the split one) is kept if
+    it is the better one."""
     p = make_problem(graph_or_model, num_stages, options, example_inputs=example_inputs,
                      example_kwargs=example_kwargs, costs=costs, **changes)
+    problems = [p]
+    chunks = heavy_linears(p.graph, p.time, num_stages) if costs is None and p.options.split_heavy_linears else {}
+    if chunks:  # an op heavier than a stage's share: no cut balances the stages until it is split
+        problems.append(make_problem(split_columns(p.graph, chunks), num_stages, p.options,
+                                     example_inputs=example_inputs, example_kwargs=example_kwargs))
+    # The split graph's plan is kept only if it is better: its chunks' outputs cost bytes on the link.
+    found = [(q, name, ev) for q in problems for name, ev in _candidates(q)]
+    name, best = choose([(name, ev) for _, name, ev in found], p.budget)
+    q = next(q for q, _, ev in found if ev is best)
+    if q.budget is not None and np.any(best.memory > q.budget):
+        raise budget_error(q, _least_memory(q))
+    return make_plan(q, best, name)
+
+
+def _candidates(p: Problem) -> list[tuple[str, Evaluation]]:
+    """Every method's plans of ``p`` (by ``options.method``; under ``"auto"`` the baselines' too)."""
+    num_stages = p.num_stages
     method = p.options.method
     candidates: list[tuple[str, Evaluation]] = []
     if method in ("dp", "auto"):
@@ -96,10 +117,7 @@ def partition(graph_or_model: Any, num_stages: int, options: PartitionOptions | 
         candidates.append(("metis", evaluate(p, np.zeros(p.graph.num_nodes, np.int64))))
     if method == "auto":
         candidates += [(name, evaluate(p, baseline_stage(p, name))) for name in BASELINES]
-    name, best = choose(candidates, p.budget)
-    if p.budget is not None and np.any(best.memory > p.budget):
-        raise budget_error(p, _least_memory(p))
-    return make_plan(p, best, name)
+    return candidates
 
 
 def _least_memory(p: Problem) -> Evaluation:

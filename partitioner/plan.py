@@ -14,6 +14,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
+from .chunk import split_columns
 from .errors import EngineError
 from .graph import OpGraph, unique_ints
 from .objective import Evaluation, Problem, check_acyclic, crossings
@@ -59,7 +60,9 @@ class PartitionPlan:
     ``lower_bound = max(total compute / num_stages, largest op)`` is a true lower bound on any plan's
     bottleneck under the same cost model, so ``balance = bottleneck / lower_bound >= 1`` says how far from
     perfect this plan can at most be. ``shared_params`` lists parameters used on several stages (tied
-    embeddings): each such stage holds a replica and their gradients are summed.
+    embeddings): each such stage holds a replica and their gradients are summed. ``split_ops`` names the
+    linear layers computed in column chunks (:mod:`partitioner.chunk`) and their chunk counts: binding the
+    plan to a fresh trace of the model splits them the same way.
     """
 
     num_stages: int
@@ -71,6 +74,7 @@ class PartitionPlan:
     bottleneck: float
     balance: float
     shared_params: dict[str, list[int]] = field(default_factory=dict)
+    split_ops: dict[str, int] = field(default_factory=dict)
     options: dict[str, Any] = field(default_factory=dict)
     rates: dict[str, float] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
@@ -140,6 +144,7 @@ class PartitionPlan:
         kwargs["stages"] = [StageSummary(**s) for s in kwargs["stages"]]
         kwargs["assignment"] = dict(kwargs["assignment"])
         kwargs["shared_params"] = {k: list(v) for k, v in kwargs.get("shared_params", {}).items()}
+        kwargs["split_ops"] = dict(kwargs.get("split_ops", {}))
         return cls(**kwargs, extra=extra)
 
     @classmethod
@@ -166,6 +171,8 @@ class PartitionPlan:
             raise PlanMismatchError(f"{source} has {self.num_stages} stages but this run has {num_stages} "
                                     f"pipeline stages: make the plan for {num_stages} stages, or run with "
                                     f"{self.num_stages}")
+        if self.split_ops and graph.fx is not None and not graph.fx.split_ops:
+            graph = split_columns(graph, self.split_ops)
         ops, planned = set(graph.names), set(self.assignment)
         if ops != planned:
             order = {n: i for i, n in enumerate(graph.names)}
@@ -302,6 +309,9 @@ def _check_plan(kw: dict[str, Any]) -> None:
         _check_type(f"shared_params[{param!r}]", held, list)
         for j, s in enumerate(held):
             _check_int(f"shared_params[{param!r}][{j}]", s, 0, k)
+    _check_type("split_ops", kw.get("split_ops", {}), dict)
+    for op, chunks in kw.get("split_ops", {}).items():
+        _check_int(f"split_ops[{op!r}]", chunks, 2)
     _check_type("options", kw.get("options", {}), dict)
     _check_type("rates", kw.get("rates", {}), dict)
     for name, value in kw.get("rates", {}).items():
@@ -366,6 +376,7 @@ def make_plan(p: Problem, ev: Evaluation, method: str) -> PartitionPlan:
         num_stages=k, method=method, assignment=dict(zip(g.names, stage_list)), stages=stages,
         cut_bytes=ev.cut_bytes, lower_bound=lb, bottleneck=ev.bottleneck,
         balance=ev.bottleneck / lb if lb > 0 else 1.0, shared_params=shared,
+        split_ops=dict(g.fx.split_ops) if g.fx is not None else {},
         options={**p.options.to_dict(p.rates), "measured": p.costs.measured},
         rates=p.rates.to_dict(), graph=g,
     )

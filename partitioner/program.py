@@ -8,7 +8,7 @@ flatten into its placeholders. Device constants the trace baked into the graph (
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -31,6 +31,8 @@ class TracedProgram:
     input_names: list[str]                 # placeholder names, in flat order
     input_meta: list[Any]                  # example value of each flat input (tensor metadata or constant)
     training: bool = True                  # the model's mode when traced: the mode stages start in
+    split_ops: dict[str, int] = field(default_factory=dict)  # linears cut into column chunks (partitioner.chunk)
+    loss: tuple[Any, Any] | None = None    # (loss_fn, one microbatch's target) priced on the output op, if traced
 
 
 def tensor_aliases(module: torch.nn.Module) -> dict[str, str]:

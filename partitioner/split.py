@@ -28,6 +28,7 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
+from .chunk import merge_weight_slices
 from .errors import EngineError
 from .graph import OpGraph
 from .mutation import written_inputs
@@ -211,6 +212,7 @@ def split(graph: OpGraph, assignment: dict[str, int], num_stages: int) -> SplitM
         else:
             outputs = [a.name if isinstance(a, torch.fx.Node) else repr(a)
                        for a in pytree.tree_leaves(out_node.args[0], is_leaf=lambda x: isinstance(x, torch.fx.Node))]
+        merge_weight_slices(graphs[s], gm)
         module = torch.fx.GraphModule(gm, graphs[s], class_name=f"Stage{s}").train(prog.training)
         attrs = [n.target for n in graphs[s].nodes if n.op == "get_attr"]
         for name, node in needed[s].items():

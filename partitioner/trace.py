@@ -18,7 +18,7 @@ import copy
 import itertools
 import traceback
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.fx
@@ -27,7 +27,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from .build import build_graph
 from .errors import EngineError
-from .graph import OpGraph
+from .graph import WORK_FIELDS, OpGraph
 from .program import DEVICE_ARGS, graph_modules
 
 __all__ = ["trace", "TraceError"]
@@ -84,8 +84,14 @@ def _export(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.export.E
                          f"{first.rstrip('.')}. Fix: {hint}.") from exc
 
 
-def trace(model: torch.nn.Module, args: tuple | list | Any = (), kwargs: dict | None = None) -> OpGraph:
+def trace(model: torch.nn.Module, args: tuple | list | Any = (), kwargs: dict | None = None, *,
+          loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, target: Any = None) -> OpGraph:
     """Trace ``model(*args, **kwargs)`` into an :class:`OpGraph` whose ``fx`` field can rebuild stages.
+
+    ``loss_fn`` (with one microbatch's ``target``): the loss the pipeline computes from the model's output on
+    the last stage (``PipelineRunner.step(loss_fn=...)``). It is traced too and its work priced on the graph's
+    output op, so plans count it: a cross-entropy over a 50,257-token vocabulary costs as much as a third of
+    GPT-2's LM head. The stages are still cut from the model alone.
 
     The export runs on a weightless copy of the model — its parameters, buffers and the example inputs are fake
     tensors (shapes, dtypes and a device, no data) of one fake-tensor mode — then the traced program is pointed
@@ -115,7 +121,36 @@ def trace(model: torch.nn.Module, args: tuple | list | Any = (), kwargs: dict | 
                      if isinstance(v, torch.device) and v == device]
             if spots:
                 node.meta[DEVICE_ARGS] = spots
-    return build_graph(gm, ep.call_spec.in_spec, ep.call_spec.out_spec, model.training)
+    graph = build_graph(gm, ep.call_spec.in_spec, ep.call_spec.out_spec, model.training)
+    if loss_fn is not None:
+        _price_loss(graph, loss_fn, target, device)
+        graph.fx.loss = (loss_fn, target)
+    return graph
+
+
+class _Loss(torch.nn.Module):
+    """``loss_fn(output, target)`` as a module, for torch.export."""
+
+    def __init__(self, loss_fn: Callable[[Any, Any], torch.Tensor]):
+        super().__init__()
+        self.loss_fn = loss_fn
+
+    def forward(self, output: Any, target: Any) -> torch.Tensor:
+        return self.loss_fn(output, target)
+
+
+def _price_loss(graph: OpGraph, loss_fn: Callable[[Any, Any], torch.Tensor], target: Any,
+                device: torch.device) -> None:
+    """Add the work of ``loss_fn`` on the model's (fake) output and ``target`` to the graph's output op."""
+    out_node = next(n for n in graph.fx.module.graph.nodes if n.op == "output")
+    leaves = [a.meta.get("val") if isinstance(a, torch.fx.Node) else a for a in pytree.tree_leaves(out_node.args[0])]
+    mode = FakeTensorMode()
+    with mode:
+        fakes = pytree.tree_map_only(torch.Tensor, lambda t: torch.empty(t.shape, dtype=t.dtype, device=device),
+                                     (pytree.tree_unflatten(leaves, graph.fx.out_spec), target))
+    ep = _export(_Loss(loss_fn), fakes, {})
+    loss = build_graph(ep.module(), ep.call_spec.in_spec, ep.call_spec.out_spec, True)
+    graph.add_output_work({name: float(getattr(loss, name).sum()) for name in WORK_FIELDS})
 
 
 def _weightless_copy(model: torch.nn.Module, mode: FakeTensorMode, device: torch.device) -> torch.nn.Module:

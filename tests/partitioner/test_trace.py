@@ -323,6 +323,28 @@ def test_measure_leaves_the_global_random_streams_alone():
     assert torch.equal(torch.get_rng_state(), before)
 
 
+def test_a_traced_loss_is_priced_measured_and_timed_on_the_last_stage():
+    """A cross-entropy over many classes is real work on the last stage: trace(loss_fn=...) counts it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4096))
+    x, target = torch.randn(64, 16), torch.randint(4096, (64,))
+    plain = partitioner.trace(model, (x,))
+    g = partitioner.trace(model, (x,), loss_fn=F.cross_entropy, target=target)
+    out = g.kinds.index("output")
+    assert plain.flops[out] == 0 and g.flops[out] >= 5 * 64 * 4096 and g.move_bytes[out] >= 64 * 4096 * 4
+    rates = partitioner.DeviceRates()
+    est, est_plain = estimate(g, rates), estimate(plain, rates)
+    assert est.forward_s[out] > 0 and est.backward_s[out] > 0 and est_plain.total_s[out] == 0
+    assert np.array_equal(np.delete(est.total_s, out), np.delete(est_plain.total_s, out))
+    measured = partitioner.measure(g, (x,), repeats=1)
+    assert measured.forward_s[out] > 0 and measured.backward_s[out] > 0
+    plan = partitioner.partition(g, 2, rates=rates)
+    with_loss = measure_stages(split(g, plan.assignment, 2), (x,), repeats=2)
+    without = measure_stages(split(plain, plan.assignment, 2), (x,), repeats=2)
+    assert with_loss.forward_s[1] > without.forward_s[1] * 0.9 and len(with_loss.forward_s) == 2
+    assert all(p.grad is None for p in model.parameters()), "timing the loss must leave no gradients"
+
+
 # --- Hugging Face models with their default config (use_cache on: they return a DynamicCache) -----------
 
 
