@@ -97,11 +97,12 @@ def split_columns(graph: OpGraph, chunks: dict[str, int]) -> OpGraph:
     for name, k in sorted(chunks.items()):
         node = nodes.get(name)
         shape = _linear(node) if node is not None else None
-        if shape is None or not isinstance(k, int) or not 2 <= k <= shape[0]:
+        if node is None or shape is None or not isinstance(k, int) or not 2 <= k <= shape[0]:
             raise ValueError(f"cannot split {name!r} into {k!r} column chunks: the traced graph has no linear "
                              "layer of that name with that many output features; trace the model the plan was "
                              "made for")
-        _rewrite(fx_graph, node, k, operator.attrgetter(node.args[1].target)(prog.module).shape)
+        weight: Any = node.args[1]
+        _rewrite(fx_graph, node, k, operator.attrgetter(weight.target)(prog.module).shape)
     fx_graph.lint()
     module = torch.fx.GraphModule(prog.module, fx_graph)
     out = build_graph(module, prog.in_spec, prog.out_spec, prog.training)
@@ -114,7 +115,8 @@ def _rewrite(g: torch.fx.Graph, node: torch.fx.Node, k: int, weight_shape: torch
     """Replace ``node`` (``linear(x, W[, b])``) by ``cat([linear(x, W[a:b][, b[a:b]]) ...], -1)``."""
     x, weight, bias = node.args[0], node.args[1], node.args[2] if len(node.args) > 2 else None
     out: Any = node.meta["val"]
-    keep = {key: node.meta[key] for key in ("nn_module_stack", "stack_trace", "source_fn_stack") if key in node.meta}
+    keep: dict[str, Any] = {key: node.meta[key] for key in ("nn_module_stack", "stack_trace", "source_fn_stack")
+                            if key in node.meta}
 
     def add(target: Any, args: tuple, name: str, shape: tuple[int, ...]) -> torch.fx.Node:
         made = g.create_node("call_function", target, args, name=name)
@@ -149,8 +151,9 @@ def merge_weight_slices(g: torch.fx.Graph, root: torch.nn.Module) -> None:
                 and node.args[1] == 0 and isinstance(node.args[0], torch.fx.Node) and node.args[0].op == "get_attr"):
             groups.setdefault(node.args[0], []).append(node)
     for weight, slices in groups.items():
-        rows = operator.attrgetter(weight.target)(root).shape[0]
-        spans = sorted((int(n.args[2]), min(int(n.args[3]), rows), n) for n in slices)
+        rows = operator.attrgetter(str(weight.target))(root).shape[0]
+        bounds: list[Any] = [n.args[2:4] for n in slices]
+        spans = sorted((int(a), min(int(b), rows), n) for (a, b), n in zip(bounds, slices))
         if len(spans) < 2 or any(a < 0 or b <= a for a, b, _ in spans) or any(
                 spans[i][1] > spans[i + 1][0] for i in range(len(spans) - 1)):
             continue
