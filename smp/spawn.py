@@ -1,7 +1,8 @@
 """Run a function on N local ranks (gloo, localhost, a free port) and collect what each returns.
 
 What ``torch.multiprocessing.spawn`` does, plus the process group and the results: every rank gets
-``torch.distributed`` initialised on this host, one intra-op thread, the torchrun environment variables, and
+``torch.distributed`` initialised on this host, one intra-op thread, the torchrun environment variables and
+those of :mod:`smp.rank_env` (huge pages for large CPU tensors), and
 returns a value to the caller. Failures come back as the rank's traceback text, and the whole run is
 bounded by ``timeout`` so a hang fails the caller instead of hanging it. Tests and benchmarks use it; so
 can a user trying the engine on one machine without ``smp launch``.
@@ -16,6 +17,8 @@ import traceback
 from typing import Any, Callable
 
 import torch.multiprocessing as mp
+
+from .rank_env import rank_environment
 
 __all__ = ["run_ranks", "free_port"]
 
@@ -60,8 +63,9 @@ def run_ranks(fn: Callable, world: int, *args: Any, timeout: float = 120.0, pg_t
     port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, results, pg_timeout), daemon=True)
              for r in range(world)]
-    for p in procs:
-        p.start()
+    with rank_environment():
+        for p in procs:
+            p.start()
     got: dict[int, Any] = {}
     deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout)
     try:

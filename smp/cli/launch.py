@@ -3,7 +3,8 @@
 ``smp launch -n N script.py args`` is ``torchrun --nproc-per-node N --standalone script.py args``; torchrun's
 multi-node options pass through (and drop ``--standalone``). Each rank runs the script through
 :mod:`smp.cli.worker`, so that Ctrl-C ends every rank quietly: the command says ``interrupted`` once and exits
-with 130 instead of printing a traceback per rank. A rank that fails is reported by its local rank.
+with 130 instead of printing a traceback per rank. A rank that fails is reported by its local rank. The
+ranks start with :mod:`smp.rank_env`'s variables (huge pages for large CPU tensors) unless the user set them.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import signal
 import sys
 from collections.abc import Sequence
 
+from ..rank_env import rank_environment
 from .errors import CLIError
 from .options import Parser
 from .text import PROG
@@ -86,7 +88,8 @@ def run(ns: argparse.Namespace) -> int:
     from torch.distributed.run import main as torchrun_main
 
     try:
-        torchrun_main(torchrun_args(ns, worker=True))
+        with rank_environment():  # the ranks torchrun starts inherit it
+            torchrun_main(torchrun_args(ns, worker=True))
     except SignalException as exc:  # torchrun stopped the ranks on this signal
         if exc.sigval == signal.SIGINT:
             raise KeyboardInterrupt from None

@@ -38,9 +38,9 @@ def test_launch_runs_the_script_on_n_ranks(tmp_path: Path) -> None:
     script = tmp_path / "ranks.py"
     script.write_text("import os, sys\n"
                       "open(os.path.join(sys.argv[1], 'rank' + os.environ['RANK']), 'w').write("
-                      "os.environ['WORLD_SIZE'] + ' ' + ' '.join(sys.argv[2:]))\n")
+                      "' '.join([os.environ['WORLD_SIZE'], os.environ['THP_MEM_ALLOC_ENABLE'], *sys.argv[2:]]))\n")
     ok(smp("launch", "-n", "2", str(script), str(tmp_path), "--flag", "x"))
-    assert (tmp_path / "rank0").read_text() == (tmp_path / "rank1").read_text() == "2 --flag x"
+    assert (tmp_path / "rank0").read_text() == (tmp_path / "rank1").read_text() == "2 1 --flag x"
     bad = tmp_path / "bad.py"
     bad.write_text("import os, sys\nsys.exit(3 if os.environ['RANK'] == '1' else 0)\n")
     one_line_error(smp("launch", "-n", "2", str(bad)), "failed on local rank(s) 1")
