@@ -126,6 +126,7 @@ def worker(rank: int, world: int, cfg: dict) -> dict | None:
     from partitioner.baselines import baseline
     from partitioner.partition import fixed_plan, make_problem
     from pipeline import PipelineRunner, microbatch
+    from smp.planning import shared_plan
 
     torch.set_num_threads(1)
     pin(rank, cfg)
@@ -137,13 +138,11 @@ def worker(rank: int, world: int, cfg: dict) -> dict | None:
     mb_args = microbatch.split(args, {}, m)[0][0]
     mb_target = microbatch.split((case.target,), {}, m)[0][0][0]
     # The plan prices the loss the last stage computes, and every op timed on this machine (measure=True, as
-    # a CPU user plans); rank 0 plans and shares it, as smp.planning does, since timings differ per rank.
+    # a CPU user plans); rank 0 plans and shares it (smp.planning.shared_plan), since timings differ per rank.
+    plans: dict[str, Any] = {"ours": shared_plan(model, mb_args, {}, world, partitioner.PartitionOptions(
+        microbatches=m, measure=True), loss=(loss_fn, mb_target))}
     graph = partitioner.trace(model, mb_args, loss_fn=loss_fn, target=mb_target)
     options = partitioner.PartitionOptions(microbatches=m, rates=partitioner.DeviceRates())
-    text = [partitioner.partition(graph, world, options, measure=True, rates=None, example_inputs=mb_args).to_json()
-            if rank == 0 else None]
-    dist.broadcast_object_list(text, src=0)
-    plans: dict[str, Any] = {"ours": partitioner.PartitionPlan.from_json(text[0]).bind(graph)}
     first = next(i for i, mod in enumerate(graph.modules)
                  if mod == case.split_at or mod.startswith(case.split_at + "."))
     plans["ours/layers"] = fixed_plan(graph, world, [0 if i < first else 1 for i in range(graph.num_nodes)], options)

@@ -26,28 +26,29 @@ __all__ = ["shared_plan", "pipeline_runner", "smp_runner", "own_tensors"]
 
 def shared_plan(model: torch.nn.Module, args: tuple, kwargs: dict, num_stages: int,
                 options: PartitionOptions | None = None, group: Any = None,
-                timeout_s: float | None = None) -> PartitionPlan:
+                timeout_s: float | None = None, loss: tuple[Any, Any] | None = None) -> PartitionPlan:
     """Every rank traces ``model`` on one microbatch; global rank 0 partitions and sends the plan to all, over
     ``group`` (every rank; default: the default group), whose timeout bounds the other ranks' wait
-    (``timeout_s`` names it in the error: raise it when partitioning takes longer)."""
-    graph = trace(model, args, kwargs)
+    (``timeout_s`` names it in the error: raise it when partitioning takes longer). ``loss``: ``(loss_fn, one
+    microbatch's target)``, the loss the last stage computes, priced in the plan (``partitioner.trace``)."""
+    loss_fn, target = loss if loss is not None else (None, None)
+    graph = trace(model, args, kwargs, loss_fn=loss_fn, target=target)
     text = [partition(graph, num_stages, options, example_inputs=args, example_kwargs=kwargs).to_json()
             if dist.get_rank() == 0 else None]
     with named_failures("receiving the partition plan from rank 0", [0], dist.get_rank(), timeout_s):
         dist.broadcast_object_list(text, src=0, group=group)
-    plan = PartitionPlan.from_json(text[0])
-    plan.graph = graph
-    return plan
+    return PartitionPlan.from_json(text[0]).bind(graph, "the plan from rank 0")
 
 
 def pipeline_runner(model: torch.nn.Module, args: tuple = (), kwargs: dict | None = None, *,
                     num_stages: int | None = None, microbatches: int = 1, virtual_stages: int = 1,
                     options: PartitionOptions | None = None, weights: str | None = None,
-                    **runner_kwargs: Any) -> PipelineRunner:
+                    loss_fn: Any = None, target: Any = None, **runner_kwargs: Any) -> PipelineRunner:
     """Trace ``model`` on one microbatch of the batch ``(args, kwargs)``, partition on global rank 0, share
     the plan with every rank and build this rank's :class:`pipeline.PipelineRunner` (``runner_kwargs``:
     ``schedule``, ``ranks``/``pipelines``, ``timeout_s``, ``device``, ...). ``num_stages`` defaults to the
     pipeline's ranks times ``virtual_stages``; ``options`` default to ``PartitionOptions(microbatches=...)``.
+    ``loss_fn`` and the batch's ``target``: the loss ``step`` will compute, priced on the last stage by the plan.
 
     The model keeps only this rank's tensors (:mod:`smp.materialize`): built without weights, it gets them
     initialised, or read from the checkpoint ``weights`` (:mod:`smp.weights`: only this rank's keys are read);
@@ -57,7 +58,9 @@ def pipeline_runner(model: torch.nn.Module, args: tuple = (), kwargs: dict | Non
     mb_args, mb_kwargs = microbatch.split(tuple(args), dict(kwargs or {}), microbatches)[0]
     mine = next(p for p in pipelines if dist.get_rank() in p)
     stages = num_stages or len(mine) * virtual_stages
-    plan = shared_plan(model, mb_args, mb_kwargs, stages, PartitionOptions.of(options, microbatches=microbatches))
+    loss = None if loss_fn is None else (loss_fn, microbatch.split((target,), {}, microbatches)[0][0][0])
+    plan = shared_plan(model, mb_args, mb_kwargs, stages, PartitionOptions.of(options, microbatches=microbatches),
+                       loss=loss)
     local = own_tensors(plan, mine.index(dist.get_rank()), len(mine))
     keep_own_share(model, local, runner_kwargs.get("device") or "cpu", initialise=weights is None)
     if weights is not None:
