@@ -8,7 +8,9 @@ microbatches, fp32:
   timed on this machine (``measure=True``, what a user planning on a CPU does); rank 0 plans and shares it;
 * (b) ``torch``: ``torch.distributed.pipelining`` ``Schedule1F1B``, the model split by its tracer
   (``pipeline(..., split_spec=...)``) at equal layer counts (its tutorial's and torchtitan's default);
-  where its tracer cannot split the model, the table says so with its error;
+  where its tracer cannot split the model, the table says so with its error. Both runtimes keep no model
+  outputs (``step(..., return_outputs=False)``), as a training loop that reads the loss would; torch's
+  default would concatenate every microbatch's logits each step;
 * (c) ``ours/layers``: that same equal-layer split on our runtime (is our runtime the reason we win?);
 * (d) ``ours/params``: the equal-parameter split (DeepSpeed's default) on our runtime;
 * (e) ``single``: one process running the whole model over the same microbatches;
@@ -152,7 +154,8 @@ def worker(rank: int, world: int, cfg: dict) -> dict | None:
     runs: dict[str, Callable[[], None]] = {}
     for key, runner in runners.items():
         runs[key] = (lambda key=key, runner=runner:
-                     losses.__setitem__(key, runner.step(args, target=case.target, loss_fn=loss_fn).loss))
+                     losses.__setitem__(key, runner.step(args, target=case.target, loss_fn=loss_fn,
+                                                         return_outputs=False).loss))
     torch_error = None
     try:
         pipe = pipeline(model, mb_args, split_spec={case.split_at: SplitPoint.BEGINNING})
@@ -160,10 +163,10 @@ def worker(rank: int, world: int, cfg: dict) -> dict | None:
 
         def run_torch() -> None:
             if rank == 0:
-                sched.step(*args)
+                sched.step(*args, return_outputs=False)
             else:
                 out: list = []
-                sched.step(target=case.target, losses=out)
+                sched.step(target=case.target, losses=out, return_outputs=False)
                 losses["torch"] = sum(float(v.detach()) for v in out) / len(out)
 
         runs["torch"] = run_torch

@@ -98,8 +98,12 @@ class Executor:
 
     # -- the walk ---------------------------------------------------------------------------------------
     def run(self, mb_inputs: Sequence[dict[str, Any]] | Callable[[int], dict[str, Any]], loss_hook: LossHook | None,
-            train: bool, before_forward: Callable[[int], Any] | None = None) -> dict[int, tuple]:
-        """Run this rank's actions; returns the last stage's flat outputs per microbatch (if held here).
+            train: bool, before_forward: Callable[[int], Any] | None = None,
+            keep_outputs: bool = True) -> dict[int, tuple]:
+        """Run this rank's actions; returns the last stage's flat outputs per microbatch (if held here and
+        ``keep_outputs``: without it each is dropped once its backward ran, as a step that reads only the loss
+        wants; holding every microbatch's logits makes the allocator fetch fresh pages for everything after,
+        which tripled the time of GPT-2's log-softmax backward).
 
         ``mb_inputs`` gives each microbatch's model inputs by placeholder name (a list, or a function called
         when stage 0 needs them; only the rank holding stage 0 reads them). ``before_forward(mb)`` may
@@ -129,7 +133,7 @@ class Executor:
                     ctx = before_forward(action.microbatch) if before_forward else None
                     with ctx if ctx is not None else nullcontext():
                         out = self._forward(action, inputs_of, loss_hook, train)
-                    if out is not None:
+                    if out is not None and keep_outputs:
                         results[action.microbatch] = out
                 elif kind == "B":
                     self._backward(action)

@@ -181,17 +181,19 @@ class PipelineRunner:
         return out
 
     def step(self, args: tuple = (), kwargs: dict | None = None, *, target: Any = None,
-             loss_fn: Callable[[Any, Any], torch.Tensor] | None = None) -> StepResult:
+             loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, return_outputs: bool = True) -> StepResult:
         """One pipelined pass over the batch: forward (and backward when ``loss_fn`` is given and grad
-        mode is on). Raises :class:`pipeline.p2p.PeerError` naming the rank if another rank fails."""
+        mode is on). ``return_outputs=False``: keep no model outputs (``StepResult.outputs`` is None), only the
+        losses; a training loop that reads only the loss runs faster so. Raises
+        :class:`pipeline.p2p.PeerError` naming the rank if another rank fails."""
         try:
             with self.profiler.stepping() if self.profiler is not None else nullcontext():
-                return self._step(tuple(args), dict(kwargs or {}), target, loss_fn)
+                return self._step(tuple(args), dict(kwargs or {}), target, loss_fn, return_outputs)
         except BaseException as exc:
             self.report_failure(exc)
             raise
 
-    def _step(self, args: tuple, kwargs: dict, target: Any, loss_fn: Any) -> StepResult:
+    def _step(self, args: tuple, kwargs: dict, target: Any, loss_fn: Any, return_outputs: bool) -> StepResult:
         m = self.microbatches
         mbs = microbatch.split(args, kwargs, m)
         targets = [t[0][0] for t in microbatch.split((target,), {}, m)] if target is not None else [None] * m
@@ -212,7 +214,7 @@ class PipelineRunner:
             losses[k] = float(loss.detach())
             return loss / m if self.average else loss
 
-        results = self.run_microbatches(mb_inputs, loss_hook, train)
+        results = self.run_microbatches(mb_inputs, loss_hook, train, keep_outputs=return_outputs)
         if loss_fn is not None:
             last_rank = self.ranks[self.schedule.stage_to_rank[-1]]
             with self._named("receiving the losses", [last_rank]):
@@ -221,12 +223,12 @@ class PipelineRunner:
         return StepResult(losses=losses.tolist() if loss_fn is not None else [], microbatch_outputs=outputs)
 
     def run_microbatches(self, mb_inputs: Any, loss_hook: Any, train: bool,
-                         before_forward: Any = None) -> dict[int, tuple]:
+                         before_forward: Any = None, keep_outputs: bool = True) -> dict[int, tuple]:
         """Walk this rank's schedule once (see :meth:`pipeline.executor.Executor.run`), then sum the gradients
         of parameters replicated on several stages. The building block of ``step`` and of ``@smp.step``."""
         self.executor.recorder = self.profiler.recording if self.profiler is not None else None
         try:
-            results = self.executor.run(mb_inputs, loss_hook, train, before_forward)
+            results = self.executor.run(mb_inputs, loss_hook, train, before_forward, keep_outputs)
             if train:
                 for group, holders, tensors in self._shared:
                     with self._named("summing the gradients of shared parameters", holders):

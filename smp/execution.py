@@ -77,7 +77,9 @@ def _run(model: Any, run: Any, call: str) -> list[Any]:
                 for n, v in zip(sm.program.input_names, flat)}
 
     last = model.is_last_stage_rank()
-    runner.run_microbatches(inputs_of, run.loss_hook if last else None, train, run.before_forward)
+    # The step function gets each microbatch's outputs from the loss hook; the runner keeps none.
+    runner.run_microbatches(inputs_of, run.loss_hook if last else None, train, run.before_forward,
+                            keep_outputs=False)
     local = run.results()
     if train and st.topology.dp > 1:
         _reduce_data_parallel([p for p in model.local_parameters() if p.requires_grad], call)

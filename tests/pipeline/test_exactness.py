@@ -171,3 +171,31 @@ def test_zero_bubble_split_backward_edges():
 def test_full_matrix(name, world):
     errors = run_ranks(_exactness, world, name, (1, 2, 4, 8), SCHEDULES, 2, timeout=600)
     assert all(e == [] for e in errors), "\n".join(sum(errors, []))
+
+
+def _outputs(rank: int, world: int) -> list[str]:
+    from partitioner import DeviceRates, partition, trace
+    from pipeline import PipelineRunner, microbatch
+    from smp import zoo
+
+    zm = zoo.build("mlp", batch=8)
+    runner = PipelineRunner(partition(trace(zm.model, *microbatch.split(zm.args, zm.kwargs, 4)[0]), world,
+                                      rates=DeviceRates(), microbatches=4), microbatches=4, timeout_s=30)
+    kept = runner.step(zm.args, zm.kwargs, target=zm.target, loss_fn=zm.loss_fn)
+    grads = [p.grad.clone() for p in runner.local_parameters()]
+    zm.model.zero_grad(set_to_none=True)
+    dropped = runner.step(zm.args, zm.kwargs, target=zm.target, loss_fn=zm.loss_fn, return_outputs=False)
+    errors = [] if dropped.losses == kept.losses else [f"losses {dropped.losses} != {kept.losses}"]
+    if not all(torch.equal(g, p.grad) for g, p in zip(grads, runner.local_parameters())):
+        errors.append(f"rank {rank}: gradients differ without outputs")
+    if dropped.outputs is not None or dropped.microbatch_outputs is not None:
+        errors.append(f"rank {rank}: return_outputs=False kept outputs")
+    if rank == world - 1 and not torch.allclose(kept.outputs, zm.model(*zm.args, **zm.kwargs), atol=1e-6):
+        errors.append("the kept outputs are not the model's")
+    runner.close()
+    return errors
+
+
+def test_outputs_are_kept_only_when_asked_and_the_step_is_the_same_without():
+    errors = run_ranks(_outputs, 2, timeout=120)
+    assert errors == [[], []], "\n".join(sum(errors, []))
