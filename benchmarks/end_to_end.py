@@ -23,7 +23,8 @@ timed from a barrier to a barrier; variants alternate inside every round, the or
 the table shows medians, speed-ups are ratios of medians from the same run, and the load average is
 printed before and after.
 
-Run: ``python benchmarks/end_to_end.py [--models gpt2,t5,vit,unet] [--rounds 8] [--microbatches 8] [--batch 16]``;
+Run: ``python benchmarks/end_to_end.py [--models gpt2,t5,vit,unet] [--rounds 8] [--microbatches 8] [--batch 16]
+[--split-heavy-linears]``;
 ``--quick`` runs GPT-2 at toy sizes for 2 rounds (every variant runs and agrees; the timings mean nothing).
 """
 from __future__ import annotations
@@ -142,7 +143,7 @@ def worker(rank: int, world: int, cfg: dict) -> dict | None:
     # The plan prices the loss the last stage computes, and every op timed on this machine (measure=True, as
     # a CPU user plans); rank 0 plans and shares it (smp.planning.shared_plan), since timings differ per rank.
     plans: dict[str, Any] = {"ours": shared_plan(model, mb_args, {}, world, partitioner.PartitionOptions(
-        microbatches=m, measure=True), loss=(loss_fn, mb_target))}
+        microbatches=m, measure=True, split_heavy_linears=cfg["split"]), loss=(loss_fn, mb_target))}
     graph = partitioner.trace(model, mb_args, loss_fn=loss_fn, target=mb_target)
     options = partitioner.PartitionOptions(microbatches=m, rates=partitioner.DeviceRates())
     first = next(i for i, mod in enumerate(graph.modules)
@@ -230,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
                     "m >= 4 x stages, so the bubble is small)")
     ap.add_argument("--batch", type=int, default=16, help="samples per step (all microbatches; default 16: "
                     "2 per microbatch)")
+    ap.add_argument("--split-heavy-linears", action="store_true", help="let plan (a) compute an LM head that "
+                    "outweighs a stage in column chunks spread over the stages (PartitionOptions.split_heavy_linears)")
     ap.add_argument("--no-pin", action="store_true", help="let the OS place the ranks (default: rank r on core r)")
     ap.add_argument("--quick", action="store_true", help="toy model sizes, 2 rounds, 1 warm-up step: checks that "
                     "every variant runs and computes the single-process loss, in seconds; not a measurement")
@@ -245,7 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     misses = []
     for name in [m for m in opts.models.split(",") if m]:
         cfg = {"model": name, "rounds": opts.rounds, "microbatches": opts.microbatches, "batch": opts.batch,
-               "pin": not opts.no_pin, "quick": opts.quick, "warmup": 1 if opts.quick else 2}
+               "pin": not opts.no_pin, "quick": opts.quick, "split": opts.split_heavy_linears,
+               "warmup": 1 if opts.quick else 2}
         res = run_ranks(worker, 2, cfg, timeout=3600, pg_timeout=600)[0]
         w, losses = res["wall"], res["losses"]
         for k, v in losses.items():
