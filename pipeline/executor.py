@@ -5,6 +5,8 @@ The executor walks the rank's ordered action list (:mod:`pipeline.schedule`, low
 
 * ``RECV_F(t<-s, k)`` / ``RECV_B(s<-t, k)`` post the receives of what stage s sends stage t for
   microbatch k (activations) or what t sends back to s (gradients), into buffers sized from the trace;
+  the values of one edge and pass travel as one message per dtype (a UNet cut carries four skips: four
+  messages, each a round of thread wake-ups on a rank's core, cost more than copying them into one);
 * ``F(s, k)`` waits for its receives, takes model inputs from the microbatch and values from earlier local
   stages, runs the stage and keeps what later stages read; ``SEND_F(s->t, k)`` sends t its share;
 * ``B(s, k)`` waits for the gradients of the stage's outputs (summed over the stages that read them), runs
@@ -96,6 +98,14 @@ class Executor:
         return sorted(n for n in st.inputs if st.sources[n] == producer
                       and (not grad or self.requires_grad.get(n, False)))
 
+    def _messages(self, producer: int, consumer: int, grad: bool) -> list[list[str]]:
+        """The values of one edge and pass grouped into messages: one per dtype, in name order (both ends
+        compute the same grouping from the trace)."""
+        by_dtype: dict[torch.dtype, list[str]] = {}
+        for n in self._edge_values(producer, consumer, grad):
+            by_dtype.setdefault(self.split_model.value_meta[n].dtype, []).append(n)
+        return list(by_dtype.values())
+
     # -- the walk ---------------------------------------------------------------------------------------
     def run(self, mb_inputs: Sequence[dict[str, Any]] | Callable[[int], dict[str, Any]], loss_hook: LossHook | None,
             train: bool, before_forward: Callable[[int], Any] | None = None,
@@ -114,7 +124,7 @@ class Executor:
         self._held: dict[tuple[int, int], _Held] = {}
         self._mailbox: dict[tuple[str, int, int], torch.Tensor] = {}  # (value, mb, to stage) -> tensor
         self._grads: dict[tuple[str, int], torch.Tensor] = {}        # (value, mb) -> summed local grads
-        self._posted: dict[tuple[str, int, int], list[tuple[str, torch.Tensor, Any, int, str]]] = {}
+        self._posted: dict[tuple[str, int, int], list[tuple[list[str], list[torch.Tensor], Any, int, str]]] = {}
         # ("F"/"B", stage, mb) -> the values a pass sends other ranks, and how many sends are still to go
         self._outbox: dict[tuple[str, int, int], tuple[dict[str, torch.Tensor], list[int]]] = {}
         self.peak_held = {s: 0 for s in self._stages}
@@ -154,13 +164,16 @@ class Executor:
         grad = a.kind == "RECV_B"
         producer, consumer = (a.stage, a.peer) if grad else (a.peer, a.stage)
         posted = self._posted.setdefault(("B" if grad else "F", a.stage, a.microbatch), [])
-        for n in self._edge_values(producer, consumer, grad):
-            meta = self.split_model.value_meta[n]
-            buf = torch.empty(tuple(meta.shape), dtype=meta.dtype, device=self.device)
+        for names in self._messages(producer, consumer, grad):
+            metas = [self.split_model.value_meta[n] for n in names]
+            sizes = [m.numel() for m in metas]
+            flat = torch.empty(sum(sizes), dtype=metas[0].dtype, device=self.device)
+            views = [v.view(tuple(m.shape)) for v, m in zip(flat.split(sizes), metas)]
+            n = ", ".join(names)
             what = (f"receiving the gradient of {n} (microbatch {a.microbatch}) from stage {a.peer}" if grad else
                     f"receiving {n} for stage {a.stage} microbatch {a.microbatch}")
-            work = self.transport.irecv(buf, self._peer(a.peer), self._tag(n, a.microbatch, grad))
-            posted.append((n, buf, work, self._peer(a.peer), what))
+            work = self.transport.irecv(flat, self._peer(a.peer), self._tag(names[0], a.microbatch, grad))
+            posted.append((names, views, work, self._peer(a.peer), what))
 
     def _received(self, kind: str, stage: int, mb: int) -> list[tuple[str, torch.Tensor]]:
         """Wait for the receives posted for the pass (kind, stage, mb): (value, buffer) pairs."""
@@ -168,7 +181,7 @@ class Executor:
         with self._detail(f"wait {kind}{mb}@s{stage}", "wait") if posted else _NULL:
             for _, _, work, peer, what in posted:
                 self.transport.wait(work, peer, what)
-        return [(n, buf) for n, buf, _, _, _ in posted]
+        return [(n, view) for names, views, _, _, _ in posted for n, view in zip(names, views)]
 
     def _send(self, a: Action) -> None:
         """SEND_F / SEND_B: send the peer stage its share of what the pass left in the outbox."""
@@ -176,10 +189,12 @@ class Executor:
         producer, consumer = (a.peer, a.stage) if grad else (a.stage, a.peer)
         key = ("B" if grad else "F", a.stage, a.microbatch)
         box, left = self._outbox[key]
-        for n in self._edge_values(producer, consumer, grad):
+        for names in self._messages(producer, consumer, grad):
+            flat = torch.cat([box[n].reshape(-1) for n in names]) if len(names) > 1 else box[names[0]].reshape(-1)
+            n = ", ".join(names)
             what = (f"sending the gradient of {n} (microbatch {a.microbatch}) to stage {a.peer}" if grad else
                     f"sending {n} of microbatch {a.microbatch} to stage {a.peer}")
-            self.transport.isend(box[n], self._peer(a.peer), self._tag(n, a.microbatch, grad), what)
+            self.transport.isend(flat, self._peer(a.peer), self._tag(names[0], a.microbatch, grad), what)
         left[0] -= 1
         if not left[0]:
             del self._outbox[key]

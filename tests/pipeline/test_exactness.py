@@ -199,3 +199,56 @@ def _outputs(rank: int, world: int) -> list[str]:
 def test_outputs_are_kept_only_when_asked_and_the_step_is_the_same_without():
     errors = run_ranks(_outputs, 2, timeout=120)
     assert errors == [[], []], "\n".join(sum(errors, []))
+
+
+class _Skips(nn.Module):
+    """Stage 1 reads three values of stage 0: two float skips and an integer index (two dtypes)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h1 = torch.relu(self.a(x))
+        h2 = torch.relu(self.b(h1))
+        pick = h2.argmax(-1)
+        out = self.c(h2) + h1
+        return out + torch.gather(h1, -1, pick.unsqueeze(-1))
+
+
+def _coalesced(rank: int, world: int) -> list[str]:
+    from partitioner import DeviceRates, trace
+    from partitioner.partition import fixed_plan
+    from pipeline import PipelineRunner
+
+    torch.manual_seed(0)
+    model, x, y = _Skips(), torch.randn(8, 8), torch.randn(8, 8)
+    want = [float(F.mse_loss(model(x[i:i + 2]), y[i:i + 2])) for i in range(0, 8, 2)]
+    sum(F.mse_loss(model(x[i:i + 2]), y[i:i + 2]) / 4 for i in range(0, 8, 2)).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    graph = trace(model, (x[:2],))
+    first = next(i for i, m in enumerate(graph.modules) if m == "c")
+    plan = fixed_plan(graph, 2, [0 if i < first else 1 for i in range(graph.num_nodes)], rates=DeviceRates())
+    runner = PipelineRunner(plan, microbatches=4, timeout_s=30)
+    sends: list[int] = []
+    isend = runner.transport.isend
+    runner.transport.isend = lambda t, *a: (sends.append(t.numel()), isend(t, *a))[1]
+    res = runner.step((x,), target=y, loss_fn=F.mse_loss)
+    close = torch.allclose(torch.tensor(res.losses), torch.tensor(want), rtol=1e-6)
+    errors = [] if close else [f"{res.losses} != {want}"]
+    names = {id(p): n for n, p in model.named_parameters()}
+    errors += [f"gradient of {names[id(p)]}" for p in runner.local_parameters()
+               if not torch.allclose(p.grad, grads[names[id(p)]], atol=1e-6)]
+    # Per microbatch (2 rows): stage 0 sends one float message (h1 and h2, 2 x 8 each) and one integer one
+    # (the index); stage 1 sends the two skips' gradients back in one message.
+    want_sends = [32, 2] * 4 if rank == 0 else [32] * 4
+    if sorted(sends) != sorted(want_sends):
+        errors.append(f"rank {rank} sent {sends}, expected {want_sends}")
+    runner.close()
+    return errors
+
+
+def test_the_values_of_one_edge_travel_as_one_message_per_dtype():
+    errors = run_ranks(_coalesced, 2, timeout=120)
+    assert errors == [[], []], "\n".join(sum(errors, []))
