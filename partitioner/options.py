@@ -43,8 +43,8 @@ class PartitionOptions:
     ``device``'s. ``measure``: time every op on this machine instead of estimating it (``device="cpu"``,
     ``dtype="fp32"`` only). ``split_heavy_linears``: compute a linear layer that outweighs half a stage's
     share (a large vocabulary's LM head) in column chunks that the stages share (:mod:`partitioner.chunk`);
-    off by default: the chunks' outputs cross the link to the stage that computes the loss, which on gloo
-    over loopback cost more than the balance gained (``benchmarks/end_to_end.py``).
+    off by default: the chunks' outputs cross the link to the stage that computes the loss, and the plan is
+    kept only when it is better with that priced in (``benchmarks/end_to_end.py --split-heavy-linears``).
     ``seed``: METIS's seed (plans are deterministic for a seed).
     """
 
