@@ -141,7 +141,6 @@ def _rewrite(g: torch.fx.Graph, node: torch.fx.Node, k: int, weight_shape: torch
     g.erase_node(node)
 
 
-
 def merge_weight_slices(g: torch.fx.Graph, root: torch.nn.Module) -> None:
     """In a stage graph ``g`` (parameters fetched from ``root``), replace two or more non-overlapping row
     slices of one parameter by one ``split_with_sizes`` of it and a ``getitem`` per slice (see above)."""

@@ -32,7 +32,7 @@ from .flops import VIEW_OPS, is_matmul_class
 from .graph import OpGraph
 from .precision import at_precision, weight_bytes
 
-__all__ = ["NodeCosts", "estimate", "needs_grad", "in_flight", "PIPELINES"]
+__all__ = ["NodeCosts", "estimate", "needs_grad", "view_ops", "in_flight", "PIPELINES"]
 
 # How many microbatches' activations a pipeline keeps in flight (see in_flight).
 PIPELINES = ("1f1b", "gpipe")
@@ -70,6 +70,11 @@ def needs_grad(graph: OpGraph) -> np.ndarray:
     return needs
 
 
+def view_ops(graph: OpGraph) -> np.ndarray:
+    """Per op, whether it is a free view (:data:`partitioner.flops.VIEW_OPS`)."""
+    return np.fromiter((k.rpartition(".")[2] in VIEW_OPS for k in graph.kinds), bool, count=graph.num_nodes)
+
+
 def _matmul_class(graph: OpGraph) -> np.ndarray:
     """Per op, whether it runs at the tensor-core rate (:func:`partitioner.flops.is_matmul_class`)."""
     return np.fromiter((is_matmul_class(k.rpartition(".")[2]) for k in graph.kinds), bool, count=graph.num_nodes)
@@ -96,9 +101,8 @@ def estimate(graph: OpGraph, rates: DeviceRates | None = None, dtype: str = "fp3
         trainable = graph.param_trainable[graph.use_param]
         node, param = graph.use_node[trainable], graph.use_param[trainable]
         # A view of a parameter (a slice: partitioner.chunk's column chunks) writes only its share of the gradient.
-        is_view = np.fromiter((graph.kinds[i].rpartition(".")[2] in VIEW_OPS for i in node.tolist()), bool,
-                              count=len(node))
-        share = np.where(is_view, np.minimum(1.0, graph.out_bytes[node] / np.maximum(graph.param_bytes[param], 1)), 1.0)
+        viewed = np.minimum(1.0, graph.out_bytes[node] / np.maximum(graph.param_bytes[param], 1))
+        share = np.where(view_ops(graph)[node], viewed, 1.0)
         np.add.at(grad_bytes, node, weight_bytes(graph, dtype)[param] * share)
     factor = np.where(input_grad, 2.0, 1.0)
     grad_s = grad_bytes / (rates.grad_bytes_per_s * rates.memory_efficiency)

@@ -23,9 +23,8 @@ import torch.fx
 import torch.utils._pytree as pytree
 
 from .calibrate import calibrate, cost_clock
-from .cost import NodeCosts, estimate
+from .cost import NodeCosts, estimate, view_ops
 from .devices import DeviceRates
-from .flops import VIEW_OPS
 from .graph import OpGraph
 from .mutation import written_inputs
 from .program import flatten_inputs
@@ -139,8 +138,7 @@ def measure(graph: OpGraph, args: tuple, kwargs: dict | None = None, *, repeats:
     est = estimate(graph, rates)
     # A view's backward, timed alone, builds a zero tensor of its base's size; in a stage, the views of one
     # weight share one (partitioner.chunk.merge_weight_slices), so the estimate (its share) stands in.
-    view = np.fromiter((k.rpartition(".")[2] in VIEW_OPS for k in graph.kinds), bool, count=graph.num_nodes)
-    bwd = np.where(view, est.backward_s, bwd)
+    bwd = np.where(view_ops(graph), est.backward_s, bwd)
     return NodeCosts(forward_s=fwd, backward_s=np.where(est.needs_grad, bwd, 0.0), needs_grad=est.needs_grad,
                      measured=True)
 
