@@ -21,6 +21,7 @@ from torch.utils.hooks import RemovableHandle
 
 from partitioner import PartitionOptions, PartitionPlan, trace
 from partitioner.partition import fixed_plan
+from partitioner.plan import PlanMismatchError
 from pipeline import PipelineRunner
 
 from . import execution, precision, state
@@ -169,10 +170,10 @@ class DistributedModel(torch.nn.Module):
             return None
         text, required = self._resume_plan
         plan = PartitionPlan.from_json(text)
-        graph = trace(self.module, call.args, call.kwargs)
-        if plan.num_stages == pp and set(plan.assignment) == set(graph.names):
-            plan.graph = graph
-            return plan
+        try:  # bind re-applies the plan's column chunks (split_ops) to this trace, as for a partition_file
+            return plan.bind(trace(self.module, call.args, call.kwargs), "the checkpoint's partition", pp)
+        except PlanMismatchError:
+            pass
         if required:
             raise CheckpointError("the partial checkpoint was saved for a different model or pipeline_parallel_degree "
                                   f"(a partition into {plan.num_stages} stages of another graph): load it into the "
