@@ -43,7 +43,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import load_average, pin  # noqa: E402
-from smp.spawn import run_ranks  # noqa: E402
+from smp.testing import run_ranks  # noqa: E402
 
 GOAL_VS_TORCH = 1.10        # (a) over (b) on GPT-2 and T5
 GOAL_NEVER_SLOWER = 0.98    # (a) over (b) on every model
@@ -127,9 +127,9 @@ def worker(rank: int, world: int, cfg: dict) -> dict | None:
 
     import partitioner
     from partitioner.baselines import baseline
-    from partitioner.partition import fixed_plan, make_problem
+    from partitioner.portfolio import fixed_plan, make_problem
     from pipeline import PipelineRunner, microbatch
-    from smp.planning import shared_plan
+    from smp.engine.planning import shared_plan
 
     torch.set_num_threads(1)
     pin(rank, cfg)
@@ -141,7 +141,7 @@ def worker(rank: int, world: int, cfg: dict) -> dict | None:
     mb_args = microbatch.split(args, {}, m)[0][0]
     mb_target = microbatch.split((case.target,), {}, m)[0][0][0]
     # The plan prices the loss the last stage computes, and every op timed on this machine (measure=True, as
-    # a CPU user plans); rank 0 plans and shares it (smp.planning.shared_plan), since timings differ per rank.
+    # a CPU user plans); rank 0 plans and shares it (smp.engine.planning.shared_plan), since timings differ per rank.
     plans: dict[str, Any] = {"ours": shared_plan(model, mb_args, {}, world, partitioner.PartitionOptions(
         microbatches=m, measure=True, split_heavy_linears=cfg["split"]), loss=(loss_fn, mb_target))}
     graph = partitioner.trace(model, mb_args, loss_fn=loss_fn, target=mb_target)

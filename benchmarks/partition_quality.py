@@ -51,8 +51,8 @@ from benchmarks.common import load_average  # noqa: E402
 from partitioner.baselines import BASELINES, all_baselines  # noqa: E402
 from partitioner.dp import dp_partition  # noqa: E402
 from partitioner.objective import Problem, dominates, evaluate  # noqa: E402
-from partitioner.partition import make_problem  # noqa: E402
-from partitioner.split import split  # noqa: E402
+from partitioner.portfolio import make_problem  # noqa: E402
+from partitioner.stage_modules import split  # noqa: E402
 from smp import zoo  # noqa: E402
 
 # Predicted-balance goal applies where every stage gets at least two repeated blocks.

@@ -53,7 +53,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import load_average, pin  # noqa: E402
-from smp.spawn import run_ranks  # noqa: E402
+from smp.testing import run_ranks  # noqa: E402
 
 GOAL_BUBBLE_FRACTION = 0.97   # ours: efficiency >= 97% of the bubble bound m / (m + p - 1)
 GOAL_VS_PEER = 1.10           # ours 1F1B throughput >= 1.10x torch's Schedule1F1B

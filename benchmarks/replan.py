@@ -10,7 +10,7 @@ Three plans of the same traced graph, each made on rank 0 and shared:
 
 * ``estimated``: ``partitioner.partition`` with the cost model's estimates (what a run starts with);
 * ``re-planned``: ``--profile-steps`` steps of the estimated plan profiled (``PipelineRunner(record=...)``),
-  then :func:`smp.replan.replan_profile` (what ``smp replan DIR`` does): per-stage measured costs, fitted
+  then :func:`smp.profiling.replan.replan_profile` (what ``smp replan DIR`` does): per-stage measured costs, fitted
   to op kinds, partitioned again;
 * ``ideal``: ``partition(measure=True)``: every op timed for real, forward and backward, then partitioned:
   the best a plan can be made from measured costs.
@@ -41,7 +41,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import load_average, pin  # noqa: E402
-from smp.spawn import run_ranks  # noqa: E402
+from smp.testing import run_ranks  # noqa: E402
 
 GOAL_IDEAL = 1.10      # re-planned step <= 1.10 x the ideal plan's
 GOAL_SPEEDUP = 1.20    # estimated step >= 1.2 x the re-planned plan's
@@ -85,8 +85,8 @@ def worker(rank: int, world: int, cfg: dict) -> dict[str, Any] | None:
 
     from partitioner import partition, trace
     from pipeline import PipelineRunner
-    from pipeline.profile import ProfileOptions
-    from smp.replan import replan_profile
+    from pipeline.profiler import ProfileOptions
+    from smp.profiling.replan import replan_profile
 
     torch.set_num_threads(1)
     pin(rank, cfg)

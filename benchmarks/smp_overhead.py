@@ -40,7 +40,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import load_average, pin  # noqa: E402
-from smp.spawn import run_ranks  # noqa: E402
+from smp.testing import run_ranks  # noqa: E402
 
 GOAL_OVERHEAD = 0.03  # smp at most 3 % slower than the bare runner
 
@@ -75,7 +75,7 @@ def worker(rank: int, world: int, cfg: dict) -> dict[str, Any] | None:
     train_step(model, x, y)  # partitions
     plan = model.runner.plan
     runner = PipelineRunner(plan, schedule="1f1b", microbatches=cfg["microbatches"],
-                            max_in_flight=smp.state.get().config.max_in_flight, timeout_s=120)
+                            max_in_flight=smp.runtime.state.get().config.max_in_flight, timeout_s=120)
     pin(rank, cfg)  # gloo threads started since
     losses: dict[str, float] = {}
 

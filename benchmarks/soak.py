@@ -37,7 +37,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import load_average  # noqa: E402
-from smp.spawn import run_ranks  # noqa: E402
+from smp.testing import run_ranks  # noqa: E402
 
 TOLERANCE = 0.05  # RSS after warm-up may vary by at most 5 %
 

@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import load_average  # noqa: E402
-from smp.spawn import run_ranks  # noqa: E402
+from smp.testing import run_ranks  # noqa: E402
 
 _MB = 2 ** 20
 

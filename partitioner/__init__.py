@@ -5,13 +5,15 @@
     print(plan.summary())
     staged = plan.as_module()          # same outputs and gradients as ``model``
 
-One concept per file: ``trace`` (torch.export -> :class:`OpGraph`, in ``graph``), ``mutation`` (in-place
-updates as dependencies), ``flops``, ``devices`` (datasheet profiles of rented GPUs, links) and
-``calibrate`` (this CPU, measured and cached), ``precision`` (bytes per training dtype), ``cost`` (the roofline
-cost model), ``measure`` (timing ops and stages for real), ``options``, ``objective`` (scoring a plan),
-``memory`` (what each stage's rank holds), ``dp``, ``metis``, ``refine`` and ``partition`` (the portfolio),
-``baselines``, ``plan`` (the JSON-ready plan), ``split`` (executable stage modules), ``units``, ``errors``,
-``lazy`` (these exports).
+One concept per file: ``tracing`` (torch.export -> :class:`OpGraph`, in ``graph``; ``build`` and ``program``
+turn the exported program into ops), ``mutation`` (in-place updates as dependencies), ``flops``, ``devices``
+(datasheet profiles of rented GPUs, links) and ``calibration`` (this CPU, measured and cached), ``precision``
+(bytes per training dtype), ``cost`` (the roofline cost model), ``timing`` (timing ops and stages for real),
+``options``, ``objective`` (scoring a plan), ``memory`` (what each stage's rank holds), ``dp``, ``metis``,
+``refine`` and ``portfolio`` (the portfolio behind :func:`partition`), ``baselines``, ``chunk`` (column chunks of
+a heavy linear), ``plan`` (the JSON-ready plan), ``stage_modules`` (executable stage modules, :func:`split`),
+``units``, ``errors``, ``lazy`` (these exports). Modules are named for concepts and the exported functions for
+actions, so no export is hidden by a submodule of its name.
 
 The names below are imported on first use (:mod:`partitioner.lazy`), so ``import partitioner.errors`` or
 ``partitioner.units`` does not import torch.
@@ -21,19 +23,19 @@ from typing import TYPE_CHECKING
 from .lazy import lazy_exports
 
 if TYPE_CHECKING:
-    from .calibrate import calibrate
+    from .calibration import calibrate
     from .cost import NodeCosts, estimate
     from .devices import DEVICES, LINKS, PRECISIONS, DeviceRates, UnknownDeviceError, profile
     from .errors import EngineError
     from .graph import GraphError, OpGraph
-    from .measure import StageTimes, measure, measure_stages
     from .memory import StageMemory, stage_memory
     from .objective import MemoryBudgetError
     from .options import METHODS, UNLIMITED, PartitionOptions
-    from .partition import partition
     from .plan import PartitionPlan, StageSummary
-    from .split import SplitModel, Stage, split
-    from .trace import TraceError, trace
+    from .portfolio import partition
+    from .stage_modules import SplitModel, Stage, split
+    from .timing import StageTimes, measure, measure_stages
+    from .tracing import TraceError, trace
     from .units import format_bytes, parse_size
 
 __all__ = [

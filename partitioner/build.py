@@ -61,7 +61,7 @@ class _Op:
 def build_graph(gm: torch.fx.GraphModule, in_spec: pytree.TreeSpec, out_spec: pytree.TreeSpec,
            training: bool) -> OpGraph:
     """The op graph of an exported, unlifted program ``gm`` (see the module docstring); its ``fx`` field keeps
-    what :mod:`partitioner.split` needs to cut executable stages from ``gm``."""
+    what :mod:`partitioner.stage_modules` needs to cut executable stages from ``gm``."""
     alias = tensor_aliases(gm)
     param_names = list(dict.fromkeys(alias.values()))
     key = {name: i for i, name in enumerate(param_names)}

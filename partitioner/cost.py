@@ -14,7 +14,7 @@ uses costs its bytes (of a view of it, the viewed bytes) written at ``grad_bytes
 gradient is a new tensor every step (``zero_grad(set_to_none=True)``), and on CPU writing fresh pages is
 page-fault bound -- for a conv net, whose late layers hold most of the weights and few of the FLOPs,
 this is most of the backward time.
-:func:`partitioner.measure.measure` replaces the estimate by timing each op's forward and backward for real.
+:func:`partitioner.timing.measure` replaces the estimate by timing each op's forward and backward for real.
 
 Memory per stage: parameters (+ gradients + optimizer state for trainable ones, by optimizer kind and
 precision, :func:`partitioner.precision.param_memory`) and the activations each op keeps for backward
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .calibrate import calibrate
+from .calibration import calibrate
 from .devices import DeviceRates
 from .flops import VIEW_OPS, is_matmul_class
 from .graph import OpGraph

@@ -7,7 +7,7 @@ derated by an efficiency factor, plus a fixed launch cost. Matmul-class ops run 
 the training dtype; every other op at the fp32 vector rate.
 
 Profiles for the devices people rent (:data:`PROFILES`) carry the vendor's published peaks; the ``cpu``
-profile is this machine, measured by :mod:`partitioner.calibrate`. NVIDIA's datasheets quote tensor-core
+profile is this machine, measured by :mod:`partitioner.calibration`. NVIDIA's datasheets quote tensor-core
 rates *with 2:4 sparsity*; the dense rates used here are half of those. They quote NVLink and PCIe as
 bidirectional totals; a pipeline send goes one way, so links carry half. Latencies and the efficiency
 factors are not datasheet figures: they are typical measured values (nccl-tests small-message latency,

@@ -59,7 +59,7 @@ class OpGraph:
     of ``act_bytes``, ``move_bytes``, ``value_bytes`` and ``param_bytes`` held in floating-point tensors,
     which a 16-bit training precision halves (:mod:`partitioner.precision`); None (synthetic graphs): all.
     ``members[i]`` lists the fx node names folded into op ``i`` (its getitems, asserts, buffer updates);
-    ``fx`` holds what :mod:`partitioner.split` needs to rebuild executable stages (absent for synthetic
+    ``fx`` holds what :mod:`partitioner.stage_modules` needs to rebuild executable stages (absent for synthetic
     graphs).
     """
 

@@ -8,10 +8,8 @@ scientific-python's ``lazy_loader.attach_stub`` reads a stub file) and, the firs
 read, imports the submodule and keeps the value. A submodule that is not exported (``partitioner.objective``)
 is imported on access too, as it was when the package imported everything.
 
-One subtlety: where a package exports a function named like the submodule that defines it
-(``partitioner.partition``, ``smp.step``), Python's import system sets the *submodule* as that attribute of
-the package whenever it loads the submodule, which an eager ``__init__`` undid by importing the function
-afterwards. The package's module class therefore keeps the exported function in that attribute.
+No exported name is also the name of a submodule (the modules are named for concepts, the functions for
+actions: ``tracing.trace``, ``portfolio.partition``), so importing a submodule never hides an export.
 """
 from __future__ import annotations
 
@@ -19,26 +17,13 @@ import ast
 import importlib
 import importlib.util
 import sys
-import types
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["lazy_exports"]
+__all__ = ["lazy_exports", "type_checking_imports"]
 
 
-class _LazyPackage(types.ModuleType):
-    """A package whose exported names win over same-named submodules the import system sets on it."""
-
-    _lazy_sources: dict[str, tuple[str, str]]
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if (isinstance(value, types.ModuleType) and self._lazy_sources.get(name) == (name, name)
-                and value.__name__ == f"{self.__name__}.{name}"):
-            value = getattr(value, name)
-        super().__setattr__(name, value)
-
-
-def _type_checking_imports(path: str) -> dict[str, tuple[str, str]]:
+def type_checking_imports(path: str) -> dict[str, tuple[str, str]]:
     """Public name -> (submodule, attribute) of the relative imports under ``if TYPE_CHECKING:`` in ``path``;
     the submodule is "" for ``from . import amp`` (the export is the submodule ``amp`` itself)."""
     with open(path) as fh:
@@ -56,9 +41,7 @@ def lazy_exports(package: str) -> tuple[Callable[[str], Any], Callable[[], list[
     """``(__getattr__, __dir__)`` for ``package``, whose public names are the relative imports of the
     ``if TYPE_CHECKING:`` block of its ``__init__.py``."""
     pkg = sys.modules[package]
-    where = _type_checking_imports(pkg.__file__ or "")
-    pkg.__dict__["_lazy_sources"] = where
-    pkg.__class__ = _LazyPackage
+    where = type_checking_imports(pkg.__file__ or "")
 
     def __getattr__(name: str) -> Any:
         if name in where:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, fields
 from numbers import Integral
 from typing import Any
 
-from .calibrate import calibrate
+from .calibration import calibrate
 from .cost import PIPELINES
 from .devices import DEVICES, LINKS, PRECISIONS, DeviceRates, UnknownDeviceError, profile
 from .precision import OPTIMIZER_STATE_FACTOR

@@ -18,7 +18,7 @@ from .chunk import split_columns
 from .errors import EngineError
 from .graph import OpGraph, unique_ints
 from .objective import Evaluation, Problem, check_acyclic, crossings
-from .split import split
+from .stage_modules import split
 from .units import format_bytes
 
 __all__ = ["StageSummary", "PartitionPlan", "PlanError", "PlanMismatchError", "make_plan"]
@@ -187,7 +187,7 @@ class PartitionPlan:
         return replace(self, graph=graph)
 
     def stage_modules(self, graph: Any = None) -> list:
-        """One executable ``nn.Module`` per stage (see :mod:`partitioner.split`)."""
+        """One executable ``nn.Module`` per stage (see :mod:`partitioner.stage_modules`)."""
         return split(self._bound(graph), self.assignment, self.num_stages).stages
 
     def as_module(self, graph: Any = None):
@@ -200,6 +200,11 @@ class PartitionPlan:
             raise ValueError("this plan has no traced graph attached (it was loaded from JSON or made from a "
                              "synthetic graph): pass graph=partitioner.trace(model, args, kwargs)")
         return graph
+
+    def traced_graph(self) -> Any:
+        """The traced :class:`~partitioner.graph.OpGraph` this plan was made or bound with; an error that says
+        how to bind one when the plan came from JSON or a synthetic graph."""
+        return self._bound(None)
 
     def stage_of_ops(self, graph: Any) -> np.ndarray:
         """The stage of every op of ``graph`` (the plan's graph), as an int64 array in graph order."""

@@ -22,7 +22,7 @@ DEVICE_ARGS = "smp_device_args"  # node.meta key: the args/kwargs of a node that
 
 @dataclass
 class TracedProgram:
-    """What :mod:`partitioner.split` needs to rebuild executable stages from an op graph."""
+    """What :mod:`partitioner.stage_modules` needs to rebuild executable stages from an op graph."""
 
     module: torch.fx.GraphModule          # unlifted exported graph; get_attr targets are the model's tensors
     in_spec: pytree.TreeSpec               # how (args, kwargs) flatten into the graph's placeholders

@@ -7,16 +7,18 @@
 One concept per file: ``schedule`` (the IR and its generators), ``lowering`` (sends and receives as
 actions), ``simulate`` (replay: validation and timing), ``microbatch`` (split and merge), ``p2p`` (the
 transport), ``zero_bubble`` (the split backward), ``executor`` (walking one rank's actions), ``runner``
-(:class:`PipelineRunner`), ``timeline`` (recording and drawing).
+(:class:`PipelineRunner`), ``timeline`` (recording and drawing), ``clock`` (the ranks' clock offsets),
+``profiler`` (:class:`~pipeline.profiler.Profiler`: which steps to record, one merged trace) and
+``profile_description`` (what a profile directory's ``profile.json`` says of the run, and the simulator's
+prediction of it).
 """
 from partitioner.errors import EngineError
-
-from .lowering import fifo_violations, lower
-from .microbatch import BatchSplitError, merge, split
-from .p2p import PeerError
-from .runner import PipelineRunner, StepResult
-from .schedule import Action, Schedule, ScheduleError, make_schedule
-from .simulate import simulate, validate
+from pipeline.lowering import fifo_violations, lower
+from pipeline.microbatch import BatchSplitError, merge, split
+from pipeline.p2p import PeerError
+from pipeline.runner import PipelineRunner, StepResult
+from pipeline.schedule import Action, Schedule, ScheduleError, make_schedule
+from pipeline.simulate import simulate, validate
 
 __all__ = ["PipelineRunner", "StepResult", "PeerError", "Action", "Schedule", "ScheduleError", "make_schedule",
            "lower", "fifo_violations", "validate", "simulate", "split", "merge", "BatchSplitError", "EngineError"]

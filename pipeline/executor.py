@@ -20,7 +20,7 @@ on one rank, so each ``B`` runs autograd through its own stage only. Gradients a
 parameters' ``.grad`` across microbatches, as ``loss.backward()`` per microbatch would.
 
 With a :class:`pipeline.timeline.Recorder` every pass is a span; a detailed one (profiling,
-:mod:`pipeline.profile`) also gets, nested in each pass, the time it waited for its receives
+:mod:`pipeline.profiler`) also gets, nested in each pass, the time it waited for its receives
 (``wait F3@s1``), the sends and receives, and the final wait for the sends.
 """
 from __future__ import annotations
@@ -32,12 +32,11 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.utils.checkpoint
 
-from partitioner.split import MODEL_INPUT, SplitModel
-
-from .p2p import Transport
-from .schedule import Action, Schedule
-from .timeline import Recorder
-from .zero_bubble import backward_input
+from partitioner.stage_modules import MODEL_INPUT, SplitModel
+from pipeline.p2p import Transport
+from pipeline.schedule import Action, Schedule
+from pipeline.timeline import Recorder
+from pipeline.zero_bubble import backward_input
 
 __all__ = ["Executor", "LossHook"]
 

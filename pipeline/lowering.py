@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from .schedule import Action, Schedule, StageDeps, stage_edges
+from pipeline.schedule import Action, Schedule, StageDeps, stage_edges
 
 __all__ = ["lower", "transfers", "fifo_violations"]
 

@@ -29,17 +29,16 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from partitioner import PartitionPlan
 from partitioner.program import flatten_inputs, set_device
-from partitioner.split import MODEL_INPUT, SplitModel, split
-from partitioner.trace import trace
-
-from . import microbatch
-from .executor import Executor
-from .lowering import lower
-from .p2p import Transport, close_groups, named_failures
-from .profile import ProfileOptions, Profiler
-from .profile_run import run_description
-from .schedule import make_schedule
-from .simulate import validate
+from partitioner.stage_modules import MODEL_INPUT, SplitModel, split
+from partitioner.tracing import trace
+from pipeline import microbatch
+from pipeline.executor import Executor
+from pipeline.lowering import lower
+from pipeline.p2p import Transport, close_groups, named_failures
+from pipeline.profile_description import run_description
+from pipeline.profiler import ProfileOptions, Profiler
+from pipeline.schedule import make_schedule
+from pipeline.simulate import validate
 
 __all__ = ["PipelineRunner", "StepResult", "boundary_requires_grad", "stage_deps"]
 
@@ -108,7 +107,7 @@ class PipelineRunner:
         are created collectively, so every rank must name every pipeline in the same order. ``timeout_s``
         bounds every wait and collective of the runner (its process groups are created with it). ``record``:
         True keeps every pass's span in memory (``events``); a directory or
-        :class:`pipeline.profile.ProfileOptions` profiles the steps (see :meth:`write_profile`). ``autocast``:
+        :class:`pipeline.profiler.ProfileOptions` profiles the steps (see :meth:`write_profile`). ``autocast``:
         ``(device type, dtype)`` when the plan was traced under ``torch.autocast`` (run the steps under it too)."""
         if not dist.is_initialized():
             raise RuntimeError("PipelineRunner needs torch.distributed: call dist.init_process_group (torchrun or "
@@ -128,7 +127,7 @@ class PipelineRunner:
         self.plan = plan
         self.microbatches = microbatches
         self.average = average_grads_across_microbatches
-        self.split_model = split(plan._bound(None), plan.assignment, plan.num_stages)
+        self.split_model = split(plan.traced_graph(), plan.assignment, plan.num_stages)
         deps = stage_deps(self.split_model)
         self.schedule = lower(make_schedule(schedule, p, microbatches, virtual_stages=virtual_stages,
                                             max_in_flight=max_in_flight), deps)
@@ -307,7 +306,7 @@ def _stages_running(plan: PartitionPlan, module_paths: Any) -> set[int]:
     paths = tuple(module_paths)
     if not paths:
         return set()
-    g = plan._bound(None)
+    g = plan.traced_graph()
     return {plan.assignment[n] for n, m in zip(g.names, g.modules)
             if any(m == p or m.startswith(p + ".") for p in paths)}
 

@@ -26,8 +26,8 @@ from numbers import Real
 from operator import sub
 from typing import cast
 
-from .lowering import lower
-from .schedule import (
+from pipeline.lowering import lower
+from pipeline.schedule import (
     COMPUTE_KINDS,
     Action,
     Schedule,
@@ -37,7 +37,7 @@ from .schedule import (
     gc_paused,
     stage_edges,
 )
-from .timeline import Event
+from pipeline.timeline import Event
 
 __all__ = ["SimResult", "simulate", "bubble_bound", "validate", "replay", "compute_only"]
 

@@ -21,7 +21,7 @@ from time import perf_counter
 from types import TracebackType
 from typing import Any
 
-from .schedule import Action
+from pipeline.schedule import Action
 
 __all__ = ["Event", "Counter", "Recorder", "to_chrome_trace", "to_png", "to_png_panels", "to_text", "load_events",
            "load_trace", "THREAD_TID"]
@@ -86,7 +86,7 @@ class _Span:
         rec = self._recorder
         end = rec.clock()
         cost = None if self._cost_clock is None else self._cost_clock() - self._cost_start
-        rec._spans.append((self._name, self._cat, self._start, end, rec.thread(), cost))
+        rec.add(self._name, self._start, end, self._cat, cost)
 
 
 class Recorder:
@@ -97,7 +97,7 @@ class Recorder:
     a time base; :mod:`pipeline.clock` aligns hosts). Spans recorded from another thread than the one
     that made the recorder land on that rank's second track (``Event.thread == 1``). ``detail`` tells the
     executor to record receive waits, sends and receives besides the passes; ``cost_clock`` (e.g. the
-    thread's CPU time, :func:`partitioner.calibrate.cost_clock`) times the passes (spans without a category)
+    thread's CPU time, :func:`partitioner.calibration.cost_clock`) times the passes (spans without a category)
     a second time, robust to other processes on the cores (``Event.cost``).
     """
 
@@ -116,9 +116,10 @@ class Recorder:
         """Record the enclosed block as one event named ``str(action)`` of category ``cat``."""
         return _Span(self, str(action), cat)
 
-    def add(self, name: str, start: float, end: float, cat: str = "") -> None:
-        """Record a span whose times were taken elsewhere (on this recorder's clock)."""
-        self._spans.append((name, cat, start, end, self.thread(), None))
+    def add(self, name: str, start: float, end: float, cat: str = "", cost: float | None = None) -> None:
+        """Record a span whose times were taken elsewhere (on this recorder's clock); ``cost``: the time the
+        cost clock counted in it, if one runs."""
+        self._spans.append((name, cat, start, end, self.thread(), cost))
 
     def counter(self, name: str, values: Mapping[str, float]) -> None:
         """Record ``values`` (e.g. memory in bytes) under ``name`` at this moment."""

@@ -16,6 +16,16 @@
 
 The names below are imported on first use (PEP 562, :mod:`partitioner.lazy`): ``import smp`` and the ``smp``
 command's ``--help`` do not import torch.
+
+The package by concern (each subpackage's docstring says what it owns and what it may import; ``tests/test_layout.py``
+holds them to it). At the top level, the SMP surface a user types, kept thin: ``distributed_model``,
+``distributed_optimizer``, ``optimizers`` (FusedLAMB), ``ranks`` (rank helpers, groups, messages), ``placement``,
+``delayed_init``, ``amp``, ``nn``, ``tensor_parallel``, ``utils``; with ``zoo`` (built-in models) and ``testing``
+(``run_ranks``, N local ranks for tests and benchmarks). Below it: :mod:`smp.runtime` (what ``smp.init`` builds),
+:mod:`smp.engine` (one ``@smp.step`` from call to results), :mod:`smp.checkpoint`, :mod:`smp.profiling` and
+:mod:`smp.cli` (the ``smp`` command). The one global state (:func:`smp.runtime.state.get`) is read where a user's
+call enters (``smp.rank()``, ``@smp.step``, ``smp.save_checkpoint``, ``smp.profile``, ...); the code those calls run
+receives what it needs as arguments.
 """
 from typing import TYPE_CHECKING
 
@@ -23,9 +33,16 @@ from partitioner.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from . import amp, nn, optimizers, utils
-    from .checkpoint import load, save
-    from .collective import CollectiveError
-    from .comm import (
+    from .checkpoint.commit import CheckpointError
+    from .checkpoint.save_load import load, save
+    from .checkpoint.tagged import resume_from_checkpoint, save_checkpoint
+    from .delayed_init import delay_param_initialization, model_creation
+    from .distributed_model import DistributedModel
+    from .distributed_optimizer import DistributedOptimizer
+    from .engine.step_function import StepOutput, StepTimeoutError, step
+    from .placement import partition, set_activation_checkpointing, set_partition
+    from .profiling.session import annotate, profile
+    from .ranks import (
         DP_GROUP,
         MP_GROUP,
         PP_GROUP,
@@ -64,17 +81,10 @@ if TYPE_CHECKING:
         tp_rank,
         tp_size,
     )
-    from .commit import CheckpointError
-    from .compat import NoEffectWarning
-    from .config import Config, ConfigError
-    from .materialize import delay_param_initialization, model_creation
-    from .model import DistributedModel
-    from .optimizer import DistributedOptimizer
-    from .placement import partition, set_activation_checkpointing, set_partition
-    from .profiling import annotate, profile
-    from .state import init, is_initialized
-    from .step import StepOutput, StepTimeoutError, step
-    from .tagged_checkpoint import resume_from_checkpoint, save_checkpoint
+    from .runtime.call_log import CollectiveError
+    from .runtime.compat import NoEffectWarning
+    from .runtime.config import Config, ConfigError
+    from .runtime.state import init, is_initialized
     from .tensor_parallel import tensor_parallelism
 
 __version__ = "0.1.0"  # pyproject.toml reads it from here

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from .compat import warn_no_effect
+from smp.runtime.compat import warn_no_effect
 
 __all__ = ["FusedLayerNorm"]
 

@@ -14,7 +14,7 @@ gradient ``g`` at step ``t``::
 
 apex's ``FusedLAMB`` runs this as two fused CUDA kernels; here it is the same arithmetic in torch ops, on
 any device. Under SMP each rank holds only some of the model's gradients, so ``||G||`` is the norm over the
-whole model (:func:`smp.gradnorm.global_grad_norm`), which makes a pipelined run step exactly as one
+whole model (:func:`smp.engine.gradnorm.global_grad_norm`), which makes a pipelined run step exactly as one
 device would. ``FusedLamb`` (the name SMP's documentation uses) is the same class.
 """
 from __future__ import annotations
@@ -23,7 +23,8 @@ from typing import Any, Iterable
 
 import torch
 
-from .gradnorm import global_grad_norm
+from smp.engine.gradnorm import global_grad_norm
+from smp.runtime import state
 
 __all__ = ["FusedLAMB", "FusedLamb"]
 
@@ -66,7 +67,7 @@ class FusedLAMB(torch.optim.Optimizer):
         max_norm = self.defaults["max_grad_norm"]
         clip: torch.Tensor | float = 1.0
         if max_norm is not None and max_norm > 0:  # collective: every rank steps together
-            norm = global_grad_norm(params)
+            norm = global_grad_norm(params, st=state.get() if state.is_initialized() else None)
             clip = torch.clamp(norm / max_norm, min=1.0)
         for group in self.param_groups:
             beta1, beta2 = group["betas"]

@@ -1,7 +1,7 @@
 """Manual partitioning, as SMP v1 offers it: ``smp.partition(i)`` blocks and ``smp.set_partition`` place
 modules on pipeline stages (with ``auto_partition`` off, ``default_partition`` takes the rest), and
 ``smp.set_activation_checkpointing`` marks modules whose stages recompute activations in backward.
-:func:`manual_stages` turns the placement into a stage per traced op for :func:`partitioner.partition.fixed_plan`.
+:func:`manual_stages` turns the placement into a stage per traced op for :func:`partitioner.portfolio.fixed_plan`.
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from . import state
+from smp.runtime import state
 
 __all__ = ["partition", "set_partition", "set_activation_checkpointing", "manual_stages"]
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Any, Iterator
 
-from . import state
-from .compat import warn_no_effect
+from smp.runtime import state
+from smp.runtime.compat import warn_no_effect
 
 __all__ = ["tensor_parallelism"]
 

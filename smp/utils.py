@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import state
+from smp.runtime import state
 
 __all__ = ["rmsg"]
 

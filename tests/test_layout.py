@@ -1,6 +1,7 @@
-"""The layout we promise newcomers: packages import downwards only (smp -> pipeline -> partitioner), no import
-cycle between the files of a package (function-level imports included), no library file over 400 lines, and
-every public name documented."""
+"""The layout we promise newcomers: packages import downwards only (smp -> pipeline -> partitioner), the
+subpackages of smp import only what their ``__init__`` docstrings allow, no import cycle between the files of a
+package (function-level imports included), no library file over 400 lines, no object reaching into another's
+private names, and every public name documented."""
 from __future__ import annotations
 
 import ast
@@ -14,6 +15,26 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("partitioner", "pipeline", "smp")
 ORDER = {name: i for i, name in enumerate(PACKAGES)}  # a package may import only those before it
 MAX_LINES = 400
+
+# What each part of smp may import of smp (longest prefix wins; the SMP surface at the top level may import any
+# of them but the command line and the test harness). Each subpackage's __init__ docstring says the same in words.
+SMP_LAYERS = {
+    "smp.runtime": {"smp.runtime"},
+    "smp.profiling": {"smp.profiling", "smp.runtime.config"},  # the analysis: reads files, moves no tensors
+    "smp.profiling.session": {"smp.profiling", "smp.runtime"},  # the recording
+    "smp.engine": {"smp.engine", "smp.runtime", "smp.profiling"},
+    "smp.checkpoint": {"smp.checkpoint", "smp.runtime"},
+    "smp.testing": {"smp.runtime"},
+    "smp.zoo": set(),
+    "smp.cli": {"smp"},
+    "smp": {"smp.runtime", "smp.engine", "smp.checkpoint", "smp.profiling", "smp.amp", "smp.optimizers",
+            "smp.placement", "smp.ranks", "smp.distributed_model", "smp.distributed_optimizer", "smp.nn",
+            "smp.tensor_parallel", "smp.utils", "smp.zoo", "smp.delayed_init"},
+}
+# Modules that may not import torch.distributed: what reads a profile back cannot move tensors.
+NO_COLLECTIVES = ("smp.profiling.measurements", "smp.profiling.rules", "smp.profiling.report", "smp.profiling.replan")
+# Private names of torch, transformers and argparse objects that the engine reads on purpose (documented there).
+FOREIGN_PRIVATE = {"_parameters", "_non_persistent_buffers_set", "_init_weights", "_SubParsersAction"}
 
 
 def _modules(package: str) -> dict[str, Path]:
@@ -78,6 +99,56 @@ def test_packages_import_downwards_only(package):
             if top in ORDER:
                 assert ORDER[top] <= ORDER[package], \
                     f"{module} imports {target}: arrows go smp -> pipeline -> partitioner"
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_no_export_is_named_like_a_submodule(package):
+    """Importing a submodule sets it as the package's attribute: an export of the same name would be hidden."""
+    sources = importlib.import_module("partitioner.lazy").type_checking_imports(str(ROOT / package / "__init__.py"))
+    exports = {name for name, (module, _) in sources.items() if module}
+    clash = exports & {m.rpartition(".")[2] for m in _modules(package)}
+    assert not clash, f"{package} exports {sorted(clash)}, also the names of its submodules: rename the modules"
+
+
+def _layer(module: str) -> str:
+    return max((k for k in SMP_LAYERS if module == k or module.startswith(k + ".")), key=len)
+
+
+def test_smp_subpackages_import_only_their_layers():
+    mods = _modules("smp")
+    for module, path in mods.items():
+        allowed = SMP_LAYERS[_layer(module)]
+        for target in _imports(module, path):
+            if target in mods and target != "smp" and not target.startswith(_layer(module) + "."):
+                assert any(target == a or target.startswith(a + ".") for a in allowed), \
+                    f"{module} imports {target}: {_layer(module)} may import only {sorted(allowed)}"
+
+
+def test_profile_analysis_moves_no_tensors():
+    for module in NO_COLLECTIVES:
+        path = _modules("smp")[module]
+        found = {t for t in _imports(module, path) if t.startswith("torch.distributed")}
+        assert not found, f"{module} imports {sorted(found)}: reading a profile back must not communicate"
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_no_object_reaches_into_another_objects_private_names(package):
+    reaches = []
+    for module, path in _modules(package).items():
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                    and node.attr not in FOREIGN_PRIVATE and isinstance(node.value, (ast.Name, ast.Attribute))):
+                base = node.value
+                while isinstance(base, ast.Attribute):
+                    base = base.value
+                owner = ast.unparse(node.value)
+                if owner in ("self", "cls") or (isinstance(base, ast.Name) and base.id in ("torch", "np", "dist")):
+                    continue
+                if isinstance(node.value, ast.Name) and node.value.id[:1].isupper():
+                    continue  # a class's own constant, read through the class
+                reaches.append(f"{module}:{node.lineno} {ast.unparse(node)}")
+    assert not reaches, f"private names read across objects (give them a public name): {reaches}"
 
 
 @pytest.mark.parametrize("package", PACKAGES)

@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .errors import CLIError
-from .options import Options
-from .target import Target
+from smp.cli.errors import CLIError
+from smp.cli.options import Options
+from smp.cli.target import Target
 
 __all__ = ["simulate_stages", "analyse", "plan_sim"]
 
@@ -58,8 +58,8 @@ def analyse(graph: Any, opts: Options, *, target: Target | None = None,
     """
     from partitioner import measure_stages, partition, stage_memory
     from partitioner.baselines import all_baselines
-    from partitioner.partition import make_problem
-    from partitioner.split import split
+    from partitioner.portfolio import make_problem
+    from partitioner.stage_modules import split
     from pipeline.schedule import peak_in_flight
 
     progress(f"partitioning into {opts.partitions} stages (method {opts.partition.method})")

@@ -11,10 +11,9 @@ import os
 from typing import Any
 
 from partitioner.units import format_bytes
-
-from .errors import CLIError
-from .graph import module_graph, stage_color
-from .text import ms
+from smp.cli.errors import CLIError
+from smp.cli.graph import module_graph, stage_color
+from smp.cli.text import ms
 
 __all__ = ["write_dot", "write_graph_png", "write_graph", "write_timeline"]
 

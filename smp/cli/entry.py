@@ -13,16 +13,15 @@ import sys
 from collections.abc import Sequence
 
 from partitioner.errors import EngineError
-
-from .demo import register as add_demo
-from .errors import CLIError
-from .inspect import register as add_inspect
-from .launch import register as add_launch
-from .options import Parser
-from .profile_report import register as add_report
-from .replan import register as add_replan
-from .simulate import register as add_simulate
-from .text import PROG
+from smp.cli.commands.demo import register as add_demo
+from smp.cli.commands.inspect import register as add_inspect
+from smp.cli.commands.launch import register as add_launch
+from smp.cli.commands.replan import register as add_replan
+from smp.cli.commands.report import register as add_report
+from smp.cli.commands.simulate import register as add_simulate
+from smp.cli.errors import CLIError
+from smp.cli.options import Parser
+from smp.cli.text import PROG
 
 __all__ = ["main", "build_parser"]
 

@@ -11,8 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from partitioner.units import format_bytes
-
-from .errors import CLIError
+from smp.cli.errors import CLIError
 
 __all__ = ["DEFAULT_MAX_ACTIONS", "BYTES_PER_ACTION", "schedule_actions", "check_actions"]
 

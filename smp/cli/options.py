@@ -19,9 +19,8 @@ from typing import Any
 
 from partitioner.devices import DEVICES, LINKS, PRECISIONS
 from partitioner.units import UNLIMITED, parse_duration, parse_size
-
-from .errors import CLIError
-from .limits import DEFAULT_MAX_ACTIONS
+from smp.cli.errors import CLIError
+from smp.cli.limits import DEFAULT_MAX_ACTIONS
 
 __all__ = ["Options", "Parser", "add_target_args", "add_plan_args", "positive_int", "size", "duration", "budget",
            "check_output"]
@@ -82,7 +81,11 @@ def _weight(text: str) -> float:
 
 def _budget(text: str) -> float | str:
     """``"16GiB"`` -> bytes; ``"unlimited"`` -> no budget at all (not even the device's memory)."""
-    return UNLIMITED if text.strip().lower() == UNLIMITED else parse_size(text)
+    if text.strip().lower() == UNLIMITED:
+        return UNLIMITED
+    size = parse_size(text)
+    assert size is not None  # parse_size gives None only for None
+    return size
 
 
 positive_int = _typed(_positive_int)

@@ -14,10 +14,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from partitioner.units import format_bytes
-
-from .analysis import simulate_stages
-from .options import Options
-from .text import ms
+from smp.cli.analysis import simulate_stages
+from smp.cli.options import Options
+from smp.cli.text import ms
 
 __all__ = ["EXACT_MAX_STAGES", "PipelineCosts", "pipeline_costs", "sim_row"]
 
@@ -86,7 +85,7 @@ def _link_comm(costs: PipelineCosts, stage_rank: Sequence[int], ranks_per_node: 
     """Seconds per boundary: 0 on one rank, the plan's link within a node, the inter-node link across."""
     from partitioner import DeviceRates
 
-    intra = DeviceRates(**costs.rates) if costs.rates else DeviceRates()
+    intra = DeviceRates.from_dict(costs.rates) if costs.rates else DeviceRates()
     inter = DeviceRates(link_bytes_per_s=inter_bw, link_latency_s=inter_lat)
     comm = {}
     for (s, t), (b, c) in costs.edge_bytes.items():

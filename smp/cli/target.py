@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import CLIError
+from smp.cli.errors import CLIError
 
 __all__ = ["Target", "parse_target", "load_target", "trace_target"]
 

@@ -95,7 +95,8 @@ def _failing(error: Exception):
 def test_errors_are_told_apart_by_class(error, code, line, monkeypatch, capsys) -> None:
     """Any EngineError (whatever its name) and any ValueError is the user's: its message alone; anything
     else is a bug and says so."""
-    from smp.cli import entry, launch
+    from smp.cli import entry
+    from smp.cli.commands import launch
 
     monkeypatch.setattr(launch, "run", _failing(error))
     monkeypatch.delenv("SMP_TRACEBACK", raising=False)
@@ -105,7 +106,8 @@ def test_errors_are_told_apart_by_class(error, code, line, monkeypatch, capsys) 
 
 
 def test_traceback_on_request_and_interrupt_status(monkeypatch, capsys) -> None:
-    from smp.cli import entry, launch
+    from smp.cli import entry
+    from smp.cli.commands import launch
 
     monkeypatch.setattr(launch, "run", _failing(KeyError("oops")))
     monkeypatch.setenv("SMP_TRACEBACK", "1")

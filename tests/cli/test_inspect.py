@@ -1,5 +1,5 @@
-"""``smp inspect`` (:mod:`smp.cli.inspect`), run as a user runs it: the report, the plan JSON and its round trip,
-the pictures, ``--measure``, and a ``file.py:factory`` target. GPT-2 is marked slow."""
+"""``smp inspect`` (:mod:`smp.cli.commands.inspect`), run as a user runs it: the report, the plan JSON and its round
+trip, the pictures, ``--measure``, and a ``file.py:factory`` target. GPT-2 is marked slow."""
 from __future__ import annotations
 
 import json

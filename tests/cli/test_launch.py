@@ -1,4 +1,4 @@
-"""``smp launch`` (:mod:`smp.cli.launch`, :mod:`smp.cli.worker`): the torchrun command line, a real run on two
+"""``smp launch`` (:mod:`smp.cli.commands.launch`, :mod:`smp.cli.worker`): the torchrun command line, a real run on two
 ranks, and Ctrl-C (slow: torchrun starts real processes)."""
 from __future__ import annotations
 
@@ -97,7 +97,7 @@ def _step_losses(stdout: str) -> list[str]:
 def test_two_nodes_through_torchrun_rendezvous_train_as_one(tmp_path: Path) -> None:
     """Two ``smp launch --nnodes 2 --node-rank R --rdzv-endpoint localhost:PORT`` agents (2 ranks each, the
     grid pp2 x dp2 spans both "nodes") train to the losses of one 4-process node."""
-    from smp.spawn import free_port
+    from smp.runtime.rank_env import free_port
 
     endpoint = f"localhost:{free_port()}"
     nodes = [subprocess.Popen([sys.executable, "-m", "smp.cli", "launch", "-n", "2", "--nnodes", "2", "--node-rank",

@@ -1,4 +1,4 @@
-"""``smp simulate`` (:mod:`smp.cli.simulate`, :mod:`smp.cli.pricing`): the schedule comparison, stages past the
+"""``smp simulate`` (:mod:`smp.cli.commands.simulate`, :mod:`smp.cli.pricing`): the schedule comparison, stages past the
 model's ops, the scaling table and its formula. 1024 stages x 2048 microbatches is marked slow."""
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """The CPU profile is measured once per machine and cached on disk, so plans do not move with the load."""
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import subprocess
@@ -12,9 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import partitioner.calibration as calibrate_mod
 from partitioner import DeviceRates, calibrate
-
-calibrate_mod = importlib.import_module("partitioner.calibrate")  # the package's `calibrate` is the function
 
 ROOT = Path(__file__).resolve().parents[2]
 

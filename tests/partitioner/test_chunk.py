@@ -7,8 +7,8 @@ import torch.nn.functional as F
 
 from partitioner import DeviceRates, PartitionOptions, PartitionPlan, partition, trace
 from partitioner.chunk import heavy_linears, split_columns
-from partitioner.partition import fixed_plan, make_problem
-from smp.spawn import run_ranks
+from partitioner.portfolio import fixed_plan, make_problem
+from smp.testing import run_ranks
 
 VOCAB, SEQ = 32768, 16
 

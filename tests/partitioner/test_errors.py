@@ -12,7 +12,7 @@ import partitioner
 from partitioner import MemoryBudgetError, OpGraph, PartitionPlan, TraceError
 from partitioner.graph import GraphError
 from partitioner.objective import check_acyclic
-from partitioner.split import split
+from partitioner.stage_modules import split
 
 
 def _mlp() -> nn.Module:

@@ -8,7 +8,7 @@ import torch
 
 import partitioner
 from partitioner import DeviceRates, stage_memory
-from smp.spawn import run_ranks
+from smp.testing import run_ranks
 
 # The accounting vs the bytes a real rank holds, per rank. Parameter state is exact. Activations are an upper
 # bound: the op graph counts every non-view op's output as kept for backward (OpGraph.act_bytes), while autograd

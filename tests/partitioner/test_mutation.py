@@ -9,7 +9,7 @@ from torch import nn
 
 import partitioner
 from partitioner import METHODS
-from partitioner.split import split
+from partitioner.stage_modules import split
 from tests.conftest import assert_same_step, pipeline_step, train_step
 
 

@@ -8,7 +8,7 @@ import pytest
 import partitioner
 from partitioner import DeviceRates, OpGraph
 from partitioner.objective import NEAR, choose, dominates, evaluate
-from partitioner.partition import make_problem
+from partitioner.portfolio import make_problem
 from tests.conftest import stage_array
 
 FAST_LINK = DeviceRates(link_bytes_per_s=1e15, link_latency_s=0.0)  # compute decides the bottleneck

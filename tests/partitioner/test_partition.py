@@ -19,8 +19,8 @@ import partitioner
 from partitioner import PartitionPlan
 from partitioner.baselines import all_baselines
 from partitioner.objective import NEAR, check_acyclic, dominates, evaluate
-from partitioner.partition import fixed_plan, make_problem
-from partitioner.split import split
+from partitioner.portfolio import fixed_plan, make_problem
+from partitioner.stage_modules import split
 from smp import zoo
 from tests.conftest import (
     assert_complete_and_acyclic,

@@ -9,7 +9,7 @@ from torch import nn
 
 import partitioner
 from partitioner import DeviceRates
-from partitioner.partition import fixed_plan, make_problem
+from partitioner.portfolio import fixed_plan, make_problem
 from partitioner.precision import param_memory, weight_bytes
 from tests.conftest import stage_array
 

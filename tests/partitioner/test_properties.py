@@ -25,8 +25,8 @@ from partitioner import METHODS, OpGraph
 from partitioner.baselines import BASELINES, all_baselines
 from partitioner.dp import grid_comm
 from partitioner.objective import NEAR, dominates, evaluate
-from partitioner.partition import make_problem
-from partitioner.split import split
+from partitioner.portfolio import make_problem
+from partitioner.stage_modules import split
 from tests.conftest import assert_complete_and_acyclic, assert_same_step, pipeline_step, stage_array, train_step
 
 KINDS = ("linear", "add", "mul", "tanh", "scale", "iadd", "slice_iadd", "cat")

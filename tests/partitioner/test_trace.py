@@ -12,8 +12,8 @@ from torch import nn
 import partitioner
 from partitioner.baselines import block_index
 from partitioner.cost import estimate
-from partitioner.measure import measure_stages
-from partitioner.split import split
+from partitioner.stage_modules import split
+from partitioner.timing import measure_stages
 from smp import zoo
 from tests.conftest import tensor_leaves
 

@@ -6,7 +6,7 @@ import time
 import pytest
 
 from pipeline.clock import ClockOffset, clock_offset
-from smp.spawn import run_ranks
+from smp.testing import run_ranks
 
 
 def _offsets(rank: int, world: int) -> tuple[float, float]:

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from smp.spawn import run_ranks
+from smp.testing import run_ranks
 
 SCHEDULES = ("gpipe", "1f1b", "zb-h1")
 
@@ -137,7 +137,7 @@ class _SplitEdges(nn.Module):
 
 def _split_backward_edges(rank: int, world: int, m: int):
     from partitioner import DeviceRates, trace
-    from partitioner.partition import fixed_plan
+    from partitioner.portfolio import fixed_plan
     from pipeline import PipelineRunner
 
     torch.manual_seed(0)
@@ -218,7 +218,7 @@ class _Skips(nn.Module):
 
 def _coalesced(rank: int, world: int) -> list[str]:
     from partitioner import DeviceRates, trace
-    from partitioner.partition import fixed_plan
+    from partitioner.portfolio import fixed_plan
     from pipeline import PipelineRunner
 
     torch.manual_seed(0)

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from smp.spawn import run_ranks
+from smp.testing import run_ranks
 
 
 def _mlp_runner(timeout_s: float):

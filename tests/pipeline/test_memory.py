@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from smp.spawn import run_ranks
+from smp.testing import run_ranks
 
 WIDTH, MB_ROWS, LAYERS = 64, 4, 8
 
@@ -61,7 +61,7 @@ PLACEMENT = {2: [0] * 8 + [1] * 9, 4: [0] * 6 + [1] + [2] * 2 + [3] * 8}
 
 def _peaks(rank: int, world: int, ms: tuple[int, ...]):
     from partitioner import DeviceRates, trace
-    from partitioner.partition import fixed_plan
+    from partitioner.portfolio import fixed_plan
     from pipeline import PipelineRunner
 
     torch.manual_seed(0)

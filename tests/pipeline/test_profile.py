@@ -12,10 +12,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from partitioner.plan import PlanMismatchError
-from pipeline.profile import ProfileOptions, Profiler, memory_sample
+from pipeline.profiler import ProfileOptions, Profiler, memory_sample
 from pipeline.schedule import Action
 from pipeline.timeline import load_trace
-from smp.spawn import run_ranks
+from smp.testing import run_ranks
 
 
 def test_profile_options_check_their_window():
@@ -64,7 +64,7 @@ def _model() -> nn.Module:
 def _profiled(rank: int, world: int, workdir: str):
     from partitioner import DeviceRates, partition, trace
     from pipeline import PipelineRunner
-    from pipeline.profile_run import run_description
+    from pipeline.profile_description import run_description
 
     model, x, y = _model(), torch.randn(32, 64), torch.randn(32, 64)
     plan = partition(trace(model, (x[:8],), {}), 2, rates=DeviceRates(), microbatches=4)

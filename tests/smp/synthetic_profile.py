@@ -10,7 +10,7 @@ from torch import nn
 
 from partitioner import DeviceRates, partition, trace
 from pipeline.lowering import lower
-from pipeline.profile_run import GRAPH_FILE, PROFILE_FILE, TRACE_FILE, run_description
+from pipeline.profile_description import GRAPH_FILE, PROFILE_FILE, TRACE_FILE, run_description
 from pipeline.schedule import make_schedule
 from pipeline.simulate import simulate
 from pipeline.timeline import Counter, Event, to_chrome_trace

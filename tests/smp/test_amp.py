@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from smp.spawn import run_ranks
+from smp.testing import run_ranks
 from tests.smp.features import PARAM_TOL, make_batch, make_net, param_err
 
 # --- autocast -----------------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from smp.spawn import run_ranks
+from smp.testing import run_ranks
 
 CFG = {"pipeline_parallel_degree": 2, "microbatches": 2}
 
@@ -181,7 +181,7 @@ def _before_first_step(rank: int, world: int):
     """A partial dict loaded before the first step (a restart; here a second model after smp's state is reset):
     keys the model does not have fail at once, keys of this rank that are missing fail in the first step,
     and the other rank stops with an error naming this one instead of waiting."""
-    from smp import state
+    from smp.runtime import state
 
     model, _, step = tied_training(CFG)
     step(0)

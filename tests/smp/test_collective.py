@@ -8,8 +8,8 @@ import time
 import pytest
 
 from pipeline.p2p import FAILURE_KEY, PeerError
-from smp.collective import CallLog, CollectiveError
-from smp.spawn import run_ranks
+from smp.runtime.call_log import CallLog, CollectiveError
+from smp.testing import run_ranks
 from tests.smp.scripts import mlp_step, outcome
 
 

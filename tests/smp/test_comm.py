@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from smp.spawn import run_ranks
+from smp.testing import run_ranks
 
 
 def _p2p(rank: int, world: int):
@@ -69,7 +69,7 @@ def test_send_broadcast_and_recv_from_pair_in_every_numbering():
 
 
 def test_unknown_group_is_an_error():
-    import smp.comm as comm
+    import smp.ranks as comm
 
     with pytest.raises(ValueError, match="unknown group 'pp'; use one of smp.WORLD"):
         comm._kind("pp")

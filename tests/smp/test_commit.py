@@ -1,4 +1,4 @@
-"""``smp.commit`` in one process: checksums recorded while writing, staged files that only a publish makes
+"""``smp.checkpoint.commit`` in one process: checksums recorded while writing, staged files that only a publish makes
 visible, permissions that follow the umask, and loads that verify every file against the manifest."""
 from __future__ import annotations
 
@@ -9,7 +9,16 @@ import stat
 import pytest
 import torch
 
-from smp.commit import CheckpointError, discard, load_file, publish, read_manifest, stage, write_file, write_manifest
+from smp.checkpoint.commit import (
+    CheckpointError,
+    discard,
+    load_file,
+    publish,
+    read_manifest,
+    stage,
+    write_file,
+    write_manifest,
+)
 from tests.smp.test_checkpoint import damage
 
 

@@ -7,8 +7,8 @@ import warnings
 
 import pytest
 
-from smp.compat import NoEffectWarning
-from smp.config import DEFAULT_TIMEOUT_S, ConfigError, load_config
+from smp.runtime.compat import NoEffectWarning
+from smp.runtime.config import DEFAULT_TIMEOUT_S, ConfigError, load_config
 
 BASE = {"pipeline_parallel_degree": 2}
 
@@ -93,7 +93,7 @@ def test_timeout_comes_from_config_then_environment(monkeypatch):
 
 
 def test_profiling_keys_are_checked_and_read(tmp_path):
-    from smp.config import AutoRepartition, ConfigError, load_config
+    from smp.runtime.config import AutoRepartition, ConfigError, load_config
 
     plan = tmp_path / "plan.json"
     plan.write_text("{}")

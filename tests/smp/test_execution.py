@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from smp.spawn import run_ranks
-from smp.step import StepOutput
+from smp.engine.step_function import StepOutput
+from smp.testing import run_ranks
 from tests.smp.features import make_batch, make_net
 
 # --- eval mode / no_grad ------------------------------------------------------------------------------------------

@@ -7,7 +7,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from smp.materialize import MaterializeError, delay_param_initialization, has_meta, materialize, release
+from smp.delayed_init import delay_param_initialization
+from smp.engine.materialize import MaterializeError, has_meta, materialize, release
 
 
 def _config() -> LlamaConfig:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pipeline.timeline import Event
-from smp.measurements import ProfileError, load_profile, measure
+from smp.profiling.measurements import ProfileError, load_profile, measure
 from tests.smp import synthetic_profile as sp
 
 

@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from smp.config import ConfigError, load_config
-from smp.spawn import run_ranks
+from smp.runtime.config import ConfigError, load_config
+from smp.testing import run_ranks
 
 
 @pytest.mark.parametrize("config,needle", [

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from smp.spawn import run_ranks
+from smp.testing import run_ranks
 
 
 def _hooks(rank: int, world: int):

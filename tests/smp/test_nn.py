@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 
 import smp
-from smp.compat import NoEffectWarning
+from smp.runtime.compat import NoEffectWarning
 
 
 def test_fused_layer_norm_is_layer_norm_with_apex_signature():

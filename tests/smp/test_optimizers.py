@@ -11,7 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from smp.optimizers import FusedLAMB, FusedLamb
-from smp.spawn import run_ranks
+from smp.testing import run_ranks
 
 
 def lamb_reference(xs, wds, grads, steps, *, lr, betas=(0.9, 0.999), eps=1e-6, max_grad_norm=1.0,

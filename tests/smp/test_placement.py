@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from smp.spawn import run_ranks
+from smp.testing import run_ranks
 from tests.smp.features import assert_exact, make_net, module_stages, train
 
 # --- activation checkpointing -------------------------------------------------------------------------------

@@ -1,10 +1,10 @@
-"""smp.planning.pipeline_runner: trace, partition on rank 0, share the plan, keep this rank's tensors, run."""
+"""smp.engine.planning.pipeline_runner: trace, partition on rank 0, share the plan, keep this rank's tensors, run."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from smp.spawn import run_ranks
+from smp.testing import run_ranks
 
 
 def _model():
@@ -14,7 +14,7 @@ def _model():
 
 
 def _run(rank: int, world: int) -> dict:
-    from smp.planning import pipeline_runner
+    from smp.engine.planning import pipeline_runner
 
     x, y = torch.randn(8, 16, generator=torch.Generator().manual_seed(1)), torch.arange(8) * 100
     want = sum(float(F.cross_entropy(_model()(x[i:i + 2]), y[i:i + 2])) for i in range(0, 8, 2)) / 4

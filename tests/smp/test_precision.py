@@ -10,10 +10,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from smp.compat import NoEffectWarning
-from smp.config import load_config
-from smp.precision import LossScaler, loss_scaler
-from smp.spawn import run_ranks
+from smp.engine.mixed_precision import LossScaler, loss_scaler
+from smp.runtime.compat import NoEffectWarning
+from smp.runtime.config import load_config
+from smp.testing import run_ranks
 
 
 def _scales(scaler: LossScaler, overflows: list[bool]) -> list[float]:

@@ -13,9 +13,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.timeline import load_trace
-from smp.measurements import load_profile
-from smp.rules import evaluate
-from smp.spawn import run_ranks
+from smp.profiling.measurements import load_profile
+from smp.profiling.rules import evaluate
+from smp.testing import run_ranks
 
 WIDTH = 1024  # passes of several milliseconds: the engine's own per-pass work stays small beside them
 
@@ -27,7 +27,7 @@ def _mlp() -> nn.Module:
 
 def _train(cfg: dict, steps: int, *, first_alone=False, sleep=0.0, busy=False, block: str | None = None):
     import smp
-    from smp import state
+    from smp.runtime import state
 
     smp.init({"microbatches": 4, **cfg})
     net = _mlp()
@@ -129,7 +129,7 @@ def test_only_one_profile_records_at_a_time_and_annotate_needs_no_profile(tmp_pa
 
 def _nested(rank: int, world: int, root: str) -> None:
     import smp
-    from smp import state
+    from smp.runtime import state
 
     with smp.annotate("before init"):  # no smp yet: nothing to record, no error
         pass

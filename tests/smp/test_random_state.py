@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from smp.spawn import run_ranks
+from smp.testing import run_ranks
 
 
 def _build() -> nn.Module:

@@ -1,10 +1,10 @@
-"""smp.rank_env: ranks started by run_ranks (and smp launch) back large CPU tensors with huge pages."""
+"""smp.runtime.rank_env: ranks started by run_ranks (and smp launch) back large CPU tensors with huge pages."""
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-from smp.spawn import run_ranks
+from smp.testing import run_ranks
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 

@@ -11,9 +11,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from partitioner import DeviceRates, NodeCosts, estimate, partition, trace
-from smp.measurements import ProfileError, measure
-from smp.replan import fit_costs, replan, replan_profile
-from smp.spawn import run_ranks
+from smp.profiling.measurements import ProfileError, measure
+from smp.profiling.replan import fit_costs, replan, replan_profile
+from smp.testing import run_ranks
 from tests.smp import synthetic_profile as sp
 
 
@@ -99,7 +99,7 @@ def _mlp() -> nn.Module:
 
 def _train(rank: int, workdir: str, cfg: dict, steps: int, place_first: bool = False):
     import smp
-    from smp import state
+    from smp.runtime import state
 
     smp.init({"microbatches": 4, **cfg})
     net = _mlp()

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from pipeline.timeline import Event
-from smp.measurements import measure
-from smp.rules import RULES, Thresholds, evaluate
+from smp.profiling.measurements import measure
+from smp.profiling.rules import RULES, Thresholds, evaluate
 from tests.smp import synthetic_profile as sp
 
 

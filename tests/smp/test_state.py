@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from smp.spawn import run_ranks
+from smp.testing import run_ranks
 from tests.smp.scripts import mlp_step, outcome
 
 
@@ -19,7 +19,7 @@ def _pause(rank: int, world: int, pause: float):
     os.environ["SMP_TIMEOUT_S"] = "1.5"
     outcomes = []
     for config in ({"timeout_s": 20.0}, {}):
-        smp.state.reset()  # a fresh smp on the same processes: new groups, with the new timeout
+        smp.runtime.state.reset()  # a fresh smp on the same processes: new groups, with the new timeout
         _, step = mlp_step(config)
         step()
         if rank == 0:

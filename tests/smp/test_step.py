@@ -12,7 +12,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from smp.spawn import run_ranks
+from smp.testing import run_ranks
 from tests.smp.scripts import MANUAL, mlp_step, outcome, two_stage_mlp
 
 
@@ -23,7 +23,7 @@ def _rss_mib() -> float:
 
 def _soak(rank: int, world: int, steps: int):
     import smp
-    from smp.step import _Micro
+    from smp.engine.step_run import _Micro
 
     smp.init({"pipeline_parallel_degree": 2, "microbatches": 4, **MANUAL})
     model = smp.DistributedModel(two_stage_mlp(64, 64, 64, 2048))

@@ -1,4 +1,4 @@
-"""As in SMP v1, the step arguments of pp_rank 0 are the truth (:mod:`smp.step_values`): with data only on
+"""As in SMP v1, the step arguments of pp_rank 0 are the truth (:mod:`smp.engine.step_values`): with data only on
 pp_rank 0 (``torch.empty(0)`` elsewhere), or a different real batch and Python argument on every rank, a
 pipelined run (pp2, pp2 x dp2) trains exactly what a single process trains on pp_rank 0's batches; Python
 values returned by the step come back as lists."""
@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from smp.spawn import run_ranks
-from smp.step_values import InputsError
+from smp.engine.step_values import InputsError
+from smp.testing import run_ranks
 from tests.smp.scripts import MANUAL, two_stage_mlp
 
 

@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from smp.spawn import run_ranks
+from smp.testing import run_ranks
 from tests.smp.scripts import _shard
 from tests.smp.test_checkpoint import CFG, Tied, _error, damage, local_params, same, tied_training
 
@@ -25,7 +25,7 @@ def _opt_state(opt) -> dict[int, torch.Tensor]:
 
 def _tagged(rank: int, world: int, tmp: str):
     import smp
-    import smp.tagged_checkpoint as tagged
+    import smp.checkpoint.tagged as tagged
 
     model, opt, step = tied_training(CFG)
     out: dict = {}

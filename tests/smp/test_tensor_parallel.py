@@ -9,10 +9,10 @@ import torch
 import torch.nn as nn
 
 import smp
-from smp import state
-from smp.compat import NoEffectWarning
-from smp.config import ConfigError, load_config
-from smp.topology import Topology
+from smp.runtime import state
+from smp.runtime.compat import NoEffectWarning
+from smp.runtime.config import ConfigError, load_config
+from smp.runtime.topology import Topology
 
 
 @pytest.fixture

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from smp.spawn import run_ranks
-from smp.topology import Topology
+from smp.runtime.topology import Topology
+from smp.testing import run_ranks
 
 # --- rank helpers and placement ---------------------------------------------------------------------------------
 

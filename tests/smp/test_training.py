@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from smp.spawn import run_ranks
+from smp.testing import run_ranks
 from tests.smp.scripts import train
 
 

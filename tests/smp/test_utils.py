@@ -4,9 +4,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from smp import state, utils
-from smp.config import load_config
-from smp.topology import Topology
+from smp import utils
+from smp.runtime import state
+from smp.runtime.config import load_config
+from smp.runtime.topology import Topology
 
 
 def test_rmsg_prefixes_the_global_rank(monkeypatch):

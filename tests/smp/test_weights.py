@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from smp.spawn import run_ranks
-from smp.weights import WeightsError, load_local, read_weights
+from smp.engine.weights import WeightsError, load_local, read_weights
+from smp.testing import run_ranks
 
 
 def _tiny_llama() -> LlamaForCausalLM:
@@ -95,8 +95,8 @@ def _train(rank: int, world: int, weights: str | None, pipeline: str, steps: int
     """A few Adam steps of the tiny Llama under smp: built with weights (seeded), or built without them and
     loaded from ``weights``; what the rank read and held, the losses and (rank 0) the gathered state."""
     import smp
-    import smp.model as model_mod
-    from smp import state
+    import smp.distributed_model as model_mod
+    from smp.runtime import state
 
     smp.init({"pipeline_parallel_degree": 2, "microbatches": 4, "pipeline": pipeline, "ddp": world > 2})
     reads = []

@@ -1,0 +1,130 @@
+"""``smp.save`` / ``smp.load``: SMP v1's checkpoint files, saved as a unit and verified on load.
+
+File names are SMP v1's. A partial object (``model.local_state_dict()``, ``optimizer.local_state_dict()``,
+or a dict holding them) goes to ``PATH_<mp_rank>``, one file per pipeline rank, under the same name on every
+data-parallel replica. The replicas hold the same state, so replica 0 (``rdp_rank() == 0``) writes the file
+and the other replicas' calls write nothing. A script that saves only on ``rdp_rank() == 0`` and loads on
+every replica therefore works. State that differs between replicas (optimizer state sharded with
+``shard_optimizer_state``) goes to ``PATH_<mp_rank>_<rdp_rank>``, which every rank writes.
+``partial=False`` writes ``PATH`` from global rank 0; other ranks' calls write nothing, as in SMP v1.
+
+The files form a unit (see :mod:`smp.checkpoint.commit`). ``PATH.manifest.json`` beside them lists every file with its
+size and SHA-256. The ranks that write stage their files under hidden temporary names. They agree that all
+of them succeeded: one ``all_gather_object`` over the pipeline of replica 0, or over all ranks for sharded
+state. Then they rename the files, and the first of them writes the manifest. If a rank fails while
+writing, nothing is renamed and the older checkpoint stays loadable. ``smp.load`` reads only files that the
+manifest lists, and it verifies them. One window remains: a crash between the renames and the manifest. A
+load then reports the files that do not match instead of mixing them; ``smp.save_checkpoint`` has no such
+window.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch.distributed as dist
+
+from smp.checkpoint.commit import (
+    CheckpointError,
+    agree,
+    discard,
+    load_file,
+    publish,
+    read_manifest,
+    stage,
+    write_manifest,
+)
+from smp.checkpoint.state_dicts import ZERO_KEY
+from smp.runtime import state
+from smp.runtime.topology import Topology
+
+__all__ = ["save", "load", "partial_path", "manifest_path"]
+
+
+def manifest_path(path: str | os.PathLike) -> str:
+    """The commit manifest of ``smp.save(obj, path)``."""
+    return f"{os.fspath(path)}.manifest.json"
+
+
+def partial_path(path: str | os.PathLike, topology: Topology, rank: int, per_replica: bool = False) -> str:
+    """The file of global ``rank`` in a partial save: ``PATH_<mp_rank>``, or ``PATH_<mp_rank>_<rdp_rank>`` for
+    state that differs between data-parallel replicas."""
+    mp = topology.pp_rank(rank)
+    suffix = f"_{mp}_{topology.dp_rank(rank)}" if per_replica else f"_{mp}"
+    return f"{os.fspath(path)}{suffix}"
+
+
+def _per_replica(obj: Any) -> bool:
+    """Does ``obj`` hold sharded optimizer state (a ``local_state_dict`` of a sharded DistributedOptimizer),
+    at the top level or inside the dicts and lists of a user's checkpoint dict?"""
+    if isinstance(obj, dict):
+        return bool(obj.get(ZERO_KEY)) or _per_replica(list(obj.values()))
+    if isinstance(obj, (list, tuple)):
+        return any(_per_replica(v) for v in obj if isinstance(v, (dict, list, tuple)))
+    return False
+
+
+def _layout(topo: Topology, partial: bool, per_replica: bool) -> dict[str, Any]:
+    return {"partial": partial, "per_replica": per_replica, "pipeline_parallel_degree": topo.pp,
+            "data_parallel_degree": topo.dp}
+
+
+def save(obj: Any, path: str | os.PathLike, partial: bool = True, **torch_save_kwargs: Any) -> None:
+    """Save ``obj`` as SMP v1 does (see the module docstring for the names and for which ranks write).
+
+    With ``partial=True`` every pipeline rank of replica 0 must call it (every rank for sharded optimizer
+    state): the save is committed only when all of them have written their file.
+    """
+    st = state.get()
+    topo = st.topology
+    if not partial:
+        if st.rank == 0:
+            digests = stage({os.fspath(path): obj}, **torch_save_kwargs)
+            publish(digests)
+            write_manifest(manifest_path(path), digests, **_layout(topo, False, False))
+        return
+    per_replica = _per_replica(obj)
+    if not per_replica and topo.dp_rank(st.rank) != 0:
+        return  # replica 0 writes the file every replica loads
+    group = None if per_replica else st.mp_group
+    target = partial_path(path, topo, st.rank, per_replica)
+    what = f"smp.save of {os.fspath(path)}_*"
+    try:
+        per_rank = agree(lambda: stage({target: obj}, **torch_save_kwargs), group, what)
+        agree(lambda: publish([target]), group, what)
+    except BaseException:
+        discard([target])
+        raise
+
+    def commit() -> None:
+        if dist.get_rank(group) == 0:  # pp_rank 0 of replica 0, or rank 0
+            write_manifest(manifest_path(path), {k: v for d in per_rank for k, v in d.items()},
+                           **_layout(topo, True, per_replica))
+    agree(commit, group, what)
+
+
+def load(path: str | os.PathLike, partial: bool = True, **torch_load_kwargs: Any) -> Any:
+    """Load what :func:`save` wrote: this rank's file of a partial save, verified against the manifest.
+
+    A file that has no manifest loads only with ``partial=False`` (a plain ``torch.save`` file, unverified).
+    """
+    manifest_file = manifest_path(path)
+    if not partial:
+        manifest = read_manifest(manifest_file, os.fspath(path)) if os.path.exists(manifest_file) else None
+        if manifest is not None and manifest.get("partial"):
+            raise CheckpointError(f"{os.fspath(path)} was saved with partial=True (one file per pipeline rank): "
+                                  "load it with smp.load(path, partial=True)")
+        return load_file(os.fspath(path), manifest, **torch_load_kwargs)
+    manifest = read_manifest(manifest_file, f"{os.fspath(path)}_*")
+    if not manifest.get("partial"):
+        raise CheckpointError(f"{os.fspath(path)} was saved with partial=False (one file): load it with "
+                              "smp.load(path, partial=False)")
+    st = state.get()
+    topo = st.topology
+    saved_pp, saved_dp = manifest["pipeline_parallel_degree"], manifest["data_parallel_degree"]
+    if saved_pp != topo.pp or (manifest["per_replica"] and saved_dp != topo.dp):
+        layout = f"pipeline_parallel_degree={saved_pp}" + (f" x {saved_dp} replicas" if manifest["per_replica"] else "")
+        raise CheckpointError(f"{os.fspath(path)}_* was saved with {layout}, but this run has "
+                              f"pipeline_parallel_degree={topo.pp} x {topo.dp} replicas: partial checkpoints load on "
+                              "the layout they were saved with (save a full state_dict() to change it)")
+    return load_file(partial_path(path, topo, st.rank, manifest["per_replica"]), manifest, **torch_load_kwargs)

@@ -1,0 +1,94 @@
+"""The state dicts of a partitioned model and its optimizer: the keys that mark them, what a checkpoint needs of
+the model and the optimizer (:class:`CheckpointModel`, :class:`CheckpointOptimizer`, protocols that
+``smp.DistributedModel`` and ``smp.DistributedOptimizer`` satisfy, so that checkpointing never imports them),
+CPU copies to gather or save them, and the error that names the keys a rank holds when a load does not match.
+
+The marker keys live here and nowhere else: :data:`PARTIAL_KEY` (this rank's part of a model, not the whole),
+:data:`PLAN_KEY` (the partition that part was cut by, as plan JSON), :data:`ZERO_KEY` (optimizer state of one
+data-parallel shard, ZeRO-1) and :data:`SHARD_KEY` (the parameters of that shard).
+"""
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+__all__ = ["on_cpu", "key_error", "PARTIAL_KEY", "PLAN_KEY", "ZERO_KEY", "SHARD_KEY", "CheckpointModel",
+           "CheckpointOptimizer"]
+
+PARTIAL_KEY = "_smp_partial"
+PLAN_KEY = "_smp_plan"
+ZERO_KEY = "_smp_zero"
+SHARD_KEY = "_smp_shard"
+
+
+@runtime_checkable
+class CheckpointModel(Protocol):
+    """What saving and resuming a checkpoint needs of the model (``smp.DistributedModel``)."""
+
+    partitioned: bool
+
+    def state_dict(self) -> dict[str, Any]:
+        """The full model, gathered from the ranks that hold it."""
+
+    def local_state_dict(self) -> dict[str, Any]:
+        """This rank's part, marked with :data:`PARTIAL_KEY` and, once partitioned, :data:`PLAN_KEY`."""
+
+    def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> Any:
+        """Load a full or partial state dict (applied after partitioning when loaded before)."""
+
+    def partition_plan(self) -> Any:
+        """The :class:`~partitioner.PartitionPlan` the model is partitioned by (None before partitioning)."""
+
+    def use_saved_plan(self, plan_json: str) -> None:
+        """Partition as the saved run did, when the layout allows it."""
+
+
+@runtime_checkable
+class CheckpointOptimizer(Protocol):
+    """What saving and resuming a checkpoint needs of the optimizer (``smp.DistributedOptimizer``)."""
+
+    @property
+    def state_sharded(self) -> bool:
+        """Is this rank's optimizer state one data-parallel shard (``shard_optimizer_state``)?"""
+
+    def state_dict(self) -> dict[str, Any]:
+        """The full optimizer state (gathered when sharded)."""
+
+    def local_state_dict(self) -> dict[str, Any]:
+        """This rank's optimizer state."""
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load full or local optimizer state."""
+
+
+def on_cpu(value: Any, _copies: dict[int, torch.Tensor] | None = None) -> Any:
+    """``value`` with every tensor (inside dicts, lists and tuples) copied to the CPU, one copy per tensor, so
+    that keys sharing a tensor (tied weights) still share one after pickling, as ``torch.save`` keeps them."""
+    copies = {} if _copies is None else _copies
+    if isinstance(value, torch.Tensor):
+        if id(value) not in copies:
+            copies[id(value)] = value.detach().cpu()
+        return copies[id(value)]
+    if isinstance(value, dict):
+        return {k: on_cpu(v, copies) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(on_cpu(v, copies) for v in value)
+    return value
+
+
+def key_error(missing: list[str], unexpected: list[str], rank: int, pp_rank: int) -> str:
+    """The message of a strict ``DistributedModel.load_state_dict`` whose keys do not match those of global
+    rank ``rank`` (``pp_rank`` in its pipeline)."""
+    where = f"rank {rank} (pp_rank {pp_rank})"
+    parts = [f"{len(missing)} key(s) that {where} holds are missing: {_some(missing)}"] if missing else []
+    if unexpected:
+        parts.append(f"{len(unexpected)} key(s) do not belong to {where}: {_some(unexpected)}")
+    return ("DistributedModel.load_state_dict: " + "; ".join(parts) + ". Was the model's code changed (a renamed "
+            "attribute), or the state saved from another model or pipeline rank? Pass strict=False to load the "
+            "matching keys and get the others back as missing_keys / unexpected_keys")
+
+
+def _some(keys: list[str], limit: int = 8) -> str:
+    shown = ", ".join(keys[:limit])
+    return f"[{shown}{', ...' if len(keys) > limit else ''}]"

@@ -1,0 +1,189 @@
+"""``smp.DistributedOptimizer``: any torch optimizer over a DistributedModel's parameters.
+
+Each rank's stages fill ``.grad`` only for the parameters they hold, and torch optimizers skip
+parameters whose gradient is None, so the wrapped optimizer steps exactly the local parameters and
+keeps state for those only. ``state_dict()`` gathers every stage's state into the full dict;
+``local_state_dict()`` is this rank's part. With ``shard_optimizer_state`` the local parameters are
+handed to torch's ``ZeroRedundancyOptimizer`` over the data-parallel group instead.
+
+With ``"fp16": True`` in the config the optimizer holds SMP's loss scaler (:mod:`smp.engine.mixed_precision`), built
+from the ``static_loss_scale`` / ``dynamic_loss_scale`` / ``dynamic_loss_args`` arguments: ``step()`` unscales
+the gradients, skips the update on every rank when one overflowed (``overflow`` says so) and adjusts the
+scale, and ``clip_master_grads`` clips by the norm of the whole model's gradient.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from smp.checkpoint.commit import CheckpointError
+from smp.checkpoint.state_dicts import SHARD_KEY, ZERO_KEY, on_cpu
+from smp.engine import gradnorm
+from smp.engine import mixed_precision as precision
+from smp.profiling import session as profiling
+from smp.runtime import state
+
+__all__ = ["DistributedOptimizer"]
+
+
+class DistributedOptimizer(torch.optim.Optimizer):
+    """A torch ``Optimizer`` (so lr schedulers accept it) that delegates to the optimizer it wraps; it never
+    calls ``Optimizer.__init__``, so ``param_groups``, ``state`` and ``defaults`` are the wrapped one's."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, static_loss_scale: float | None = 1.0,
+                 dynamic_loss_scale: bool = False, dynamic_loss_args: dict[str, Any] | None = None,
+                 **more_dynamic_loss_args: Any):
+        """``dynamic_loss_args`` (``init_scale``, ``scale_factor``, ``scale_window``, ``min_scale``,
+        ``delayed_shift``, ``consecutive_hysteresis``) may also come as keyword arguments, as SMP allows."""
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        self.optimizer = optimizer
+        self._zero: Any = None
+        st = state.get()
+        self.loss_scaler = precision.loss_scaler(
+            st.config, static_loss_scale, dynamic_loss_scale, {**(dynamic_loss_args or {}), **more_dynamic_loss_args},
+            world_group=lambda: state.get().group("world"))
+        self.overflow = False  # SMP's fp16 optimizer: True when the last step() was skipped for an overflow
+        st.optimizer = self
+        self._sharded = st.config.shard_optimizer_state and st.topology.dp > 1
+        if self._sharded:
+            if st.model is None:
+                raise RuntimeError("create the smp.DistributedModel before a DistributedOptimizer with "
+                                   "shard_optimizer_state=True")
+            st.model.register_post_partition_hook(lambda model, _: self._shard(model))
+
+    def _shard(self, model: Any) -> None:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        defaults = {k: v for k, v in self.optimizer.defaults.items() if k not in ("params",)}
+        local = {id(p) for p in model.local_parameters() if p.requires_grad}
+        # The wrapped optimizer's param groups, restricted to this rank's parameters (groups keep their own
+        # hyperparameters); _zero_groups[i] is the wrapped group that ZeRO group i mirrors.
+        groups, self._zero_groups = [], []
+        for i, g in enumerate(self.optimizer.param_groups):
+            params = [p for p in g["params"] if id(p) in local]
+            if params:
+                groups.append({**{k: v for k, v in g.items() if k not in ("params", "initial_lr")}, "params": params})
+                self._zero_groups.append(i)
+        self._zero = ZeroRedundancyOptimizer(groups, optimizer_class=type(self.optimizer),
+                                             process_group=state.get().dp_group, **defaults)
+
+    @property
+    def state_sharded(self) -> bool:
+        """Is this rank's optimizer state one data-parallel shard (``shard_optimizer_state``, once partitioned)?"""
+        return self._zero is not None
+
+    def _sync_zero_hyperparameters(self) -> None:
+        """lr schedulers change the wrapped optimizer's groups: carry lr & co. over to ZeRO's before it steps."""
+        for zg, i in zip(self._zero.param_groups, self._zero_groups):
+            zg.update({k: v for k, v in self.optimizer.param_groups[i].items() if k not in ("params", "initial_lr")})
+
+    # The optimizer's own attributes (param_groups, state, defaults): lr schedulers and GradScaler use them.
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["optimizer"], name)
+
+    def step(self, closure: Any = None) -> Any:
+        """The wrapped optimizer's step; under fp16 loss scaling, unscaled and skipped on overflow."""
+        with profiling.span("optimizer.step", "optimizer"):  # a span of the profile, when one records
+            if self.loss_scaler is not None:
+                return self.loss_scaler.scaled_step(self, self._step, closure)
+            return self._step(closure)
+
+    def _step(self, closure: Any = None) -> Any:
+        if self._zero is not None:
+            self._sync_zero_hyperparameters()
+            return self._zero.step(closure)
+        return self.optimizer.step(closure)
+
+    def clip_master_grads(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradients (unscaled first under fp16) to a global norm of at most ``max_norm`` over the
+        whole model, as SMP's fp16 optimizer does; returns the norm before clipping. Call it on every rank."""
+        if self.loss_scaler is not None:
+            self.loss_scaler.unscale_once(self)
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        return gradnorm.clip_grad_norm_(params, max_norm, norm_type, state.get())
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a parameter group to the wrapped optimizer."""
+        self.optimizer.add_param_group(param_group)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the gradients of this rank's parameters (as the wrapped optimizer's ``zero_grad``)."""
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def local_state_dict(self) -> dict[str, Any]:
+        """This rank's optimizer state, keyed as the wrapped optimizer's own ``state_dict()``: ``"state"`` holds
+        the entries of the parameters this rank steps, ``"param_groups"`` the hyperparameters. With sharded
+        state those are the entries of this replica's shard, and the dict is marked ``ZERO_KEY`` and lists
+        the shard's parameters (``SHARD_KEY``, :mod:`smp.checkpoint.state_dicts`), so it loads only into the same
+        shard."""
+        wrapped = self.optimizer.state_dict()
+        if self._zero is None:
+            return wrapped
+        index = self._index()
+        return {"state": dict(sorted((index[id(p)], v) for p, v in self._zero.optim.state.items())),
+                "param_groups": wrapped["param_groups"], ZERO_KEY: True, SHARD_KEY: self._shard_keys()}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The optimizer state of every stage, merged (on every rank), keyed as the wrapped optimizer's own
+        ``state_dict()`` would be on one device. With sharded state the replicas hold disjoint parts of each
+        stage's state, so the parts are gathered over the whole world rather than the pipeline."""
+        st = state.get()
+        local = self.local_state_dict()
+        group, size = (None, dist.get_world_size()) if self._zero is not None else (st.mp_group, st.topology.pp)
+        parts: list[Any] = [None] * size
+        dist.all_gather_object(parts, on_cpu(local["state"]), group=group)
+        merged = {k: v for part in parts for k, v in part.items()}
+        return {"state": dict(sorted(merged.items())), "param_groups": local["param_groups"]}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a full (``state_dict()``) or this rank's (``local_state_dict()``) optimizer state. Each rank keeps
+        the entries of the parameters it steps (its stages', or its shard's), never another stage's. Before the
+        first step the load is applied right after partitioning, when those are known."""
+        st = state.get()
+        if state_dict.get(ZERO_KEY) and not self._sharded:
+            raise CheckpointError("this optimizer state was saved with shard_optimizer_state=True over several "
+                                  "data-parallel replicas; load it with the same config and data-parallel degree")
+        model = st.model
+        if model is not None and not model.partitioned:
+            model.after_partition(lambda: self._load(state_dict))
+        else:
+            self._load(state_dict)
+
+    def _load(self, state_dict: dict[str, Any]) -> None:
+        index = self._index()
+        if self._zero is None:
+            model = state.get().model
+            held = None if model is None else {index[id(p)] for p in model.local_parameters() if id(p) in index}
+            self.optimizer.load_state_dict({
+                "state": {k: v for k, v in state_dict["state"].items() if held is None or k in held},
+                "param_groups": state_dict["param_groups"]})
+            return
+        if state_dict.get(ZERO_KEY) and state_dict[SHARD_KEY] != self._shard_keys():
+            raise CheckpointError("this sharded optimizer state belongs to another shard (the data-parallel replica "
+                                  "that saved it held other parameters): load each replica's own file "
+                                  "(PATH_<mp_rank>_<rdp_rank>), with the data-parallel degree it was saved with")
+        # The hyperparameters into the wrapped groups (ZeRO's follow them at each step), and to ZeRO's shard only
+        # the state of the parameters it holds.
+        for g, saved in zip(self.optimizer.param_groups, state_dict["param_groups"]):
+            g.update({k: v for k, v in saved.items() if k != "params"})
+        shard = self._zero.optim.state_dict()
+        params = [p for g in self._zero.optim.param_groups for p in g["params"]]
+        shard["state"] = {i: state_dict["state"][index[id(p)]] for i, p in enumerate(params)
+                          if index[id(p)] in state_dict["state"]}
+        self._zero.optim.load_state_dict(shard)
+
+    def _shard_keys(self) -> list[int]:
+        """The wrapped optimizer's keys of the parameters in this replica's ZeRO shard."""
+        index = self._index()
+        return sorted(index[id(p)] for g in self._zero.optim.param_groups for p in g["params"])
+
+    def _index(self) -> dict[int, int]:
+        """Parameter (by id) -> its key in the wrapped optimizer's ``state_dict()``."""
+        return {id(p): i for i, p in enumerate(p for g in self.optimizer.param_groups for p in g["params"])}
+
+    def __repr__(self) -> str:
+        return f"DistributedOptimizer({self.optimizer!r})"
+

@@ -1,0 +1,147 @@
+"""One call of an ``@smp.step`` function on this rank, run as a unit.
+
+The step announces itself to the rank's pipeline (:mod:`smp.runtime.call_log`), takes pp_rank 0's arguments
+(SMP v1: they are the truth, :func:`smp.engine.step_values.share_inputs`), partitions the model on its first
+call, walks this rank's schedule while the microbatches' threads run the user's function
+(:mod:`smp.engine.step_function`), averages gradients over the data-parallel replicas and brings the last stage's
+return values to every rank (:mod:`smp.engine.step_values`). Every wait in it is bounded by ``timeout_s``. When
+anything in it fails — here, or on a peer, seen as a closed connection or a silence — this rank releases the
+step's threads, explains a silent peer by the smp call that peer is in instead, leaves the failure note and
+closes smp's process groups (:meth:`smp.runtime.state.State.report_failure`), so that every rank ends the step
+with an error naming the rank that failed first.
+
+Between steps the step also owns two decisions a profile informs: it records the step when a profile window
+is open (:mod:`smp.profiling.session`), and with ``"auto_repartition"`` it moves the model to a better plan
+once the re-planner's window is complete (:mod:`smp.engine.repartition`).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from partitioner.program import flatten_inputs
+from pipeline import PeerError
+from pipeline.p2p import named_failures
+from smp.engine.pipeline_model import PipelineModel
+from smp.engine.repartition import repartition_in_flight
+from smp.engine.step_run import StepRun
+from smp.engine.step_values import broadcast_values, share_inputs
+from smp.profiling.session import session_of
+from smp.runtime.state import State
+
+__all__ = ["run_step"]
+
+
+def run_step(st: State, model: PipelineModel, run: StepRun) -> list[Any]:
+    """Run ``run`` on ``model`` on this rank, profiled when a profile records, after re-partitioning when
+    ``"auto_repartition"`` is due; the per-microbatch return values, on every rank of the pipeline."""
+    session = session_of(st)
+    due = session.repartition_due()
+    if due is not None:
+        repartition_in_flight(st, model, *due)
+        session.repartition_done(st)
+    session.before(model)
+    try:
+        results = _guarded(st, model, run)
+    except BaseException:
+        session.after(ok=False)
+        raise
+    session.after(ok=True)
+    return results
+
+
+def _guarded(st: State, model: PipelineModel, run: StepRun) -> list[Any]:
+    st.group("pipeline")  # after a failure closed the groups, say so rather than fail on a closed group
+    call = f"@smp.step {run.name}"
+    st.calls["pipeline"].announce(call)
+    if not model.partitioned:
+        st.calls["world"].announce(call)  # the first step partitions: the plan goes to every rank
+    try:
+        return _run(st, model, run, call)
+    except BaseException as exc:
+        run.abandon()
+        culprit = exc.culprit if isinstance(exc, PeerError) else None
+        why = next((x for x in (st.calls[k].explain(culprit) for k in ("pipeline", "data-parallel")) if x), "") \
+            if culprit is not None else ""
+        if why:  # a peer that did not answer: say where it is instead
+            exc = PeerError(f"{exc}; {why}", culprit=culprit)
+        st.report_failure(exc)
+        if why:
+            raise exc from None
+        raise
+
+
+def _run(st: State, model: PipelineModel, run: StepRun, call: str) -> list[Any]:
+    if st.topology.pp > 1:
+        _take_first_stage_inputs(st, run)
+    if not model.partitioned:
+        model.partition(run.call_of(0))
+    runner = model.runner
+    assert runner is not None  # partitioned
+    sm = runner.split_model
+    runner.train(model.module.training)  # model.eval() turns dropout off and BatchNorm to running statistics
+    train = model.module.training and run.call_of(0).grad_enabled
+    if run.call_of(0).autocast != model.traced_autocast:
+        def name(ac: Any) -> str:
+            return f"torch.autocast({ac[0]!r}, dtype={ac[1]})" if ac else "no autocast"
+        raise RuntimeError(f"the model was partitioned under {name(model.traced_autocast)} but this step runs "
+                           f"under {name(run.call_of(0).autocast)}: the tensors that cross pipeline stages have "
+                           "the dtypes of the first step, so call the model under the same autocast setting in "
+                           "every step")
+
+    def inputs_of(k: int) -> dict[str, Any]:
+        mb = run.call_of(k)
+        flat = flatten_inputs(sm.program, mb.args, mb.kwargs)
+        sm.check_inputs(flat)
+        return {n: (v.to(st.device) if isinstance(v, torch.Tensor) else v)
+                for n, v in zip(sm.program.input_names, flat)}
+
+    last = model.is_last_stage_rank()
+    # The step function gets each microbatch's outputs from the loss hook; the runner keeps none.
+    runner.run_microbatches(inputs_of, run.loss_hook if last else None, train, run.before_forward,
+                            keep_outputs=False)
+    local = run.results()
+    if train and st.topology.dp > 1:
+        _reduce_data_parallel(st, [p for p in model.local_parameters() if p.requires_grad], call)
+    src = runner.ranks[-1]
+    waiting_on = [src] if not last else [r for r in runner.ranks if r != st.rank]
+    with named_failures("receiving the step's results from the last stage" if not last else
+                        "sending the step's results", waiting_on, st.rank, st.config.timeout_s):
+        results, run.backward_missing = broadcast_values(
+            local if last else None, src, runner.transport.group, run.memo.setdefault("results", {}), st.device,
+            flag=last and train and run.without_backward())
+    return results
+
+
+def _take_first_stage_inputs(st: State, run: StepRun) -> None:
+    """Replace this rank's step arguments with those of pp_rank 0 of its pipeline (which sends them)."""
+    ranks = st.ranks("pipeline")
+    src = ranks[0]
+    waiting_on = [src] if st.rank != src else ranks[1:]
+    with named_failures("receiving the step's arguments from pp_rank 0" if st.rank != src else
+                        "sending the step's arguments to the pipeline", waiting_on, st.rank, st.config.timeout_s):
+        inputs = share_inputs(run.inputs, src, st.group("pipeline"), run.memo.setdefault("inputs", {}), st.rank,
+                              st.device)
+    if st.rank != src:
+        run.use_inputs(*inputs)
+
+
+def _reduce_data_parallel(st: State, params: list[torch.nn.Parameter], call: str) -> None:
+    """Average the gradients of ``params`` over the replicas of this stage (one coalesced all-reduce on the
+    data-parallel group)."""
+    st.calls["data-parallel"].announce(call)
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    grads = [p.grad for p in params if p.grad is not None]  # all of them: filled with zeros above
+    if not grads:
+        return
+    flat = torch._utils._flatten_dense_tensors(grads)
+    peers = [r for r in st.ranks("data-parallel") if r != st.rank]
+    with named_failures("averaging gradients over the data-parallel replicas", peers, st.rank, st.config.timeout_s):
+        dist.all_reduce(flat, group=st.dp_group)
+    flat /= st.topology.dp
+    for g, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+        g.copy_(reduced)

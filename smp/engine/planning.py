@@ -1,0 +1,91 @@
+"""One plan for every rank: trace on each rank, partition on global rank 0, share the plan.
+
+Partitioning prices ops with measured device rates, which differ from one process to the next; if every
+rank partitioned on its own they could disagree on the stages. So global rank 0 alone partitions and
+broadcasts the plan as JSON, and every rank binds it to its own trace of the model (the stages it builds
+hold its own parameters). This is where the ``smp`` layer composes the partitioner and the pipeline
+runtime: :func:`pipeline_runner` is the one-call way from a model to a running :class:`pipeline.PipelineRunner`.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from partitioner import PartitionOptions, PartitionPlan, partition, trace
+from pipeline import PipelineRunner, microbatch
+from pipeline.p2p import named_failures
+from smp.engine import mixed_precision as precision
+from smp.engine.materialize import keep_own_share, tensor_ids
+from smp.engine.pipeline_model import PipelineModel
+from smp.engine.weights import load_local
+from smp.runtime.state import State
+
+__all__ = ["shared_plan", "pipeline_runner", "smp_runner", "own_tensors"]
+
+
+def shared_plan(model: torch.nn.Module, args: tuple, kwargs: dict, num_stages: int,
+                options: PartitionOptions | None = None, group: Any = None,
+                timeout_s: float | None = None, loss: tuple[Any, Any] | None = None) -> PartitionPlan:
+    """Every rank traces ``model`` on one microbatch; global rank 0 partitions and sends the plan to all, over
+    ``group`` (every rank; default: the default group), whose timeout bounds the other ranks' wait
+    (``timeout_s`` names it in the error: raise it when partitioning takes longer). ``loss``: ``(loss_fn, one
+    microbatch's target)``, the loss the last stage computes, priced in the plan (``partitioner.trace``)."""
+    loss_fn, target = loss if loss is not None else (None, None)
+    graph = trace(model, args, kwargs, loss_fn=loss_fn, target=target)
+    text = [partition(graph, num_stages, options, example_inputs=args, example_kwargs=kwargs).to_json()
+            if dist.get_rank() == 0 else None]
+    with named_failures("receiving the partition plan from rank 0", [0], dist.get_rank(), timeout_s):
+        dist.broadcast_object_list(text, src=0, group=group)
+    assert text[0] is not None  # rank 0's plan arrived
+    return PartitionPlan.from_json(text[0]).bind(graph, "the plan from rank 0")
+
+
+def pipeline_runner(model: torch.nn.Module, args: tuple = (), kwargs: dict | None = None, *,
+                    num_stages: int | None = None, microbatches: int = 1, virtual_stages: int = 1,
+                    options: PartitionOptions | None = None, weights: str | None = None,
+                    loss_fn: Any = None, target: Any = None, **runner_kwargs: Any) -> PipelineRunner:
+    """Trace ``model`` on one microbatch of the batch ``(args, kwargs)``, partition on global rank 0, share
+    the plan with every rank and build this rank's :class:`pipeline.PipelineRunner` (``runner_kwargs``:
+    ``schedule``, ``ranks``/``pipelines``, ``timeout_s``, ``device``, ...). ``num_stages`` defaults to the
+    pipeline's ranks times ``virtual_stages``; ``options`` default to ``PartitionOptions(microbatches=...)``.
+    ``loss_fn`` and the batch's ``target``: the loss ``step`` will compute, priced on the last stage by the plan.
+
+    The model keeps only this rank's tensors (:mod:`smp.engine.materialize`): built without weights, it gets them
+    initialised, or read from the checkpoint ``weights`` (:mod:`smp.engine.weights`: only this rank's keys are read);
+    built with weights, it releases the other stages' ones."""
+    pipelines = [list(p) for p in runner_kwargs.get("pipelines") or
+                 [runner_kwargs.get("ranks") or range(dist.get_world_size())]]
+    mb_args, mb_kwargs = microbatch.split(tuple(args), dict(kwargs or {}), microbatches)[0]
+    mine = next(p for p in pipelines if dist.get_rank() in p)
+    stages = num_stages or len(mine) * virtual_stages
+    loss = None if loss_fn is None else (loss_fn, microbatch.split((target,), {}, microbatches)[0][0][0])
+    plan = shared_plan(model, mb_args, mb_kwargs, stages, PartitionOptions.of(options, microbatches=microbatches),
+                       loss=loss)
+    local = own_tensors(plan, mine.index(dist.get_rank()), len(mine))
+    keep_own_share(model, local, runner_kwargs.get("device") or "cpu", initialise=weights is None)
+    if weights is not None:
+        load_local(model, weights, tensor_ids(model, local))
+    runner_kwargs.setdefault("autocast", precision.active_autocast())  # traced under it: the stages run under it
+    return PipelineRunner(plan, microbatches=microbatches, virtual_stages=virtual_stages, **runner_kwargs)
+
+
+def own_tensors(plan: PartitionPlan, rank: int, ranks: int) -> set[str]:
+    """Names of the parameters and buffers that pipeline rank ``rank`` of ``ranks`` holds: those of the stages of
+    ``plan`` it runs (stage s on rank s mod ranks)."""
+    return plan.stage_tensors([s for s in range(plan.num_stages) if s % ranks == rank])
+
+
+def smp_runner(st: State, model: PipelineModel, plan: PartitionPlan, checkpoint_modules: list[str],
+               initialise: bool = True) -> PipelineRunner:
+    """This rank's pipeline of ``plan`` as the smp config sets it up (``smp.DistributedModel`` at partitioning,
+    and when re-partitioned in flight, :mod:`smp.engine.migrate`): the model holds only this rank's tensors, initialised
+    where they were created without weights (unless weights are about to be loaded), then the runner."""
+    cfg = st.config
+    local = own_tensors(plan, st.topology.pp_rank(st.rank), st.topology.pp)
+    keep_own_share(model.module, local, st.device, initialise)
+    return PipelineRunner(plan, schedule=cfg.schedule, microbatches=cfg.microbatches,
+                          max_in_flight=cfg.active_microbatches if cfg.schedule == "1f1b" else None,
+                          pipelines=st.topology.mp_groups(), device=st.device, timeout_s=cfg.timeout_s,
+                          checkpoint_modules=checkpoint_modules, autocast=model.traced_autocast)

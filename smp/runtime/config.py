@@ -1,0 +1,288 @@
+"""The ``smp.init`` configuration: SageMaker model parallelism's keys, defaults and checks.
+
+A config comes as a dict, a path to a JSON file, or JSON in the ``SMP_CONFIG`` environment variable.
+Unknown keys and bad values are errors that list what is valid, because a typo in a training config
+should not silently fall back to a default. Keys of SMP v1 that tune that library's own runtime are
+accepted; given a value other than their default they warn once that they have no effect here
+(:mod:`smp.runtime.compat`).
+
+``timeout_s`` (engine's own key) bounds every wait and collective smp issues; it may also come from the
+``SMP_TIMEOUT_S`` environment variable (the config wins), so a launcher can raise it without editing the
+script.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, fields
+from typing import Any, TypeGuard
+
+from partitioner.errors import EngineError
+from pipeline.profiler import ProfileOptions
+from pipeline.schedule import SMP_PIPELINES
+from smp.runtime.compat import warn_no_effect
+
+__all__ = ["Config", "ConfigError", "load_config", "DEFAULT_TIMEOUT_S", "TIMEOUT_ENV", "AutoRepartition",
+           "DEFAULT_PROFILE_STEPS"]
+
+DEFAULT_TIMEOUT_S = 60.0
+TIMEOUT_ENV = "SMP_TIMEOUT_S"
+
+
+class ConfigError(EngineError, ValueError):
+    """A bad ``smp.init`` configuration; the message says which key and what is allowed."""
+
+
+_PLACEMENTS = ("cluster", "spread")
+_OPTIMIZE = ("speed", "memory")
+
+
+@dataclass(frozen=True)
+class Config:
+    """A checked ``smp.init`` configuration: SMP v1's keys with their defaults, and ``timeout_s``."""
+
+    pipeline_parallel_degree: int
+    microbatches: int = 1
+    pipeline: str = "interleaved"
+    auto_partition: bool = True
+    default_partition: int | None = None
+    placement_strategy: str = "cluster"
+    ddp: bool = False
+    optimize: str = "speed"
+    memory_weight: float | None = None
+    active_microbatches: int | None = None
+    shard_optimizer_state: bool = False
+    offload_activations: bool = False
+    tensor_parallel_degree: int = 1
+    fp16: bool = False                # steps run under float16 autocast, with loss scaling (smp.engine.mixed_precision)
+    bf16: bool = False                # steps run under bfloat16 autocast
+    delayed_parameter_initialization: bool = False
+    sharded_data_parallel_degree: int = 1
+    timeout_s: float = DEFAULT_TIMEOUT_S  # per wait/collective; from SMP_TIMEOUT_S when the config has none
+    # SMP v1 keys accepted for compatibility; they have no effect here (see _NO_EFFECT).
+    prescaled_batch: bool = False
+    checkpoint_attentions: bool = False
+    activation_loading_horizon: int = 4
+    skip_tracing: bool = False
+    static_mode: bool = False
+    fast_mode: bool = False
+    fp16_params: bool = False
+    _fp32_grad_accumulation: bool = False
+    _match_weights: bool = False
+    overlapping_allreduce: bool = True
+    # Profiling and re-partitioning from measurements (smp.profile, smp.profiling.replan).
+    profile: dict | None = None           # {"dir": "prof", "steps": [start, stop]}: profile those steps
+    partition_file: str | None = None     # partition by this plan (smp replan -o FILE, PartitionPlan.to_json)
+    auto_repartition: dict | None = None  # {"after_steps": N, "min_gain": 0.05, "dir": None}: re-plan in flight
+
+    @property
+    def schedule(self) -> str:
+        """The pipeline package's name for the schedule SMP calls ``pipeline``."""
+        return SMP_PIPELINES[self.pipeline]
+
+    @property
+    def effective_memory_weight(self) -> float:
+        """``memory_weight``, or SMP's default for ``optimize``: 0.2 for "speed", 0.8 for "memory"."""
+        if self.memory_weight is not None:
+            return self.memory_weight
+        return 0.2 if self.optimize == "speed" else 0.8
+
+    @property
+    def max_in_flight(self) -> int:
+        """``active_microbatches``, or SMP's default: partitions + 2."""
+        return self.active_microbatches or self.pipeline_parallel_degree + 2
+
+    def to_dict(self) -> dict[str, Any]:
+        """The configuration as a plain dict (every key, defaults included)."""
+        return asdict(self)
+
+    @property
+    def profile_options(self) -> ProfileOptions | None:
+        """The ``profile`` key as :class:`pipeline.profiler.ProfileOptions` (steps 1 .. 10 by default)."""
+        if self.profile is None:
+            return None
+        return ProfileOptions(self.profile["dir"], tuple(self.profile.get("steps", DEFAULT_PROFILE_STEPS)))
+
+    @property
+    def repartition(self) -> AutoRepartition | None:
+        """The ``auto_repartition`` key as :class:`AutoRepartition`."""
+        return None if self.auto_repartition is None else AutoRepartition(**self.auto_repartition)
+
+
+DEFAULT_PROFILE_STEPS = (1, 11)  # step 0 traces and partitions the model: not a typical step
+
+
+@dataclass(frozen=True)
+class AutoRepartition:
+    """Re-partition in flight: profile ``after_steps`` steps after the first, re-plan from what they
+    measured, and move to the new plan when it predicts a step at least ``min_gain`` faster (``dir``: also
+    write that profile there)."""
+
+    after_steps: int
+    min_gain: float = 0.05
+    dir: str | None = None
+
+    @property
+    def steps(self) -> tuple[int, int]:
+        """The steps profiled: 1 .. after_steps (step 0 partitions the model)."""
+        return (1, 1 + self.after_steps)
+
+
+# Key -> why it changes nothing here (warned when a config gives it a value other than its default).
+_NO_EFFECT = {
+    "prescaled_batch": "without tensor parallelism every data-parallel rank reads its own batch already",
+    "checkpoint_attentions": "it checkpoints SMP's tensor-parallel attention; use smp.set_activation_checkpointing",
+    "activation_loading_horizon": "it tunes activation offloading, which this engine does not do",
+    "skip_tracing": "the engine always traces the model at the first step, to partition it",
+    "static_mode": "every step runs the stage graph traced at the first step",
+    "fast_mode": "stages always exchange exactly the tensors that cross them",
+    "fp16_params": "parameters keep the dtype the model was created with; use 'fp16' for mixed precision",
+    "_fp32_grad_accumulation": "gradients accumulate in the parameters' dtype, fp32 under 'fp16'/'bf16'",
+    "_match_weights": "there are no tensor-parallel weights to match",
+    "overlapping_allreduce": "data-parallel gradients are averaged in one collective after each step",
+}
+_SMP_V1_FLAGS = ("fp16", "bf16", "delayed_parameter_initialization", "prescaled_batch", "checkpoint_attentions",
+              "skip_tracing", "static_mode", "fast_mode", "fp16_params", "_fp32_grad_accumulation", "_match_weights",
+              "overlapping_allreduce")
+
+
+def _check(cond: bool, key: str, value: Any, allowed: str) -> None:
+    if not cond:
+        raise ConfigError(f"smp config {key!r}={value!r} is not valid: {allowed}")
+
+
+def load_config(config: dict | str | os.PathLike | None = None) -> Config:
+    """Read and check a config (dict, JSON file path, or ``SMP_CONFIG`` when None)."""
+    if config is None:
+        text = os.environ.get("SMP_CONFIG")
+        if not text:
+            raise ConfigError("smp.init() needs a config: pass a dict or a JSON file path, or set SMP_CONFIG "
+                              "to JSON such as '{\"pipeline_parallel_degree\": 2, \"microbatches\": 4}'")
+        config = _parse_json(text, "SMP_CONFIG")
+    elif isinstance(config, (str, os.PathLike)):
+        if not os.path.exists(config):
+            raise ConfigError(f"smp config file {os.fspath(config)!r} does not exist")
+        with open(config) as fh:
+            config = _parse_json(fh.read(), os.fspath(config))
+    if not isinstance(config, dict):
+        raise ConfigError(f"smp config must be a dict, got {type(config).__name__}")
+    cfg = dict(config)
+    if "partitions" in cfg:  # SMP's alias
+        if "pipeline_parallel_degree" in cfg and cfg["pipeline_parallel_degree"] != cfg["partitions"]:
+            raise ConfigError(f"'partitions'={cfg['partitions']} and 'pipeline_parallel_degree'="
+                              f"{cfg['pipeline_parallel_degree']} disagree; give one of them")
+        cfg["pipeline_parallel_degree"] = cfg.pop("partitions")
+    known = {f.name for f in fields(Config)}
+    unknown = sorted(set(cfg) - known)
+    if unknown:
+        raise ConfigError(f"unknown smp config key(s) {unknown}; valid keys: {sorted(known | {'partitions'})}")
+    if "timeout_s" not in cfg and os.environ.get(TIMEOUT_ENV):
+        text = os.environ[TIMEOUT_ENV]
+        try:
+            cfg["timeout_s"] = float(text)
+        except ValueError:
+            raise ConfigError(f"{TIMEOUT_ENV}={text!r} is not valid: a number of seconds, such as 600") from None
+    if "pipeline_parallel_degree" not in cfg:
+        raise ConfigError("smp config needs 'pipeline_parallel_degree' (alias 'partitions'): the number of "
+                          "pipeline stages")
+    c = Config(**cfg)
+    _validate(c)
+    defaults = {f.name: f.default for f in fields(Config)}
+    for key, why in _NO_EFFECT.items():
+        if getattr(c, key) != defaults[key]:  # through smp.init, stacklevel 3 is the user's smp.init line
+            warn_no_effect(f"smp config {key!r}={getattr(c, key)!r}", why, stacklevel=3)
+    return c
+
+
+def _parse_json(text: str, where: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"smp config in {where} is not valid JSON: {exc}") from None
+
+
+def _is_int(v: Any) -> TypeGuard[int]:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _validate(c: Config) -> None:
+    _check(_is_int(c.pipeline_parallel_degree) and c.pipeline_parallel_degree >= 1,
+           "pipeline_parallel_degree", c.pipeline_parallel_degree, "a positive integer")
+    _check(_is_int(c.microbatches) and c.microbatches >= 1, "microbatches", c.microbatches, "a positive integer")
+    _check(c.pipeline in SMP_PIPELINES, "pipeline", c.pipeline,
+           "'interleaved' (1F1B, backward first) or 'simple' (GPipe)")
+    _check(isinstance(c.auto_partition, bool), "auto_partition", c.auto_partition, "True or False")
+    _check(c.placement_strategy in _PLACEMENTS, "placement_strategy", c.placement_strategy, f"one of {_PLACEMENTS}")
+    _check(isinstance(c.ddp, bool), "ddp", c.ddp, "True or False")
+    _check(c.optimize in _OPTIMIZE, "optimize", c.optimize, f"one of {_OPTIMIZE}")
+    _check(c.memory_weight is None or (isinstance(c.memory_weight, (int, float)) and 0 <= c.memory_weight <= 1),
+           "memory_weight", c.memory_weight, "a number in [0, 1]")
+    _check(c.active_microbatches is None or (_is_int(c.active_microbatches) and c.active_microbatches >= 1),
+           "active_microbatches", c.active_microbatches, "a positive integer")
+    _check(isinstance(c.shard_optimizer_state, bool), "shard_optimizer_state", c.shard_optimizer_state, "True or False")
+    _check(isinstance(c.offload_activations, bool), "offload_activations", c.offload_activations, "True or False")
+    _check(c.offload_activations is False, "offload_activations", c.offload_activations,
+           "activation offloading is not supported by this engine; use smp.set_activation_checkpointing")
+    _check(isinstance(c.timeout_s, (int, float)) and not isinstance(c.timeout_s, bool) and 0 < c.timeout_s < 1e9,
+           "timeout_s", c.timeout_s, "a positive number of seconds: how long any one wait or collective of smp "
+           "may take before the job stops with an error")
+    _check(c.tensor_parallel_degree == 1, "tensor_parallel_degree", c.tensor_parallel_degree,
+           "only 1: this engine does pipeline and data parallelism, not tensor parallelism")
+    for key in _SMP_V1_FLAGS:
+        _check(isinstance(getattr(c, key), bool), key, getattr(c, key), "True or False")
+    _check(_is_int(c.sharded_data_parallel_degree) and c.sharded_data_parallel_degree >= 1,
+           "sharded_data_parallel_degree", c.sharded_data_parallel_degree, "a positive integer")
+    _check(c.sharded_data_parallel_degree == 1, "sharded_data_parallel_degree", c.sharded_data_parallel_degree,
+           "only 1: this engine does not shard parameters across data-parallel ranks; for ZeRO-1 style sharding "
+           "of the optimizer state set 'ddp': True and 'shard_optimizer_state': True")
+    _check(not (c.fp16 and c.bf16), "fp16", c.fp16, "not together with 'bf16': True; choose one of them")
+    _check(_is_int(c.activation_loading_horizon) and c.activation_loading_horizon >= 1,
+           "activation_loading_horizon", c.activation_loading_horizon, "a positive integer")
+    _validate_profiling(c)
+    if c.auto_partition:
+        _check(c.default_partition is None or (_is_int(c.default_partition) and
+                                               0 <= c.default_partition < c.pipeline_parallel_degree),
+               "default_partition", c.default_partition, f"an integer in [0, {c.pipeline_parallel_degree})")
+    else:
+        _check(_is_int(c.default_partition) and 0 <= c.default_partition < c.pipeline_parallel_degree,
+               "default_partition", c.default_partition,
+               f"required when auto_partition is False: an integer in [0, {c.pipeline_parallel_degree})")
+
+
+def _keys(value: Any, key: str, allowed: tuple[str, ...], required: tuple[str, ...], example: str) -> None:
+    _check(isinstance(value, dict) and set(required) <= set(value) and set(value) <= set(allowed), key, value,
+           f"a dict with keys {list(allowed)} ({', '.join(required)} required), such as {example}")
+
+
+def _validate_profiling(c: Config) -> None:
+    """The ``profile``, ``partition_file`` and ``auto_repartition`` keys, and how they combine."""
+    if c.profile is not None:
+        _keys(c.profile, "profile", ("dir", "steps"), ("dir",), '{"dir": "prof", "steps": [10, 20]}')
+        _check(isinstance(c.profile["dir"], str) and bool(c.profile["dir"]), "profile", c.profile,
+               "'dir' must be a directory name (a non-empty string)")
+        try:
+            _ = c.profile_options  # built (and checked) by pipeline.profiler.ProfileOptions
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"smp config 'profile'={c.profile!r} is not valid: {exc}") from None
+    _check(c.partition_file is None or (isinstance(c.partition_file, str) and os.path.isfile(c.partition_file)),
+           "partition_file", c.partition_file, "the path of an existing plan file (written by `smp replan -o FILE` "
+           "or PartitionPlan.to_json(FILE))")
+    if c.auto_repartition is None:
+        return
+    auto = c.auto_repartition
+    _keys(auto, "auto_repartition", ("after_steps", "min_gain", "dir"), ("after_steps",), '{"after_steps": 10}')
+    _check(_is_int(auto["after_steps"]) and auto["after_steps"] >= 1, "auto_repartition", auto,
+           "'after_steps' must be a positive integer: the steps to profile before re-planning")
+    gain = auto.get("min_gain", 0.05)
+    _check(isinstance(gain, (int, float)) and not isinstance(gain, bool) and gain >= 0, "auto_repartition", auto,
+           "'min_gain' must be a number >= 0: the predicted speed-up (0.05 = 5%) worth moving for")
+    _check(auto.get("dir") is None or isinstance(auto["dir"], str), "auto_repartition", auto,
+           "'dir' must be a directory name or None")
+    _check(not c.shard_optimizer_state, "auto_repartition", auto, "not together with 'shard_optimizer_state': "
+           "True (a sharded optimizer state cannot move between stages); turn one of them off")
+    assert c.repartition is not None and c.repartition.steps is not None  # auto_repartition is set
+    window = c.repartition.steps
+    options = c.profile_options
+    _check(options is None or options.steps is None or options.steps[0] >= window[1], "profile", c.profile,
+           f"its steps must start at {window[1]} or later: auto_repartition profiles steps {window[0]} .. "
+           f"{window[1] - 1}")
