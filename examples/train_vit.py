@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
         optimizer.zero_grad()
         scheduler.step()
         if lead:
-            acc = sum(accuracy.outputs) / len(accuracy.outputs)
+            acc = sum(accuracy) / len(accuracy)  # one Python float per microbatch
             print(f"step {step + 1:3d}/{args.steps}  loss {float(loss.reduce_mean()):.4f}  "
                   f"(distill {float(distill.reduce_mean()):.4f}, label CE {float(hard.reduce_mean()):.4f})  "
                   f"accuracy {acc:.2f}  {time.perf_counter() - t0:6.3f} s", flush=True)

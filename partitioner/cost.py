@@ -30,12 +30,11 @@ from .calibration import calibrate
 from .devices import DeviceRates
 from .flops import VIEW_OPS, is_matmul_class
 from .graph import OpGraph
+from .pipelines import pipeline_of
 from .precision import at_precision, weight_bytes
 
-__all__ = ["NodeCosts", "estimate", "needs_grad", "view_ops", "in_flight", "PIPELINES"]
+__all__ = ["NodeCosts", "estimate", "needs_grad", "view_ops", "in_flight"]
 
-# How many microbatches' activations a pipeline keeps in flight (see in_flight).
-PIPELINES = ("1f1b", "gpipe")
 
 
 @dataclass
@@ -112,8 +111,6 @@ def estimate(graph: OpGraph, rates: DeviceRates | None = None, dtype: str = "fp3
 
 def in_flight(stage: int, num_stages: int, microbatches: int, pipeline: str) -> int:
     """Microbatches whose activations a stage holds at once: GPipe keeps all m; 1F1B keeps p - s."""
-    if pipeline not in PIPELINES:
-        raise ValueError(f"pipeline={pipeline!r} is not known; use one of {PIPELINES}")
-    if pipeline == "gpipe":
+    if pipeline_of(pipeline) == "gpipe":
         return microbatches
     return max(1, min(microbatches, num_stages - stage))

@@ -12,8 +12,8 @@ from numbers import Integral
 from typing import Any
 
 from .calibration import calibrate
-from .cost import PIPELINES
 from .devices import DEVICES, LINKS, PRECISIONS, DeviceRates, UnknownDeviceError, profile
+from .pipelines import pipeline_of
 from .precision import OPTIMIZER_STATE_FACTOR
 from .units import UNLIMITED, parse_size
 
@@ -73,9 +73,7 @@ class PartitionOptions:
             object.__setattr__(self, "device_memory", parse_size(self.device_memory))
         if not isinstance(self.microbatches, Integral) or isinstance(self.microbatches, bool) or self.microbatches < 1:
             raise ValueError(f"microbatches must be a positive integer, got {self.microbatches!r}")
-        if self.pipeline not in PIPELINES:
-            raise ValueError(f"pipeline={self.pipeline!r} is not known; use one of {PIPELINES} "
-                             "(SMP's 'interleaved' is 1f1b, 'simple' is gpipe)")
+        object.__setattr__(self, "pipeline", pipeline_of(self.pipeline))  # SMP's names too
         if self.optimizer not in OPTIMIZER_STATE_FACTOR:
             raise ValueError(f"optimizer={self.optimizer!r} is not known; use one of {sorted(OPTIMIZER_STATE_FACTOR)}")
         if self.device not in DEVICES:

@@ -11,6 +11,9 @@ Both results then go through the same boundary refinement (:mod:`partitioner.ref
 also kept as it was. Under ``"auto"`` the baselines' plans (:mod:`partitioner.baselines`) are candidates
 too, so the plan is never worse than a baseline printed beside it: no baseline is as good in bottleneck,
 cut bytes and largest-stage memory and better in one.
+
+A model whose forward calls ``torch.distributed.pipelining.pipe_split()`` has chosen its stages itself: those
+markers are honoured (:mod:`partitioner.split_points`), not searched over.
 """
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ from .objective import Evaluation, Problem, budget_error, choose, evaluate
 from .options import UNLIMITED, PartitionOptions
 from .plan import PartitionPlan, make_plan
 from .refine import refine
+from .split_points import marker_stages
 from .timing import measure as measure_costs
 from .tracing import trace
 
@@ -83,12 +87,16 @@ def partition(graph_or_model: Any, num_stages: int, options: PartitionOptions | 
               **changes: Any) -> PartitionPlan:
     """Partition a model (traced with ``example_inputs``, one microbatch) or an :class:`OpGraph` into
     ``num_stages`` stages, under ``options`` with ``changes`` applied (``partition(g, 4, microbatches=8)``);
-    see :class:`partitioner.PartitionOptions`. ``costs``: per-op seconds to use instead of the cost model's.
+    see :class:`partitioner.PartitionOptions`. A model with ``pipe_split()`` markers is cut at them. ``costs``:
+    per-op seconds to use instead of the cost model's.
     With ``split_heavy_linears``, a graph whose heavy linears are split into column chunks
     (:mod:`partitioner.chunk`) is partitioned too, and its plan (whose graph is the split one) is kept if
     it is the better one."""
     p = make_problem(graph_or_model, num_stages, options, example_inputs=example_inputs,
                      example_kwargs=example_kwargs, costs=costs, **changes)
+    marked = marker_stages(p.graph, num_stages)
+    if marked is not None:  # the user's pipe_split() markers
+        return make_plan(p, evaluate(p, marked), "pipe_split")
     problems = [p]
     chunks = heavy_linears(p.graph, p.time, num_stages) if costs is None and p.options.split_heavy_linears else {}
     if chunks:  # an op heavier than a stage's share: no cut balances the stages until it is split

@@ -155,13 +155,25 @@ def _price_loss(graph: OpGraph, loss_fn: Callable[[Any, Any], torch.Tensor], tar
 
 def _weightless_copy(model: torch.nn.Module, mode: FakeTensorMode, device: torch.device) -> torch.nn.Module:
     """A deep copy of ``model`` whose parameters and buffers are fake tensors of ``mode`` on ``device`` with
-    the same shapes and dtypes (tied ones stay tied): the module structure and Python state, no weights."""
+    the same shapes and dtypes (tied ones stay tied): the module structure and Python state, no weights.
+
+    Other tensors a module keeps as plain attributes (a cached mask, the activation of the last forward) are
+    shared with the model, not copied: their data is the user's and may be large, and one kept from a training
+    forward is not a graph leaf, which ``copy.deepcopy`` refuses. A forward that reads one gets its real values,
+    through a detached view of the same storage."""
     memo: dict[int, Any] = {}
     with mode:
         for t in itertools.chain(model.parameters(), model.buffers()):
             if id(t) not in memo:
                 empty = torch.empty(t.shape, dtype=t.dtype, device=device)
                 memo[id(t)] = torch.nn.Parameter(empty, t.requires_grad) if isinstance(t, torch.nn.Parameter) else empty
+    for module in model.modules():
+        for name, value in vars(module).items():
+            if name in ("_parameters", "_buffers", "_modules"):
+                continue
+            for leaf in pytree.tree_leaves(value):
+                if isinstance(leaf, torch.Tensor) and id(leaf) not in memo:
+                    memo[id(leaf)] = leaf.detach()
     return copy.deepcopy(model, memo)
 
 

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from numbers import Integral
 
 from partitioner.errors import EngineError
+from partitioner.pipelines import PIPELINE_NAMES
 
 __all__ = [
     "Action",
@@ -45,7 +46,6 @@ __all__ = [
     "ScheduleError",
     "StageDeps",
     "SCHEDULE_NAMES",
-    "SMP_PIPELINES",
     "COMPUTE_KINDS",
     "COMM_KINDS",
     "gpipe",
@@ -271,18 +271,14 @@ def zero_bubble_h1(num_ranks: int, microbatches: int) -> Schedule:
     return Schedule("zb-h1", num_ranks, num_ranks, microbatches, stage_to_rank, actions, split_backward=True)
 
 
+# The two pipelines under every name (ours and SMP's, partitioner.pipelines), and the schedules beyond.
 _GENERATORS: dict[str, str] = {
-    "gpipe": "gpipe",
-    "simple": "gpipe",
-    "1f1b": "1f1b",
-    "interleaved": "1f1b",  # SMP's name for 1F1B
+    **PIPELINE_NAMES,
     "interleaved-virtual": "interleaved",
     "zb-h1": "zb-h1",
     "zero-bubble": "zb-h1",
 }
 SCHEDULE_NAMES = tuple(_GENERATORS)
-# SMP's config names for its two pipelines -> the schedule they mean (SMP calls 1F1B "interleaved").
-SMP_PIPELINES = {"interleaved": "1f1b", "simple": "gpipe"}
 
 
 def make_schedule(

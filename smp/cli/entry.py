@@ -13,6 +13,7 @@ import sys
 from collections.abc import Sequence
 
 from partitioner.errors import EngineError
+from smp import __version__
 from smp.cli.commands.demo import register as add_demo
 from smp.cli.commands.inspect import register as add_inspect
 from smp.cli.commands.launch import register as add_launch
@@ -30,6 +31,7 @@ def build_parser() -> Parser:
     """The parser of ``smp`` and its commands (each command module registers its own)."""
     parser = Parser(prog=PROG, description="Partition a PyTorch model into pipeline stages: inspect the plan, "
                     "simulate its schedule, launch training, explain a profiled run and re-partition from it.")
+    parser.add_argument("--version", action="version", version=f"{PROG} (smp-engine) {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     sub.required = True
     for add_command in (add_inspect, add_simulate, add_demo, add_launch, add_report, add_replan):
@@ -41,9 +43,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run ``smp ARGV`` (``sys.argv[1:]`` by default) and return the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        ns, unknown = build_parser().parse_known_args(argv)
+        parser = build_parser()
+        ns, unknown = parser.parse_known_args(argv)
         if unknown:
-            raise CLIError(f"unrecognized arguments: {' '.join(unknown)} (see '{PROG} {ns.command} --help')")
+            hint = parser.commands[ns.command].suggest(unknown[0])
+            raise CLIError(f"unrecognized arguments: {' '.join(unknown)}{hint} (see '{PROG} {ns.command} --help')")
         return int(ns.func(ns) or 0)
     except CLIError as exc:
         return _fail(str(exc), 2)

@@ -3,12 +3,13 @@
 The partitioner's options are not copied here: the arguments that set them are named after the fields of
 :class:`partitioner.PartitionOptions` and left out of the namespace unless given, so :meth:`Options.from_args`
 hands them over unchanged and the partitioner applies its own defaults and checks. ``--pipeline`` takes
-SMP's names (:data:`pipeline.schedule.SMP_PIPELINES`). Argument types only read text, with
+SMP's names and ours (:data:`partitioner.pipelines.PIPELINE_NAMES`). Argument types only read text, with
 :mod:`partitioner.units` for sizes and durations; nothing here imports torch until a command runs.
 """
 from __future__ import annotations
 
 import argparse
+import difflib
 import functools
 import math
 import os
@@ -27,17 +28,48 @@ __all__ = ["Options", "Parser", "add_target_args", "add_plan_args", "positive_in
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse with one-line errors that point at the right ``--help``, and values such as ``-1GB``."""
+    """argparse with one-line errors that point at the right ``--help``, values such as ``-1GB``, and the names
+    of its options and commands kept for suggestions (``--partitons``: did you mean ``--partitions``?)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.option_names: list[str] = []
+        self.commands: dict[str, Parser] = {}
+        self.arguments: list[str] = []
         super().__init__(*args, **kwargs)
         # argparse takes any token that starts with '-' for an option unless it is a plain negative number,
         # so `--device-memory -1GB` would lose its value; none of our options starts with a digit.
         self._negative_number_matcher = re.compile(r"^-\.?\d")
 
+    def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action:
+        """argparse's ``add_argument``, remembering the option's names."""
+        action = super().add_argument(*args, **kwargs)
+        self.option_names.extend(action.option_strings)
+        return action
+
+    def add_subparsers(self, **kwargs: Any) -> Any:
+        """argparse's ``add_subparsers``; the commands added to it are kept in :attr:`commands`."""
+        sub = super().add_subparsers(**kwargs)
+        self.commands = sub.choices
+        return sub
+
+    def suggest(self, token: str) -> str:
+        """`` (did you mean --x?)`` for an unknown option or command ``token`` close to one of ours, else ``""``."""
+        names = self.option_names if token.startswith("-") else list(self.commands)
+        close = difflib.get_close_matches(token.split("=", 1)[0], names, n=1, cutoff=0.75)
+        return f" (did you mean {close[0]}?)" if close else ""
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        """argparse's ``parse_known_args``, keeping the arguments for :meth:`error`'s suggestions."""
+        self.arguments = list(args) if args is not None else []
+        return super().parse_known_args(args, namespace)
+
     def error(self, message: str) -> None:  # type: ignore[override]
-        """Raise the parse error as a CLIError instead of printing usage and exiting."""
-        raise CLIError(f"{message} (see '{self.prog} --help')")
+        """Raise the parse error as a CLIError instead of printing usage and exiting; a misspelt option or command
+        among the arguments gets a suggestion."""
+        choice = re.search(r"invalid choice: '([^']*)'", message)
+        unknown = [a for a in self.arguments if a.startswith("--") and a.split("=", 1)[0] not in self.option_names]
+        hint = self.suggest(choice.group(1)) if choice else self.suggest(unknown[0]) if unknown else ""
+        raise CLIError(f"{message}{hint} (see '{self.prog} --help')")
 
 
 def _typed(convert: Callable[[str], Any]) -> Callable[[str], Any]:
@@ -113,7 +145,7 @@ def add_plan_args(p: argparse.ArgumentParser, *, microbatches_required: bool = F
     p.add_argument("--microbatches", "-m", type=positive_int, required=microbatches_required, default=keep,
                    help="microbatches per step" + ("" if microbatches_required else " (default 1)"))
     p.add_argument("--pipeline", dest="smp_pipeline", metavar="NAME", default="interleaved",
-                   help="SMP's pipeline names: interleaved = 1F1B (default), simple = GPipe")
+                   help="interleaved or 1f1b = 1F1B (default), simple or gpipe = GPipe (SMP's names and ours)")
     p.add_argument("--method", metavar="NAME", default=keep,
                    help="partitioner: auto (default, the best of dp and metis), dp or metis")
     p.add_argument("--memory-weight", type=memory_weight, default=keep,
@@ -170,12 +202,9 @@ class Options:
     def __init__(self, partitions: int, pipeline: str = "interleaved", *, measure_stages: bool = False,
                  max_actions: int = DEFAULT_MAX_ACTIONS, **partition: Any) -> None:
         from partitioner.options import PartitionOptions
-        from pipeline.schedule import SMP_PIPELINES
 
-        if pipeline not in SMP_PIPELINES:
-            raise CLIError(f"--pipeline {pipeline!r}: SMP's pipelines are {' and '.join(SMP_PIPELINES)}")
         try:
-            options = PartitionOptions.of(pipeline=SMP_PIPELINES[pipeline], **partition)
+            options = PartitionOptions.of(pipeline=pipeline, **partition)
         except (TypeError, ValueError) as exc:
             raise CLIError(str(exc)) from None
         for name, value in (("partitions", partitions), ("partition", options), ("pipeline", pipeline),

@@ -12,14 +12,15 @@ script.
 """
 from __future__ import annotations
 
+import difflib
 import json
 import os
 from dataclasses import asdict, dataclass, fields
 from typing import Any, TypeGuard
 
 from partitioner.errors import EngineError
+from partitioner.pipelines import PIPELINE_NAMES, pipeline_of
 from pipeline.profiler import ProfileOptions
-from pipeline.schedule import SMP_PIPELINES
 from smp.runtime.compat import warn_no_effect
 
 __all__ = ["Config", "ConfigError", "load_config", "DEFAULT_TIMEOUT_S", "TIMEOUT_ENV", "AutoRepartition",
@@ -78,7 +79,7 @@ class Config:
     @property
     def schedule(self) -> str:
         """The pipeline package's name for the schedule SMP calls ``pipeline``."""
-        return SMP_PIPELINES[self.pipeline]
+        return pipeline_of(self.pipeline)
 
     @property
     def effective_memory_weight(self) -> float:
@@ -175,7 +176,11 @@ def load_config(config: dict | str | os.PathLike | None = None) -> Config:
     known = {f.name for f in fields(Config)}
     unknown = sorted(set(cfg) - known)
     if unknown:
-        raise ConfigError(f"unknown smp config key(s) {unknown}; valid keys: {sorted(known | {'partitions'})}")
+        valid = sorted(known | {"partitions"})
+        close = {k: difflib.get_close_matches(k, valid, n=1, cutoff=0.7) for k in unknown}
+        hints = "; ".join(f"{k!r}: did you mean {m[0]!r}?" for k, m in close.items() if m)
+        raise ConfigError(f"unknown smp config key(s) {unknown}" + (f" ({hints})" if hints else "")
+                          + f"; valid keys: {valid}")
     if "timeout_s" not in cfg and os.environ.get(TIMEOUT_ENV):
         text = os.environ[TIMEOUT_ENV]
         try:
@@ -209,8 +214,8 @@ def _validate(c: Config) -> None:
     _check(_is_int(c.pipeline_parallel_degree) and c.pipeline_parallel_degree >= 1,
            "pipeline_parallel_degree", c.pipeline_parallel_degree, "a positive integer")
     _check(_is_int(c.microbatches) and c.microbatches >= 1, "microbatches", c.microbatches, "a positive integer")
-    _check(c.pipeline in SMP_PIPELINES, "pipeline", c.pipeline,
-           "'interleaved' (1F1B, backward first) or 'simple' (GPipe)")
+    _check(c.pipeline in PIPELINE_NAMES, "pipeline", c.pipeline,
+           "'interleaved' or '1f1b' (1F1B, backward first), 'simple' or 'gpipe' (GPipe)")
     _check(isinstance(c.auto_partition, bool), "auto_partition", c.auto_partition, "True or False")
     _check(c.placement_strategy in _PLACEMENTS, "placement_strategy", c.placement_strategy, f"one of {_PLACEMENTS}")
     _check(isinstance(c.ddp, bool), "ddp", c.ddp, "True or False")

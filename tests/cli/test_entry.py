@@ -52,7 +52,7 @@ def test_help_takes_under_a_second_of_cpu() -> None:
     (["inspect", "zoo:mlp", "-p", "2", "--memory-weight", "2", "-q"], ["between 0 and 1"]),
     (["inspect", "zoo:mlp", "-p", "2", "--graph", "g.gif", "-q"], [".png", ".dot"]),
     (["inspect", "zoo:mlp", "-p", "2", "--method", "best", "-q"], ["method='best'", "metis"]),
-    (["inspect", "zoo:mlp", "-p", "2", "--pipeline", "1f1b", "-q"], ["--pipeline '1f1b'", "interleaved", "simple"]),
+    (["inspect", "zoo:mlp", "-p", "2", "--pipeline", "zb", "-q"], ["pipeline 'zb' is not known", "interleaved", "1f1b"]),
     (["simulate", "zoo:mlp", "-p", "2", "-q"], ["--microbatches"]),
     (["simulate", "zoo:mlp", "-p", "2", "-m", "2", "--schedules", "fast", "-q"], ["--schedules"]),
     (["simulate", "zoo:mlp", "-p", "2", "-m", "2", "--inter-node-latency", "soon", "-q"], ["duration"]),
@@ -122,3 +122,10 @@ def test_bad_target_and_bad_sizes_are_one_line() -> None:
     one_line_error(smp("inspect", "zoo:nope", "-p", "2", "-q"), "unknown zoo model", "gpt2")
     one_line_error(smp("inspect", "zoo:mlp", "-p", "2", "--device-memory", "12XB", "-q"), "12XB", "GiB")
     one_line_error(smp("inspect", "zoo:mlp", "-p", "50", "-q"), "num_stages=50", "at most")
+
+
+def test_version_and_did_you_mean() -> None:
+    assert ok(smp("--version")).startswith("smp (smp-engine) ")
+    one_line_error(smp("inspect", "zoo:mlp", "--partitons", "2"), "(did you mean --partitions?)")
+    one_line_error(smp("inspct", "zoo:mlp"), "(did you mean inspect?)")
+    one_line_error(smp("inspect", "zoo:mlp", "-p", "2", "--microbaches", "4"), "(did you mean --microbatches?)")

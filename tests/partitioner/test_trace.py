@@ -403,3 +403,34 @@ def test_default_config_generative_models_trace(name):
     out = partitioner.partition(g, 2).as_module()(**kwargs)
     assert torch.allclose(out["loss"], model(**kwargs).loss, rtol=1e-5)
     assert model.config.use_cache is True
+
+
+def test_tensors_kept_as_plain_attributes_are_shared_not_copied():
+    """A model that keeps its last activation (not a graph leaf: deepcopy refuses it) and a constant mask as
+    plain attributes traces after a training forward, reads the mask's real values, and copies neither."""
+
+    class KeepsHidden(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 4)
+            self.mask = torch.arange(16.0) % 2  # a constant, not a buffer
+            self.hidden: torch.Tensor | None = None
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = torch.relu(self.a(x)) * self.mask
+            self.hidden = h  # kept for a later look, as torch.distributed.pipelining's MultiMLPWithDw does
+            return self.b(h)
+
+    torch.manual_seed(0)
+    model, x = KeepsHidden(), torch.randn(8, 16)
+    model(x).sum().backward()  # a training forward: model.hidden now carries autograd history
+    assert model.hidden is not None and model.hidden.grad_fn is not None
+    mask_storage = model.mask.untyped_storage().data_ptr()
+    graph = partitioner.trace(model, (x,))
+    plan = partitioner.partition(graph, 2)
+    torch.testing.assert_close(plan.as_module()(x), model(x), rtol=0, atol=0)
+    assert model.mask.untyped_storage().data_ptr() == mask_storage
+    constants = [v for m in graph.fx.module.modules() for v in vars(m).values()
+                 if isinstance(v, torch.Tensor) and torch.equal(v, model.mask)]  # what the traced program reads
+    assert constants and all(v.untyped_storage().data_ptr() == mask_storage for v in constants), \
+        "the traced program reads a copy of the mask"

@@ -70,7 +70,7 @@ def test_smp_gpt2_example_config_loads():
     ({**BASE, "fast_mode": "yes"}, "'fast_mode'='yes' is not valid: True or False"),
     ({**BASE, "fp16": 1}, "'fp16'=1 is not valid: True or False"),
     ({**BASE, "activation_loading_horizon": 0}, "a positive integer"),
-    ({**BASE, "fast_mod": True}, "unknown smp config key(s) ['fast_mod']"),
+    ({**BASE, "fast_mod": True}, "unknown smp config key(s) ['fast_mod'] ('fast_mod': did you mean 'fast_mode'?)"),
     ({**BASE, "zero_stage": 3}, "unknown smp config key(s) ['zero_stage']"),
 ])
 def test_bad_values_and_unknown_keys_are_errors(config, needle):

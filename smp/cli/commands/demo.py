@@ -40,7 +40,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--partitions", "-p", type=positive_int, default=2)
     p.add_argument("--microbatches", "-m", type=positive_int, default=4)
     p.add_argument("--pipeline", dest="smp_pipeline", metavar="NAME", default="interleaved",
-                   help="interleaved (1F1B, default) or simple (GPipe)")
+                   help="interleaved or 1f1b = 1F1B (default), simple or gpipe = GPipe")
     p.add_argument("--no-train", dest="train", action="store_false",
                    help="stop after the plan and schedule (skip training examples/train_gpt2.py pipelined)")
     p.add_argument("--quiet", "-q", action="store_true")
