@@ -38,8 +38,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=8, help="training steps (default 8)")
     p.add_argument("--batch", type=int, default=16, help="global batch size (default 16)")
     p.add_argument("--microbatches", type=int, default=4, help="microbatches per step (default 4)")
-    p.add_argument("--pipeline", choices=("interleaved", "simple"), default="interleaved",
-                   help="interleaved = 1F1B (default), simple = GPipe")
+    p.add_argument("--pipeline", choices=("interleaved", "1f1b", "simple", "gpipe"), default="interleaved",
+                   help="interleaved or 1f1b = 1F1B (default), simple or gpipe = GPipe")
     p.add_argument("--partitions", type=int, default=2, help="pipeline stages (default 2); the remaining "
                    "factor of the process count becomes data parallelism")
     p.add_argument("--layers", type=int, default=4, help="transformer blocks (default 4)")
@@ -162,9 +162,11 @@ def main(argv: list[str] | None = None) -> None:
     smp.barrier()
     if lead:
         files = sorted(f for f in os.listdir(out) if f.startswith("gpt2."))
-        print(f"saved partial checkpoint: {', '.join(files)} in {out}")
-        if args.out is None:
+        if args.out is None:  # a temporary directory: say what was written, then remove it as --help promises
             shutil.rmtree(out, ignore_errors=True)
+            print(f"wrote and removed a partial checkpoint ({', '.join(files)}); pass --out DIR to keep it")
+        else:
+            print(f"saved partial checkpoint: {', '.join(files)} in {out}")
 
 
 if __name__ == "__main__":
