@@ -52,7 +52,7 @@ def test_help_takes_under_a_second_of_cpu() -> None:
     (["inspect", "zoo:mlp", "-p", "2", "--memory-weight", "2", "-q"], ["between 0 and 1"]),
     (["inspect", "zoo:mlp", "-p", "2", "--graph", "g.gif", "-q"], [".png", ".dot"]),
     (["inspect", "zoo:mlp", "-p", "2", "--method", "best", "-q"], ["method='best'", "metis"]),
-    (["inspect", "zoo:mlp", "-p", "2", "--pipeline", "zb", "-q"], ["pipeline 'zb' is not known", "interleaved", "1f1b"]),
+    (["inspect", "zoo:mlp", "-p", "2", "--pipeline", "zb", "-q"], ["pipeline 'zb' is not known", "1f1b"]),
     (["simulate", "zoo:mlp", "-p", "2", "-q"], ["--microbatches"]),
     (["simulate", "zoo:mlp", "-p", "2", "-m", "2", "--schedules", "fast", "-q"], ["--schedules"]),
     (["simulate", "zoo:mlp", "-p", "2", "-m", "2", "--inter-node-latency", "soon", "-q"], ["duration"]),
