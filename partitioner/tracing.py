@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import itertools
 import traceback
+import warnings
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
@@ -30,7 +31,7 @@ from .errors import EngineError
 from .graph import WORK_FIELDS, OpGraph
 from .program import DEVICE_ARGS, graph_modules
 
-__all__ = ["trace", "TraceError"]
+__all__ = ["trace", "TraceError", "CustomGradientWarning"]
 
 
 class TraceError(EngineError, RuntimeError):
@@ -65,9 +66,44 @@ def _without_kv_cache(model: torch.nn.Module) -> Iterator[None]:
             c.use_cache = True
 
 
+class CustomGradientWarning(UserWarning):
+    """The model runs a custom ``torch.autograd.Function``: the traced stages differentiate its forward instead of
+    running its own backward."""
+
+
+@contextmanager
+def _custom_functions_noted(model: torch.nn.Module) -> Iterator[None]:
+    """Warn about every custom ``torch.autograd.Function`` the forward applies. torch.export (non-strict) records
+    the ops of its forward, not the function, so the stages' backward is autograd's derivative of that forward:
+    the same gradient when the function's backward is that derivative (a fused or memory-saving op), another one
+    when it is not (a straight-through estimator, gradient scaling or reversal). Functions of torch itself (such
+    as activation checkpointing's) recompute or differentiate their forward and are not reported."""
+    seen: list[str] = []
+    base = torch.autograd.Function
+    original = base.__dict__["apply"]
+    apply = original.__func__
+
+    def noting(cls: type, *args: Any, **kwargs: Any) -> Any:
+        if not cls.__module__.startswith("torch.") and cls.__qualname__ not in seen:
+            seen.append(cls.__qualname__)
+        return apply(cls, *args, **kwargs)
+
+    base.apply = classmethod(noting)  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        base.apply = original  # type: ignore[method-assign]
+    if seen:
+        warnings.warn(f"{type(model).__name__} applies custom torch.autograd.Function(s) {seen}: the pipeline "
+                      "stages run their forward's ops and differentiate those, not the functions' own backward; "
+                      "gradients match only if that backward is the true derivative of the forward (not for a "
+                      "straight-through estimator or gradient scaling). Write such a gradient as ops instead, e.g. "
+                      "x * s + (x - x * s).detach() scales the gradient by s", CustomGradientWarning, stacklevel=4)
+
+
 def _export(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.export.ExportedProgram:
     try:
-        with _without_kv_cache(model):
+        with _without_kv_cache(model), _custom_functions_noted(model):
             return torch.export.export(model, args, kwargs, strict=False)
     except Exception as exc:  # torch raises many types here; all get the same treatment
         where = _offending_module(model, exc)

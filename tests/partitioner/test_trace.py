@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import numpy as np
 import pytest
@@ -434,3 +435,32 @@ def test_tensors_kept_as_plain_attributes_are_shared_not_copied():
                  if isinstance(v, torch.Tensor) and torch.equal(v, model.mask)]  # what the traced program reads
     assert constants and all(v.untyped_storage().data_ptr() == mask_storage for v in constants), \
         "the traced program reads a copy of the mask"
+
+
+def test_a_custom_autograd_function_is_named_in_a_warning():
+    """Its own backward is not what the stages run (torch.export records its forward's ops): say so, by name."""
+
+    class ScaleGrad(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad * 1e-6
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.b(ScaleGrad.apply(self.a(x)))
+
+    apply = torch.autograd.Function.__dict__["apply"]
+    with pytest.warns(partitioner.tracing.CustomGradientWarning, match=r"Net applies .*ScaleGrad'\]"):
+        partitioner.trace(Net(), (torch.randn(2, 4),))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", partitioner.tracing.CustomGradientWarning)
+        partitioner.trace(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), (torch.randn(2, 4),))
+    assert torch.autograd.Function.__dict__["apply"] is apply  # tracing put autograd back as it was
