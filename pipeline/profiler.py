@@ -5,14 +5,17 @@ steps in its window it hands the executor a :class:`pipeline.timeline.Recorder`,
 (F/B/W of microbatch k on stage s), the time each pass spent blocked on its receives, the sends and
 receives themselves; the profiler adds the step itself, the time between two steps (data loading and the
 user's code, the optimizer step included), host memory (RSS) and, on CUDA, allocated memory after each
-step. Outside the window nothing is recorded and the executor runs as it does unprofiled.
+step; and, every ``monitor_s`` seconds, the system monitor's samples of the host and device
+(:mod:`pipeline.system_monitor`: per-core CPU, the rank's and its data-loader workers' CPU and memory, disk,
+network, GPU). Outside the window nothing is recorded and the executor runs as it does unprofiled.
 
 At the start of the window the ranks measure their clocks' offsets from rank 0's (:mod:`pipeline.clock`);
 at its end every rank sends its spans, on rank 0's time axis, to rank 0, which writes the profile directory:
 
 * ``trace.json`` -- one Chrome trace (Perfetto, chrome://tracing), one track per rank;
 * ``profile.json`` -- the run: ranks and pipelines, the schedule, the plan, transfer times per stage edge,
-  clock offsets, and what profiling cost (its own spans, timed on each rank after the window);
+  clock offsets, what profiling cost (its own spans, timed on each rank after the window), and per rank its
+  system monitor's host, cores, interval and GPU (under ``ranks.R.system``);
 * ``graph.npz`` -- the traced op graph the plan cuts, so that ``smp replan`` can cut it again;
 * ``timeline.png`` -- the median step as measured, above the simulator's prediction of it
   (:mod:`pipeline.profile_description`).
@@ -36,6 +39,7 @@ import torch.distributed as dist
 from partitioner.calibration import cost_clock
 from pipeline.clock import ClockOffset, clock_offset
 from pipeline.profile_description import GRAPH_FILE, PROFILE_FILE, TIMELINE_FILE, TRACE_FILE, merge, write_gantt
+from pipeline.system_monitor import SystemMonitor
 from pipeline.timeline import Recorder, to_chrome_trace
 
 __all__ = ["ProfileOptions", "Profiler", "memory_sample"]
@@ -46,13 +50,15 @@ _NULL = nullcontext()
 @dataclass(frozen=True)
 class ProfileOptions:
     """What to profile: ``dir`` to write the profile to (None: keep it in memory), ``steps`` = (start, stop):
-    the steps numbered start .. stop - 1, counting from 0 (None: every step, until written), and ``detail``:
+    the steps numbered start .. stop - 1, counting from 0 (None: every step, until written), ``detail``:
     record the steps, the gaps between them, memory, receive waits, sends and receives too (False: only the
-    passes, the timeline ``PipelineRunner(record=True).events`` has always been)."""
+    passes, the timeline ``PipelineRunner(record=True).events`` has always been), and ``monitor_s``: sample
+    the system (:mod:`pipeline.system_monitor`) every so many seconds with ``detail`` (None or 0: off)."""
 
     dir: str | None = None
     steps: tuple[int, int] | None = None
     detail: bool = True
+    monitor_s: float | None = 0.2
 
     def __post_init__(self) -> None:
         if self.steps is not None:
@@ -64,6 +70,12 @@ class ProfileOptions:
             object.__setattr__(self, "steps", steps)
         if self.dir is not None:
             object.__setattr__(self, "dir", os.fspath(self.dir))
+        interval = self.monitor_s
+        if interval is not None and (isinstance(interval, bool) or not isinstance(interval, (int, float))
+                                     or not (interval == 0 or 0.05 <= interval <= 60)):
+            raise ValueError(f"profile monitor_s must be the system monitor's sampling interval in seconds, between "
+                             f"0.05 and 60 (0.1 to 0.5 is the useful range), or 0 / None to turn it off; got "
+                             f"{self.monitor_s!r}")
 
     @classmethod
     def of(cls, record: Any) -> ProfileOptions | None:
@@ -115,6 +127,7 @@ class Profiler:
         self.done = False           # the window is over
         self.offset = ClockOffset(0.0, 0.0)
         self.written: str | None = None
+        self.monitor: SystemMonitor | None = None
         self._group: Any = None
         self._step_start = 0.0
         self._last_end: float | None = None  # end of the previous step, when it was recorded
@@ -137,6 +150,9 @@ class Profiler:
         if not self.active and not self.done and (steps is None or self.index == steps[0]):
             self._enter()
         if self.active and self.options.detail:
+            if self.options.monitor_s and self.monitor is None:
+                self.monitor = SystemMonitor(self.recorder, self.options.monitor_s, self.device)
+                self.monitor.start()
             now = self.clock()
             if self._last_end is not None:
                 self.recorder.add("between steps", self._last_end, now, "between")
@@ -166,7 +182,7 @@ class Profiler:
             self._last_end = self.clock() if ok else None
         steps = self.options.steps
         if steps is not None and self.index >= steps[1]:
-            self.active, self.done = False, True
+            self.stop()
             if ok and self.options.dir is not None:
                 self.write()
 
@@ -179,8 +195,10 @@ class Profiler:
         self._last_end = None
 
     def stop(self) -> None:
-        """Stop recording (what was recorded stays)."""
+        """Stop recording (what was recorded stays), the system monitor too."""
         self.active, self.done = False, True
+        if self.monitor is not None:
+            self.monitor.stop()
 
     def gather(self) -> list[dict[str, Any]] | None:
         """A collective over every rank: each rank's spans, counters, clock offset and overhead, on rank 0's
@@ -191,6 +209,7 @@ class Profiler:
             "events": [(e.action, shift(e.start), shift(e.end), e.cat, e.thread, e.cost) for e in self.recorder.events],
             "counters": [(c.name, shift(c.time), dict(c.values)) for c in self.recorder.counters],
             "overhead": self._overhead(),
+            "system": self.monitor.summary() if self.monitor is not None else None,
         }
         if not dist.is_initialized():
             return [part]
@@ -213,7 +232,7 @@ class Profiler:
         if graph is not None:
             graph.save(os.path.join(directory, GRAPH_FILE))
         ranks = {str(p["rank"]): {"offset_s": p["offset_s"], "offset_error_s": p["offset_error_s"],
-                                  "overhead": p["overhead"]} for p in parts}
+                                  "overhead": p["overhead"], "system": p["system"]} for p in parts}
         info.update(version=1, world=len(parts), steps=self.options.steps, ranks=ranks)
         to_chrome_trace(events, os.path.join(directory, TRACE_FILE), counters=counters,
                         metadata={"clock_offsets_s": {r: v["offset_s"] for r, v in ranks.items()}})
@@ -228,7 +247,8 @@ class Profiler:
         return directory
 
     def _overhead(self) -> dict[str, float]:
-        """What recording cost this rank: its spans and samples, each timed here on a scratch recorder."""
+        """What recording cost this rank: its spans and memory samples, each timed here on a scratch recorder,
+        and the system monitor's samples, timed as they were taken."""
         scratch = Recorder(self.rank, self.clock, cost_clock=self.recorder.cost_clock)
         n = 2000
         t0 = perf_counter()
@@ -242,8 +262,10 @@ class Profiler:
         per_sample = (perf_counter() - t0) / 10
         events = self.recorder.events
         spans = sum(1 for e in events if e.cat not in ("step", "between"))
-        samples = len(self.recorder.counters)
+        samples = sum(1 for c in self.recorder.counters if c.name == "memory")
         profiled = sum(e.duration for e in events if e.cat in ("step", "between"))
-        cost = spans * per_span + samples * per_sample
+        monitor = self.monitor.cost_s if self.monitor is not None else 0.0
+        cost = spans * per_span + samples * per_sample + monitor
         return {"spans": spans, "per_span_s": per_span, "samples": samples, "per_sample_s": per_sample,
-                "overhead_s": cost, "profiled_s": profiled, "fraction": cost / profiled if profiled > 0 else 0.0}
+                "monitor_s": monitor, "overhead_s": cost, "profiled_s": profiled,
+                "fraction": cost / profiled if profiled > 0 else 0.0}

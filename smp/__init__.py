@@ -22,7 +22,8 @@ holds them to it). At the top level, the SMP surface a user types, kept thin: ``
 ``distributed_optimizer``, ``optimizers`` (FusedLAMB), ``ranks`` (rank helpers, groups, messages), ``placement``,
 ``delayed_init``, ``amp``, ``nn``, ``tensor_parallel``, ``utils``; with ``zoo`` (built-in models) and ``testing``
 (``run_ranks``, N local ranks for tests and benchmarks). Below it: :mod:`smp.runtime` (what ``smp.init`` builds),
-:mod:`smp.engine` (one ``@smp.step`` from call to results), :mod:`smp.checkpoint`, :mod:`smp.profiling` and
+:mod:`smp.engine` (one ``@smp.step`` from call to results), :mod:`smp.checkpoint`, :mod:`smp.profiling`,
+:mod:`smp.health` (training-health rules, ``smp.debug``) and
 :mod:`smp.cli` (the ``smp`` command). The one global state (:func:`smp.runtime.state.get`) is read where a user's
 call enters (``smp.rank()``, ``@smp.step``, ``smp.save_checkpoint``, ``smp.profile``, ...); the code those calls run
 receives what it needs as arguments.
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
     from .distributed_model import DistributedModel
     from .distributed_optimizer import DistributedOptimizer
     from .engine.step_function import StepOutput, StepTimeoutError, step
+    from .health.session import TrainingHealthWarning, TrainingStopped, debug
     from .placement import partition, set_activation_checkpointing, set_partition
     from .profiling.session import annotate, profile
     from .ranks import (
@@ -101,6 +103,7 @@ __all__ = [
     "WORLD", "MP_GROUP", "PP_GROUP", "DP_GROUP", "RDP_GROUP",
     "nn", "optimizers", "utils", "tensor_parallelism", "NoEffectWarning", "__version__",
     "profile", "annotate", "delay_param_initialization", "model_creation",
+    "debug", "TrainingHealthWarning", "TrainingStopped",
 ]
 
 __getattr__, __dir__ = lazy_exports(__name__)

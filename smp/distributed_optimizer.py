@@ -22,6 +22,7 @@ from smp.checkpoint.commit import CheckpointError
 from smp.checkpoint.state_dicts import SHARD_KEY, ZERO_KEY, on_cpu
 from smp.engine import gradnorm
 from smp.engine import mixed_precision as precision
+from smp.health import session as health
 from smp.profiling import session as profiling
 from smp.runtime import state
 
@@ -85,8 +86,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return getattr(self.__dict__["optimizer"], name)
 
     def step(self, closure: Any = None) -> Any:
-        """The wrapped optimizer's step; under fp16 loss scaling, unscaled and skipped on overflow."""
-        with profiling.span("optimizer.step", "optimizer"):  # a span of the profile, when one records
+        """The wrapped optimizer's step; under fp16 loss scaling, unscaled and skipped on overflow. After a
+        training-health check step, ||update|| / ||weight|| is measured per layer (:mod:`smp.health`)."""
+        st = state.get()
+        with profiling.span("optimizer.step", "optimizer"), health.session_of(st).around_update(st.model, st.device):
             if self.loss_scaler is not None:
                 return self.loss_scaler.scaled_step(self, self._step, closure)
             return self._step(closure)

@@ -22,17 +22,19 @@ SMP_LAYERS = {
     "smp.runtime": {"smp.runtime"},
     "smp.profiling": {"smp.profiling", "smp.runtime.config"},  # the analysis: reads files, moves no tensors
     "smp.profiling.session": {"smp.profiling", "smp.runtime"},  # the recording
-    "smp.engine": {"smp.engine", "smp.runtime", "smp.profiling"},
+    "smp.engine": {"smp.engine", "smp.runtime", "smp.profiling", "smp.health"},
+    "smp.health": {"smp.health", "smp.runtime"},
     "smp.checkpoint": {"smp.checkpoint", "smp.runtime"},
     "smp.testing": {"smp.runtime"},
     "smp.zoo": set(),
     "smp.cli": {"smp"},
     "smp": {"smp.runtime", "smp.engine", "smp.checkpoint", "smp.profiling", "smp.amp", "smp.optimizers",
-            "smp.placement", "smp.ranks", "smp.distributed_model", "smp.distributed_optimizer", "smp.nn",
+            "smp.placement", "smp.ranks", "smp.distributed_model", "smp.distributed_optimizer", "smp.nn", "smp.health",
             "smp.tensor_parallel", "smp.utils", "smp.zoo", "smp.delayed_init"},
 }
 # Modules that may not import torch.distributed: what reads a profile back cannot move tensors.
-NO_COLLECTIVES = ("smp.profiling.measurements", "smp.profiling.rules", "smp.profiling.report", "smp.profiling.replan")
+NO_COLLECTIVES = ("smp.profiling.measurements", "smp.profiling.rules", "smp.profiling.report", "smp.profiling.replan",
+                  "smp.profiling.system_rules", "smp.profiling.system_samples", "smp.profiling.findings")
 # Private names of torch, transformers and argparse objects that the engine reads on purpose (documented there).
 FOREIGN_PRIVATE = {"_parameters", "_non_persistent_buffers_set", "_init_weights", "_SubParsersAction"}
 
@@ -149,6 +151,13 @@ def test_no_object_reaches_into_another_objects_private_names(package):
                     continue  # a class's own constant, read through the class
                 reaches.append(f"{module}:{node.lineno} {ast.unparse(node)}")
     assert not reaches, f"private names read across objects (give them a public name): {reaches}"
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_every_folder_of_a_package_is_a_package(package):
+    """pyproject.toml installs the packages setuptools finds: a folder without ``__init__.py`` would be left out."""
+    folders = [d for d in (ROOT / package).rglob("*") if d.is_dir() and d.name != "__pycache__"]
+    assert not [d for d in folders if not (d / "__init__.py").exists()]
 
 
 @pytest.mark.parametrize("package", PACKAGES)

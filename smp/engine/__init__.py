@@ -5,8 +5,8 @@ holding only its own weights (:mod:`~smp.engine.materialize`, :mod:`~smp.engine.
 (:mod:`~smp.engine.mixed_precision`), gradient norms over ranks (:mod:`~smp.engine.gradnorm`) and moving a model to
 a new plan between steps (:mod:`~smp.engine.migrate`).
 
-It may import :mod:`smp.runtime` and the recording half of :mod:`smp.profiling` (the session and the
-re-partitioning decision's inputs), never the SMP surface above it (``DistributedModel``,
-``DistributedOptimizer``) nor :mod:`smp.checkpoint`: what it needs of the model it receives through
-:class:`~smp.engine.protocols.PipelineModel`.
+It may import :mod:`smp.runtime`, the recording half of :mod:`smp.profiling` (the session and the re-partitioning
+decision's inputs) and :mod:`smp.health` (the training-health checks after a step), never the SMP surface above it
+(``DistributedModel``, ``DistributedOptimizer``) nor :mod:`smp.checkpoint`: what it needs of the model it receives
+through :class:`~smp.engine.protocols.PipelineModel`.
 """

@@ -10,9 +10,10 @@ step's threads, explains a silent peer by the smp call that peer is in instead, 
 closes smp's process groups (:meth:`smp.runtime.state.State.report_failure`), so that every rank ends the step
 with an error naming the rank that failed first.
 
-Between steps the step also owns two decisions a profile informs: it records the step when a profile window
-is open (:mod:`smp.profiling.session`), and with ``"auto_repartition"`` it moves the model to a better plan
-once the re-planner's window is complete (:mod:`smp.engine.repartition`).
+Around a training step it hands the model and the step to the training-health checks (:mod:`smp.health.session`),
+which may end the job between steps. Between steps the step also owns two decisions a profile informs: it records
+the step when a profile window is open (:mod:`smp.profiling.session`), and with ``"auto_repartition"`` it moves the
+model to a better plan once the re-planner's window is complete (:mod:`smp.engine.repartition`).
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from smp.engine.pipeline_model import PipelineModel
 from smp.engine.repartition import repartition_in_flight
 from smp.engine.step_run import StepRun
 from smp.engine.step_values import broadcast_values, share_inputs
+from smp.health.session import session_of as health_of
 from smp.profiling.session import session_of
 from smp.runtime.state import State
 
@@ -37,6 +39,9 @@ __all__ = ["run_step"]
 def run_step(st: State, model: PipelineModel, run: StepRun) -> list[Any]:
     """Run ``run`` on ``model`` on this rank, profiled when a profile records, after re-partitioning when
     ``"auto_repartition"`` is due; the per-microbatch return values, on every rank of the pipeline."""
+    checks = health_of(st)
+    train = model.module.training and run.grad_enabled
+    checks.before(st, model, train)  # judges the last check: raises TrainingStopped when a rule stops the job
     session = session_of(st)
     due = session.repartition_due()
     if due is not None:
@@ -47,8 +52,10 @@ def run_step(st: State, model: PipelineModel, run: StepRun) -> list[Any]:
         results = _guarded(st, model, run)
     except BaseException:
         session.after(ok=False)
+        checks.after(st, model, run, train, ok=False)
         raise
     session.after(ok=True)
+    checks.after(st, model, run, train, ok=True)
     return results
 
 

@@ -39,6 +39,9 @@ class PipelineModel(Protocol):
     def local_parameters(self) -> Iterator[torch.nn.Parameter]:
         """The parameters this rank holds."""
 
+    def local_named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        """(name, parameter) of the parameters this rank holds."""
+
     def checkpointed_paths(self) -> list[str]:
         """Submodules marked for activation checkpointing."""
 

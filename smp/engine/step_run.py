@@ -231,6 +231,10 @@ class StepRun:
                                    "model.backward(loss) instead, so the pipeline runs the backward pass")
         return [m.result for m in self.micros]
 
+    def losses(self) -> list[torch.Tensor]:
+        """The losses the microbatches handed to ``model.backward`` (last stage only; empty elsewhere), detached."""
+        return [m.loss.detach() for m in self.micros if m.loss is not None]
+
     def without_backward(self) -> bool:
         """Did some microbatch's call return without calling ``model.backward`` (last stage only)?"""
         return any(m.finished and m.error is None and not m.backward_called for m in self.micros)

@@ -34,6 +34,7 @@ from pipeline.profile_description import PROFILE_FILE, TRACE_FILE, predict, sche
 from pipeline.schedule import Action, Schedule
 from pipeline.simulate import SimResult
 from pipeline.timeline import Counter, Event, load_trace
+from smp.profiling.system_samples import SystemSamples, step_memory, system_samples
 
 __all__ = ["Phases", "Measurements", "load_profile", "measure", "ProfileError"]
 
@@ -89,6 +90,8 @@ class Measurements:
     predicted: SimResult                            # the schedule under the plan's stage times
     replayed: SimResult                             # the schedule under the measured stage times
     memory: dict[int, dict[str, float]] = field(default_factory=dict)  # rank -> peak per counter value
+    step_memory: dict[int, dict[str, list[float]]] = field(default_factory=dict)  # rank -> value -> per step
+    system: dict[int, SystemSamples] = field(default_factory=dict)  # rank -> its system monitor's samples
 
     @property
     def stage_cost_s(self) -> list[float]:
@@ -116,6 +119,18 @@ class Measurements:
         """The median over steps of one phase (an attribute of :class:`Phases`) on ``rank``."""
         values = [getattr(self.phases[s, rank], name) for s in self.steps if (s, rank) in self.phases]
         return statistics.median(values) if values else 0.0
+
+    def data_ratios(self) -> dict[int, float]:
+        """Per rank, the time between steps (data loading, the loop's code; the optimizer step left out) as a
+        share of its step time, over the steps after the window's first (which has no gap before it)."""
+        first = min(self.steps, default=0)
+        ratios = {}
+        for r in self.ranks:
+            steps = [s for s in self.steps if s != first and (s, r) in self.phases]
+            busy = sum(self.phases[s, r].step_s for s in steps)
+            if steps and busy > 0:
+                ratios[r] = sum(self.phases[s, r].data_s for s in steps) / busy
+        return ratios
 
     @property
     def overhead(self) -> float:
@@ -206,14 +221,12 @@ def measure(events: list[Event], counters: list[Counter], info: dict[str, Any]) 
         rank_stage[r][s] = rank_stage[r].get(s, 0.0) + _median(values)
     bubble = _bubbles(spans, schedule.num_ranks)
     predicted, replayed = predict(info), predict(info, fwd, bwd)
-    memory: dict[int, dict[str, float]] = defaultdict(dict)
-    for c in counters:
-        for k, v in c.values.items():
-            memory[c.rank][k] = max(memory[c.rank].get(k, 0.0), float(v))
+    per_step = step_memory(counters)
+    memory = {r: {k: max(v) for k, v in values.items()} for r, values in per_step.items()}
     return Measurements(info=info, plan=plan, schedule=schedule, events=events, steps=sorted({s for s, _ in phases}),
                         ranks=sorted(by_rank), phases=phases, stage_forward_s=fwd, stage_backward_s=bwd,
                         rank_stage_s=dict(rank_stage), bubble=bubble, predicted=predicted, replayed=replayed,
-                        memory=dict(memory))
+                        memory=memory, step_memory=per_step, system=system_samples(counters, info))
 
 
 def _by_step(events: list[Event]) -> list[tuple[int, Event]]:

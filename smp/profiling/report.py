@@ -3,14 +3,18 @@
 It shows, from :class:`smp.profiling.measurements.Measurements`: the time of every profiled step and what it was
 made of; per rank (stage) the split of its step into compute, communication and idle; the measured bubble
 beside the simulator's; the measured stage costs beside the planned ones; one measured step beside the
-simulator's prediction of it; peak memory; what profiling cost; and every rule of :mod:`smp.profiling.rules` with
-its numbers and recommendation.
+simulator's prediction of it; peak memory; what profiling cost; what the system monitor saw (a heatmap of every
+core's busy percentage over time per rank, ``cpu_heatmap.png``; the devices' utilisation and memory, ``gpu.png``,
+when GPUs were sampled; a table of the host's and the data-loader workers' CPU, memory and I/O); and every rule of
+:mod:`smp.profiling.rules` with its numbers and recommendation.
 """
 from __future__ import annotations
 
 import os
 import statistics
 from typing import Any
+
+import numpy as np
 
 from pipeline.profile_description import write_gantt
 from smp.profiling.measurements import Measurements, load_profile
@@ -86,6 +90,50 @@ def _plot_costs(m: Measurements, path: str) -> None:
     fig.savefig(path, bbox_inches="tight")
 
 
+def _plot_cpu_heatmap(m: Measurements, path: str) -> None:
+    """Per rank with CPU samples, the host's cores (rows) x time (columns), coloured by busy percentage; the
+    rank's time between steps is marked under it in red."""
+    ranks = [r for r in m.ranks if r in m.system and "cpu" in m.system[r]]
+    fig, _ = _figure(8, 0.8 + 1.6 * len(ranks))
+    fig.clear()
+    start = min(float(m.system[r].series["cpu"].times[0]) for r in ranks)
+    axes = fig.subplots(len(ranks), 1, squeeze=False, sharex=True)[:, 0]
+    for ax, r in zip(axes, ranks):
+        s = m.system[r]
+        busy, times = s.core_busy, s.series["cpu"].times - start
+        left = times[0] - s.interval_s if s.interval_s else times[0]
+        image = ax.imshow(busy.T, aspect="auto", vmin=0, vmax=100, cmap="inferno", interpolation="nearest",
+                          extent=(left, times[-1], busy.shape[1] - 0.5, -0.5))
+        for e in m.events:
+            if e.rank == r and e.cat == "between":
+                ax.plot([e.start - start, e.end - start], [busy.shape[1] - 0.5] * 2, color="#C44E52", lw=4,
+                        solid_capstyle="butt", clip_on=False)
+        ax.set_ylabel(f"rank {r}\ncore")
+        ax.set_yticks(range(busy.shape[1]))
+    axes[-1].set_xlabel("seconds since the window's first sample (red: the rank's time between steps)")
+    fig.colorbar(image, ax=list(axes), label="busy %")
+    fig.savefig(path, bbox_inches="tight")
+
+
+def _plot_gpu(m: Measurements, path: str) -> None:
+    """Per rank with GPU samples, its device's utilisation over time, and its memory used on a second axis."""
+    ranks = [r for r in m.ranks if r in m.system and "gpu" in m.system[r]]
+    fig, ax = _figure(8, 3.2)
+    memory = ax.twinx()
+    start = min(float(m.system[r].series["gpu"].times[0]) for r in ranks)
+    for r in ranks:
+        gpu = m.system[r].series["gpu"]
+        line = ax.plot(gpu.times - start, gpu["util_percent"], label=f"rank {r} utilisation")[0]
+        memory.plot(gpu.times - start, gpu["memory_used_bytes"] / 2**30, ls="--", color=line.get_color(),
+                    label=f"rank {r} memory")
+    ax.set_ylim(0, 105)
+    ax.set_xlabel("seconds since the window's first sample")
+    ax.set_ylabel("device utilisation %")
+    memory.set_ylabel("device memory used, GiB (dashed)")
+    _legend(ax)
+    fig.savefig(path, bbox_inches="tight")
+
+
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + ["| " + " | ".join(r) + " |" for r in rows]
 
@@ -108,6 +156,10 @@ def write_report(directory: str | os.PathLike[str], out: str | os.PathLike[str] 
     findings = evaluate(m, thresholds)
     for name, draw in (("steps.png", _plot_steps), ("ranks.png", _plot_ranks), ("costs.png", _plot_costs)):
         draw(m, os.path.join(out, name))
+    if any("cpu" in s for s in m.system.values()):
+        _plot_cpu_heatmap(m, os.path.join(out, "cpu_heatmap.png"))
+    if any("gpu" in s for s in m.system.values()):
+        _plot_gpu(m, os.path.join(out, "gpu.png"))
     write_gantt(m.events, m.info, os.path.join(out, "timeline.png"))
     path = os.path.join(out, REPORT_FILE)
     with open(path, "w") as f:
@@ -159,5 +211,34 @@ def _markdown(m: Measurements, findings: list[Finding], directory: str) -> list[
                       _mib(m.memory[r]["cuda_peak_bytes"]) if "cuda_peak_bytes" in m.memory.get(r, {}) else "-",
                       f"{m.info['ranks'][str(r)]['overhead']['fraction']:.2%}"] for r in m.ranks])
     lines += ["", "Overhead: the rank's recorded spans and memory samples, each timed on that rank after the window, "
-              "as a share of the profiled time."]
-    return lines
+              "and its system monitor's samples, as a share of the profiled time."]
+    return lines + _system_markdown(m)
+
+
+def _median_of(m: Measurements, rank: int, name: str, key: str, scale: float = 1.0) -> str:
+    s = m.system[rank]
+    return f"{float(np.median(s.series[name][key])) * scale:.2f}" if name in s else "-"
+
+
+def _system_markdown(m: Measurements) -> list[str]:
+    """The system monitor's section: its pictures and a table of medians per rank."""
+    ranks = [r for r in m.ranks if r in m.system]
+    if not ranks:
+        return ["", "## System", "", "No system monitor samples (the profile's \"monitor_s\" was 0)."]
+    lines = ["", "## System", "", "![cpu](cpu_heatmap.png)", ""]
+    if any("gpu" in m.system[r] for r in ranks):
+        lines += ["![gpu](gpu.png)", ""]
+    lines += _table(["rank", "host", "cores", "busy %", "rank cores", "workers", "workers' cores", "workers' RSS MiB",
+                     "disk read MiB/s", "net recv MiB/s", "GPU %"],
+                    [[str(r), m.system[r].host or "-", str(m.system[r].cores),
+                      f"{float(m.system[r].core_busy.mean()):.0f}" if m.system[r].core_busy.size else "-",
+                      _median_of(m, r, "process", "cpu_cores"), _median_of(m, r, "process", "children"),
+                      _median_of(m, r, "process", "children_cpu_cores"),
+                      _median_of(m, r, "process", "children_rss_bytes", 2**-20),
+                      _median_of(m, r, "io", "disk_read_bytes_s", 2**-20),
+                      _median_of(m, r, "io", "net_recv_bytes_s", 2**-20), _median_of(m, r, "gpu", "util_percent")]
+                     for r in ranks])
+    interval = max(m.system[r].interval_s for r in ranks)
+    return lines + ["", f"Sampled every {interval:g} s on every rank (pipeline.system_monitor). *busy*: the mean over "
+                    "the host's cores and the window; the rest are medians over the samples. *rank cores*: CPU the "
+                    "rank's process used, in cores; *workers*: its child processes (data-loader workers)."]

@@ -15,45 +15,20 @@ IOBottleneck, LowGPUUtilization), each rule reads :class:`smp.profiling.measurem
 * **CommBound**: a rank's communication (transfers after the peer sent, posting sends and receives)
   > 20% of its step time.
 * **Bubble**: the measured bubble exceeds the simulator's prediction by more than 10 points.
+
+After them come the rules on the system monitor's samples (:mod:`smp.profiling.system_rules`: CPUBottleneck,
+IOBottleneck, LowGPUUtilization, MemoryGrowth). The thresholds of all: :class:`Thresholds`.
 """
 from __future__ import annotations
 
 import statistics
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
 
+from smp.profiling.findings import Finding, Thresholds
 from smp.profiling.measurements import Measurements
+from smp.profiling.system_rules import SYSTEM_RULES
 
 __all__ = ["Finding", "Thresholds", "evaluate", "RULES"]
-
-
-@dataclass(frozen=True)
-class Thresholds:
-    """When each rule fires (see the module docstring)."""
-
-    imbalance: float = 1.10
-    drift: float = 0.25
-    straggler: float = 1.2
-    outlier: float = 1.5
-    data: float = 0.10
-    comm: float = 0.20
-    bubble: float = 0.10
-
-
-@dataclass
-class Finding:
-    """One rule's verdict on one profile."""
-
-    rule: str
-    fired: bool
-    summary: str
-    recommendation: str = ""
-    numbers: dict[str, Any] = field(default_factory=dict)
-
-    def __str__(self) -> str:
-        head = f"{self.rule}: {'FIRED' if self.fired else 'ok'}: {self.summary}"
-        return f"{head}\n  -> {self.recommendation}" if self.fired and self.recommendation else head
 
 
 def _ms(seconds: float) -> str:
@@ -157,13 +132,7 @@ def _step_outlier(m: Measurements, t: Thresholds) -> Finding:
 
 
 def _data_bound(m: Measurements, t: Thresholds) -> Finding:
-    first = min(m.steps, default=0)  # the window's first step has no gap before it
-    ratios = {}
-    for r in m.ranks:
-        steps = [s for s in m.steps if s != first and (s, r) in m.phases]
-        busy = sum(m.phases[s, r].step_s for s in steps)
-        if steps and busy > 0:
-            ratios[r] = sum(m.phases[s, r].data_s for s in steps) / busy
+    ratios = m.data_ratios()
     if not ratios:
         return Finding("DataBound", False, "one step profiled: no time between steps to measure")
     r = max(ratios, key=ratios.__getitem__)
@@ -212,7 +181,7 @@ def _bubble(m: Measurements, t: Thresholds) -> Finding:
 
 
 RULES: tuple[Callable[[Measurements, Thresholds], Finding], ...] = (
-    _stage_imbalance, _plan_drift, _straggler, _step_outlier, _data_bound, _comm_bound, _bubble)
+    _stage_imbalance, _plan_drift, _straggler, _step_outlier, _data_bound, _comm_bound, _bubble, *SYSTEM_RULES)
 
 
 def evaluate(m: Measurements, thresholds: Thresholds | None = None) -> list[Finding]:

@@ -22,6 +22,7 @@ from partitioner.errors import EngineError
 from partitioner.pipelines import PIPELINE_NAMES, pipeline_of
 from pipeline.profiler import ProfileOptions
 from smp.runtime.compat import warn_no_effect
+from smp.runtime.health_options import DebugOptions, debug_options
 
 __all__ = ["Config", "ConfigError", "load_config", "DEFAULT_TIMEOUT_S", "TIMEOUT_ENV", "AutoRepartition",
            "DEFAULT_PROFILE_STEPS"]
@@ -72,9 +73,10 @@ class Config:
     _match_weights: bool = False
     overlapping_allreduce: bool = True
     # Profiling and re-partitioning from measurements (smp.profile, smp.profiling.replan).
-    profile: dict | None = None           # {"dir": "prof", "steps": [start, stop]}: profile those steps
+    profile: dict | None = None           # {"dir": "prof", "steps": [start, stop], "monitor_s": 0.2}: those steps
     partition_file: str | None = None     # partition by this plan (smp replan -o FILE, PartitionPlan.to_json)
     auto_repartition: dict | None = None  # {"after_steps": N, "min_gain": 0.05, "dir": None}: re-plan in flight
+    debug: dict | None = None  # {"rules": [...], "every_n_steps": N, "action": "warn"}: smp.health's rules
 
     @property
     def schedule(self) -> str:
@@ -99,10 +101,17 @@ class Config:
 
     @property
     def profile_options(self) -> ProfileOptions | None:
-        """The ``profile`` key as :class:`pipeline.profiler.ProfileOptions` (steps 1 .. 10 by default)."""
+        """The ``profile`` key as :class:`pipeline.profiler.ProfileOptions` (steps 1 .. 10 by default; the system
+        monitor every ``monitor_s`` = 0.2 s by default, 0 or None: off)."""
         if self.profile is None:
             return None
-        return ProfileOptions(self.profile["dir"], tuple(self.profile.get("steps", DEFAULT_PROFILE_STEPS)))
+        return ProfileOptions(self.profile["dir"], tuple(self.profile.get("steps", DEFAULT_PROFILE_STEPS)),
+                              monitor_s=self.profile.get("monitor_s", ProfileOptions.monitor_s))
+
+    @property
+    def debug_options(self) -> DebugOptions | None:
+        """The ``debug`` key as :class:`smp.runtime.health_options.DebugOptions` (training-health rules)."""
+        return debug_options(self.debug)
 
     @property
     def repartition(self) -> AutoRepartition | None:
@@ -244,6 +253,10 @@ def _validate(c: Config) -> None:
     _check(_is_int(c.activation_loading_horizon) and c.activation_loading_horizon >= 1,
            "activation_loading_horizon", c.activation_loading_horizon, "a positive integer")
     _validate_profiling(c)
+    try:
+        _ = c.debug_options  # built (and checked) by smp.runtime.health_options
+    except ValueError as exc:
+        raise ConfigError(f"smp config 'debug' is not valid: {exc}") from None
     if c.auto_partition:
         _check(c.default_partition is None or (_is_int(c.default_partition) and
                                                0 <= c.default_partition < c.pipeline_parallel_degree),
@@ -262,7 +275,8 @@ def _keys(value: Any, key: str, allowed: tuple[str, ...], required: tuple[str, .
 def _validate_profiling(c: Config) -> None:
     """The ``profile``, ``partition_file`` and ``auto_repartition`` keys, and how they combine."""
     if c.profile is not None:
-        _keys(c.profile, "profile", ("dir", "steps"), ("dir",), '{"dir": "prof", "steps": [10, 20]}')
+        _keys(c.profile, "profile", ("dir", "steps", "monitor_s"), ("dir",),
+              '{"dir": "prof", "steps": [10, 20], "monitor_s": 0.2}')
         _check(isinstance(c.profile["dir"], str) and bool(c.profile["dir"]), "profile", c.profile,
                "'dir' must be a directory name (a non-empty string)")
         try:

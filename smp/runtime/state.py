@@ -50,6 +50,7 @@ class State:
     checkpointed: set = field(default_factory=set)   # modules marked by smp.set_activation_checkpointing
     messages: dict = field(default_factory=dict)     # (src, dst) -> objects sent so far (smp.send/recv_from)
     profiling: Any = None      # the profiling session (smp.profile), once a step or smp.profile needed it
+    health: Any = None         # the training-health session (smp.debug, smp.health), once a step needed it
 
     def ranks(self, kind: str) -> list[int]:
         """Global ranks of this rank's group of ``kind`` (one of GROUP_KINDS)."""

@@ -125,3 +125,25 @@ def test_two_nodes_through_torchrun_rendezvous_train_as_one(tmp_path: Path) -> N
         for name, value in want.items():
             same = torch.equal(got[name], value) if isinstance(value, torch.Tensor) else got[name] == value
             assert same, f"{part}: {name} differs after training on two nodes"
+
+
+def test_a_job_a_health_rule_stopped_is_not_restarted(tmp_path: Path) -> None:
+    """``--max-restarts`` restarts a failed job, but not one a training-health rule stopped (exit status 79)."""
+    from smp.runtime.health_options import STOP_EXIT_STATUS, STOP_FILE_ENV
+
+    script = tmp_path / "job.py"
+    script.write_text("import os, sys\n"
+                      "runs = os.path.join(sys.argv[1], 'runs')\n"
+                      "open(runs, 'a').write('x')\n"
+                      "if sys.argv[2] == 'stop':\n"
+                      f"    open(os.environ[{STOP_FILE_ENV!r}], 'w').write('ExplodingTensor at step 3: loss')\n"
+                      f"    sys.exit({STOP_EXIT_STATUS})\n"
+                      "sys.exit(1)\n")
+    from smp.cli.commands.launch import launch
+
+    assert launch(["-n", "1", "--max-restarts", "2", str(script), str(tmp_path), "stop"]) == STOP_EXIT_STATUS
+    assert (tmp_path / "runs").read_text() == "x"
+    (tmp_path / "runs").unlink()
+    one_line_error(smp("launch", "-n", "1", "--max-restarts", "1", str(script), str(tmp_path), "fail"),
+                   "failed on local rank(s) 0")
+    assert (tmp_path / "runs").read_text() == "xx"  # restarted once

@@ -43,3 +43,18 @@ def test_errors_are_one_line(tmp_path):
     one_line_error(smp("report", str(tmp_path)), "holds no profile")
     one_line_error(smp("replan", str(tmp_path), "-o", str(tmp_path / "p.txt")), "must end in .json")
     one_line_error(smp("replan", str(tmp_path)), "-o")
+
+
+def test_report_draws_the_cpu_heatmap_and_prints_the_system_rules(tmp_path):
+    """A data-bound run whose cores the ranks' workers saturate: CPUBottleneck on the terminal, the heatmap."""
+    plan, graph = sp.plan_of()
+    events, counters, info = sp.make(plan, forward_s=[s.forward_s for s in plan.stages],
+                                     backward_s=[s.backward_s for s in plan.stages], gap_s=0.05)
+    counters += sp.monitor(events, info, busy=99.0, ranks_cores=0.2, children=4, children_cores=0.9, gpu_util=30.0)
+    directory = sp.write(tmp_path / "prof", events, counters, info, graph=graph)
+    out = ok(smp("report", directory, "-o", str(tmp_path / "rep")))
+    assert "CPUBottleneck: FIRED" in out and "LowGPUUtilization: FIRED" in out and "MemoryGrowth: ok" in out
+    for name in ("cpu_heatmap.png", "gpu.png"):
+        check_png(tmp_path / "rep" / name)
+    text = (tmp_path / "rep" / "report.md").read_text()
+    assert "## System" in text and "![cpu](cpu_heatmap.png)" in text and "| 0 | h | 2 | 99 |" in text

@@ -39,9 +39,11 @@ def plan_of(stages: int = 2, microbatches: int = 4, net: nn.Module | None = None
 
 
 def make(plan, *, forward_s, backward_s, steps: int = 5, microbatches: int = 4, replicas: int = 1,
-         gap_s: float = 0.0, slow: dict[int, float] | None = None, slow_steps: dict[int, float] | None = None):
+         gap_s: float = 0.0, slow: dict[int, float] | None = None, slow_steps: dict[int, float] | None = None,
+         rss_step: float = 0.0):
     """(events, counters, info) of ``steps`` steps whose passes take the given per-stage seconds; ``slow``:
-    rank -> factor on its passes' wall time; ``slow_steps``: step -> extra gap before it (seconds)."""
+    rank -> factor on its passes' wall time; ``slow_steps``: step -> extra gap before it (seconds);
+    ``rss_step``: bytes the RSS grows by every step."""
     stages = plan.num_stages
     info = run_description(FakeRunner(plan, stages, microbatches, replicas))
     info.pop("graph")
@@ -66,7 +68,7 @@ def make(plan, *, forward_s, backward_s, steps: int = 5, microbatches: int = 4, 
                                             cost=e.duration))
                 events.append(Event(r, f"step {step}", t, t + sim.step_s * max((slow or {}).values(), default=1.0),
                                     "step"))
-                counters.append(Counter(r, "memory", t + sim.step_s, {"rss_bytes": 1e8}))
+                counters.append(Counter(r, "memory", t + sim.step_s, {"rss_bytes": 1e8 + step * rss_step}))
         t += sim.step_s * max((slow or {}).values(), default=1.0)
     return events, counters, info
 
@@ -79,3 +81,28 @@ def write(directory, events, counters, info, graph=None) -> str:
     if graph is not None:
         graph.save(os.path.join(directory, GRAPH_FILE))
     return os.fspath(directory)
+
+
+def monitor(events, info, *, cores: int = 2, busy: float = 50.0, ranks_cores: float = 0.5, children: int = 0,
+            children_cores: float = 0.0, iowait: float = 0.0, gpu_util: float | None = None, interval: float = 1e-3):
+    """System monitor counters every ``interval`` seconds over the run of ``events``, on every rank, all on one
+    host: every core ``busy`` %, the ranks' processes together using ``ranks_cores`` cores, each rank's
+    ``children`` child processes together ``children_cores`` cores; ``gpu_util``: GPU samples at that
+    utilisation (None: a CPU run). Records the monitor's description in ``info``."""
+    end = max(e.end for e in events)
+    counters = []
+    for r in range(info["world"]):
+        info["ranks"][str(r)]["system"] = {"host": "h", "cores": cores, "interval_s": interval, "samples": 1,
+                                           "per_sample_s": 1e-4, "gpu": "Fake GPU" if gpu_util is not None else None}
+        t = interval
+        while t < end:
+            counters.append(Counter(r, "cpu", t, {**{f"core {i}": busy for i in range(cores)}, "iowait": iowait}))
+            counters.append(Counter(r, "process", t, {"cpu_cores": ranks_cores / info["world"], "rss_bytes": 1e8,
+                                                      "children": children, "children_cpu_cores": children_cores,
+                                                      "children_rss_bytes": 1e7 * children}))
+            counters.append(Counter(r, "io", t, {"disk_read_bytes_s": 5e6, "disk_write_bytes_s": 0.0,
+                                                 "net_recv_bytes_s": 1e3, "net_sent_bytes_s": 1e3}))
+            if gpu_util is not None:
+                counters.append(Counter(r, "gpu", t, {"util_percent": gpu_util, "memory_used_bytes": 1e9}))
+            t += interval
+    return counters

@@ -104,7 +104,7 @@ def test_profiling_keys_are_checked_and_read(tmp_path):
     assert load_config({"partitions": 2, "profile": {"dir": "p"}}).profile_options.steps == (1, 11)
     bad = [({"profile": {"steps": [1, 2]}}, "(dir required)"),
            ({"profile": {"dir": "p", "steps": [5, 5]}}, "start < stop"),
-           ({"profile": {"dir": "p", "every": 2}}, "keys ['dir', 'steps']"),
+           ({"profile": {"dir": "p", "every": 2}}, "keys ['dir', 'steps', 'monitor_s']"),
            ({"partition_file": str(tmp_path / "missing.json")}, "existing plan file"),
            ({"auto_repartition": {"after_steps": 0}}, "positive integer"),
            ({"auto_repartition": {"after_steps": 2, "min_gain": -1}}, "'min_gain'"),

@@ -1,8 +1,10 @@
 """Profiling real smp runs on two ranks: the rules fire on an imbalanced manual split, a data loader that
 sleeps, and a rank slowed by a busy loop, and stay quiet on a balanced run; what smp.profile, the config's
-"profile" key and smp.annotate record; what profiling costs."""
+"profile" key and smp.annotate record; what profiling costs. On one rank, the system monitor's rules: a list
+that grows every step fires MemoryGrowth, a data loader with more busy workers than cores CPUBottleneck."""
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -14,7 +16,9 @@ from torch import nn
 
 from pipeline.timeline import load_trace
 from smp.profiling.measurements import load_profile
+from smp.profiling.report import write_report
 from smp.profiling.rules import evaluate
+from smp.profiling.system_rules import cpu_during_waits
 from smp.testing import run_ranks
 
 WIDTH = 1024  # passes of several milliseconds: the engine's own per-pass work stays small beside them
@@ -145,3 +149,86 @@ def _nested(rank: int, world: int, root: str) -> None:
     step(model, torch.randn(2, 4))
     assert os.path.exists(os.path.join(root, "trace.json"))
     state.reset()
+
+
+# -- the system monitor, on one rank ---------------------------------------------------------------------------
+class _BusyBatches(torch.utils.data.Dataset):
+    """Batches that cost ``cpu_s`` of pure-Python CPU each to make: a CPU-heavy data pipeline."""
+
+    def __init__(self, n: int, cpu_s: float) -> None:
+        self.n, self.cpu_s = n, cpu_s
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        t = time.thread_time()
+        while time.thread_time() - t < self.cpu_s:
+            pass
+        g = torch.Generator().manual_seed(i)
+        return torch.randn(64, WIDTH, generator=g), torch.randn(64, WIDTH, generator=g)
+
+
+def _one_rank(rank: int, world: int, root: str, mode: str) -> None:
+    import smp
+    from smp.runtime import state
+
+    steps = 12 if mode == "busy loader" else 7  # the loader's: a window of a few seconds, tens of samples
+    smp.init({"pipeline_parallel_degree": 1, "profile": {"dir": root, "steps": [1, steps], "monitor_s": 0.1}})
+    model = smp.DistributedModel(_mlp())
+    opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-4))
+
+    @smp.step
+    def train_step(model, x, y):
+        loss = F.mse_loss(model(x), y)
+        model.backward(loss)
+        return loss
+
+    if mode == "busy loader":  # more busy workers than cores: they saturate them, and the step waits for batches
+        import multiprocessing
+
+        multiprocessing.current_process().daemon = False  # run_ranks' ranks are daemonic: they may not fork workers
+        workers = (os.cpu_count() or 1) + 2
+        batches = torch.utils.data.DataLoader(_BusyBatches(steps, 0.3), batch_size=None, num_workers=workers)
+    else:
+        g = torch.Generator().manual_seed(0)
+        batches = [(torch.randn(64, WIDTH, generator=g), torch.randn(64, WIDTH, generator=g))] * steps
+    kept = []
+    for x, y in batches:
+        train_step(model, x, y)
+        opt.step()
+        opt.zero_grad()
+        if mode == "growing list":
+            kept.append(torch.ones(2**20))  # 4 MiB more every step, never released
+    state.reset()
+
+
+def test_a_list_that_grows_every_step_fires_memory_growth_and_the_monitor_is_in_the_profile(tmp_path):
+    run_ranks(_one_rank, 1, str(tmp_path), "growing list", timeout=120)
+    m = load_profile(tmp_path)
+    fired = {f.rule: f for f in evaluate(m) if f.fired}
+    assert set(fired) == {"MemoryGrowth"}, [str(f) for f in evaluate(m)]
+    assert fired["MemoryGrowth"].numbers["per_step_bytes"]["0 rss_bytes"] == pytest.approx(4 * 2**20, rel=0.2)
+    _, counters, _ = load_trace(tmp_path / "trace.json")
+    assert {"cpu", "process", "system", "io", "memory"} <= {c.name for c in counters}  # no "gpu" on CPU
+    system = json.loads((tmp_path / "profile.json").read_text())["ranks"]["0"]["system"]
+    assert system["cores"] == os.cpu_count() and system["interval_s"] == 0.1 and system["gpu"] is None
+    assert system["samples"] == len(m.system[0].series["cpu"].times) > 0
+    assert m.system[0].core_busy.shape == (system["samples"], os.cpu_count())
+
+
+@pytest.mark.slow
+def test_a_cpu_heavy_data_loader_fires_cpu_bottleneck_and_the_heatmap_shows_saturated_cores(tmp_path):
+    run_ranks(_one_rank, 1, str(tmp_path / "prof"), "busy loader", timeout=300)
+    m = load_profile(tmp_path / "prof")
+    fired = {f.rule: f for f in evaluate(m) if f.fired}
+    assert "DataBound" in fired and "CPUBottleneck" in fired, [str(f) for f in evaluate(m)]
+    cpu = fired["CPUBottleneck"].numbers["cpu"][0]
+    assert cpu["children"] >= os.cpu_count() + 2 and cpu["children_cores"] > 0.6 * os.cpu_count()
+    assert f"{cpu['children']:.0f} child process(es)" in fired["CPUBottleneck"].summary
+    # The heatmap's matrix: while the step waited for batches, every core was close to saturated.
+    assert cpu_during_waits(m, 0)["busy"] > 0.9
+    assert (m.system[0].core_busy.mean(axis=0) > 80).all()
+    write_report(tmp_path / "prof", tmp_path / "report")
+    assert (tmp_path / "report" / "cpu_heatmap.png").stat().st_size > 5000
+    assert "## System" in (tmp_path / "report" / "report.md").read_text()

@@ -26,10 +26,10 @@ def fired(m, **thresholds):
 
 def test_a_balanced_run_fires_nothing(plan):
     findings = evaluate(measure(*sp.make(plan, **_balanced(plan))))
-    assert [f.rule for f in findings] == ["StageImbalance", "PlanDrift", "Straggler", "StepOutlier", "DataBound",
-                                          "CommBound", "Bubble"]
+    assert [f.rule for f in findings][:7] == ["StageImbalance", "PlanDrift", "Straggler", "StepOutlier",
+                                              "DataBound", "CommBound", "Bubble"]
     assert not [f for f in findings if f.fired], [str(f) for f in findings]
-    assert len(RULES) == 7
+    assert len(RULES) == 11  # and the system monitor's four: tests/smp/test_system_rules.py
 
 
 def test_stage_imbalance_names_the_stages_and_their_modules(plan):
@@ -76,4 +76,4 @@ def test_bubble_compares_with_the_prediction(plan):
     m = measure(*sp.make(plan, **_balanced(plan)))
     assert "Bubble" not in fired(m)
     assert "Bubble" in fired(m, bubble=-0.5)  # a threshold below the prediction: the measured bubble exceeds it
-    assert "(p - 1) / (m + p - 1)" in evaluate(m)[-1].recommendation
+    assert "(p - 1) / (m + p - 1)" in evaluate(m)[6].recommendation

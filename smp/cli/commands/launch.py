@@ -5,6 +5,11 @@ multi-node options pass through (and drop ``--standalone``). Each rank runs the 
 :mod:`smp.cli.worker`, so that Ctrl-C ends every rank quietly: the command says ``interrupted`` once and exits
 with 130 instead of printing a traceback per rank. A rank that fails is reported by its local rank. The
 ranks start with :mod:`smp.runtime.rank_env`'s variables (huge pages for large CPU tensors) unless the user set them.
+
+``--max-restarts N`` is handled here, not by torchrun (which restarts on any failure): the job runs under torchrun
+without restarts, up to N + 1 times, and is not restarted when a training-health rule stopped it
+(:mod:`smp.health.session`: each rank writes its reason to the file ``SMP_HEALTH_STOP_FILE`` names, set here); the
+command then exits with that job's status, :data:`smp.runtime.health_options.STOP_EXIT_STATUS`.
 """
 from __future__ import annotations
 
@@ -12,11 +17,13 @@ import argparse
 import os
 import signal
 import sys
+import tempfile
 from collections.abc import Sequence
 
 from smp.cli.errors import CLIError
 from smp.cli.options import Parser
 from smp.cli.text import PROG
+from smp.runtime.health_options import STOP_EXIT_STATUS, STOP_FILE_ENV
 from smp.runtime.rank_env import rank_environment
 
 __all__ = ["register", "run", "launch", "torchrun_args", "WORKER"]
@@ -65,6 +72,8 @@ def torchrun_args(ns: argparse.Namespace, *, worker: bool = False) -> list[str]:
     if ns.nnodes is None and ns.rdzv_endpoint is None and ns.master_addr is None:
         args.append("--standalone")
     for flag, dest in _PASS_THROUGH:
+        if worker and dest == "max_restarts":
+            continue  # smp launch restarts the job itself (see the module docstring)
         if getattr(ns, dest) is not None:
             args += [flag, str(getattr(ns, dest))]
     script_args = list(ns.script_args)
@@ -83,6 +92,35 @@ def run(ns: argparse.Namespace) -> int:
     if ns.dry_run:
         print("torchrun " + " ".join(torchrun_args(ns)))
         return 0
+    restarts = int(ns.max_restarts or 0)
+    given = os.environ.get(STOP_FILE_ENV)
+    with tempfile.TemporaryDirectory(prefix="smp-launch-") as tmp:
+        stop_file = os.environ[STOP_FILE_ENV] = given or os.path.join(tmp, "health-stop")
+        try:
+            for attempt in range(restarts):
+                try:
+                    return _run_once(ns)
+                except CLIError:
+                    if os.path.isfile(stop_file):
+                        break
+                    print(f"{PROG}: restarting the job ({attempt + 1} of {restarts} restarts)", file=sys.stderr)
+            else:
+                try:
+                    return _run_once(ns)
+                except CLIError:
+                    if not os.path.isfile(stop_file):
+                        raise
+            with open(stop_file) as fh:
+                reason = fh.read().strip()
+            print(f"{PROG}: a training-health rule stopped the job; not restarting it: {reason}", file=sys.stderr)
+            return STOP_EXIT_STATUS
+        finally:
+            if given is None:  # a later launch from this process gets its own
+                os.environ.pop(STOP_FILE_ENV, None)
+
+
+def _run_once(ns: argparse.Namespace) -> int:
+    """One run of the job under torchrun (no restarts there); a failure is a CLIError naming the ranks."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
