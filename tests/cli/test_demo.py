@@ -1,6 +1,7 @@
 """``smp demo``: GPT-2's plan, its simulated schedule as text, and pipelined training (slow)."""
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
@@ -17,3 +18,10 @@ def test_demo_prints_plan_schedule_and_trains() -> None:
     assert len(losses) == 8 and losses[-1] < losses[0], out
     # It ends with the report of its own profiled training: every rule's verdict.
     assert all(f"{rule}: " in out for rule in ("StageImbalance", "PlanDrift", "Bubble")) and "report: " in out
+
+
+def test_the_demo_trains_the_bundled_example() -> None:
+    """The training half of the demo runs examples/train_gpt2.py: the path must survive moving the command."""
+    from smp.cli.commands.demo import TRAIN_SCRIPT
+
+    assert TRAIN_SCRIPT.endswith("examples/train_gpt2.py") and os.path.isfile(TRAIN_SCRIPT), TRAIN_SCRIPT

@@ -28,8 +28,8 @@ from smp.cli.text import Progress
 
 __all__ = ["register", "run", "DemoRun", "DEMO_STEPS", "TRAIN_SCRIPT"]
 
-TRAIN_SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                            "examples", "train_gpt2.py")
+# The checkout's examples/ (this file is smp/cli/commands/demo.py).
+TRAIN_SCRIPT = os.path.join(os.path.abspath(__file__).rsplit(os.sep, 4)[0], "examples", "train_gpt2.py")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
