@@ -7,6 +7,7 @@ a failure closes them all (:meth:`State.report_failure`), so that peers blocked 
 """
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 from dataclasses import dataclass, field
@@ -15,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipeline.p2p import PeerError, default_store, report_failure
+from pipeline.p2p import PeerError, close_groups, default_store, report_failure
 from smp.runtime.call_log import CallLog, CollectiveError
 from smp.runtime.config import Config, load_config
 from smp.runtime.rank_env import free_port
@@ -96,6 +97,18 @@ class State:
             report_failure(exc, self.rank, groups, default_store())
 
 
+    def close(self, default_group: bool) -> None:
+        """At exit: destroy the model's pipeline groups and smp's, and the default group when ``smp.init`` made it.
+        Left to the interpreter's teardown, gloo's threads were sometimes still joinable when their objects went,
+        and the process aborted after a run that had finished ("terminate called without an active exception")."""
+        runner = self.model.runner if self.model is not None else None
+        if runner is not None:
+            runner.close()
+        close_groups([g for g in (self.world_group, self.mp_group, self.dp_group) if not isinstance(g, _Closed)])
+        if default_group and dist.is_initialized():
+            dist.destroy_process_group()
+
+
 class _Closed:
     """Stands for a process group smp closed after a failure; torch refuses it at once, naming it."""
 
@@ -129,7 +142,8 @@ def init(config: dict | str | None = None) -> State:
     if _state is not None:
         raise RuntimeError("smp.init() was already called in this process; call it once, before anything else")
     timeout = datetime.timedelta(seconds=cfg.timeout_s)
-    if not dist.is_initialized():
+    made_default = not dist.is_initialized()
+    if made_default:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if "WORLD_SIZE" in os.environ:
             dist.init_process_group(backend, timeout=timeout)
@@ -160,6 +174,7 @@ def init(config: dict | str | None = None) -> State:
     st.mp_group, _ = dist.new_subgroups_by_enumeration(topo.mp_groups(), timeout=timeout)
     st.dp_group, _ = dist.new_subgroups_by_enumeration(topo.dp_groups(), timeout=timeout)
     _state = st
+    atexit.register(st.close, made_default)
     return st
 
 
