@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import queue
 import traceback
 from typing import Any, Callable
@@ -33,7 +34,9 @@ def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, results
         dist.init_process_group("gloo", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=pg_timeout))
         out = fn(rank, world, *args)
-        results.put((rank, True, out))
+        # By value: torch's queue would share tensors by file descriptor, which the parent can fetch only while
+        # this process lives, and it exits right after.
+        results.put((rank, True, pickle.dumps(out)))
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -73,7 +76,7 @@ def run_ranks(fn: Callable, world: int, *args: Any, timeout: float = 120.0, pg_t
                     for r in dead:
                         got[r] = f"FAILED: rank {r} exited with code {procs[r].exitcode}"
                 continue
-            got[rank] = out if ok else f"FAILED: {out}"
+            got[rank] = pickle.loads(out) if ok else f"FAILED: {out}"
     finally:
         for p in procs:
             p.join(timeout=5)
