@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import threading
 import traceback
 import warnings
 from contextlib import contextmanager
@@ -66,6 +67,9 @@ def _without_kv_cache(model: torch.nn.Module) -> Iterator[None]:
             c.use_cache = True
 
 
+_PATCH = threading.RLock()
+
+
 class CustomGradientWarning(UserWarning):
     """The model runs a custom ``torch.autograd.Function``: the traced stages differentiate its forward instead of
     running its own backward."""
@@ -80,19 +84,22 @@ def _custom_functions_noted(model: torch.nn.Module) -> Iterator[None]:
     as activation checkpointing's) recompute or differentiate their forward and are not reported."""
     seen: list[str] = []
     base = torch.autograd.Function
-    original = base.__dict__["apply"]
-    apply = original.__func__
+    with _PATCH:  # one trace at a time patches (and restores) the class attribute
+        original = base.__dict__["apply"]
+        apply = original.__func__
+        tracing = threading.get_ident()
 
-    def noting(cls: type, *args: Any, **kwargs: Any) -> Any:
-        if not cls.__module__.startswith("torch.") and cls.__qualname__ not in seen:
-            seen.append(cls.__qualname__)
-        return apply(cls, *args, **kwargs)
+        def noting(cls: type, *args: Any, **kwargs: Any) -> Any:
+            if threading.get_ident() == tracing and not cls.__module__.startswith("torch.") \
+                    and cls.__qualname__ not in seen:
+                seen.append(cls.__qualname__)
+            return apply(cls, *args, **kwargs)
 
-    base.apply = classmethod(noting)  # type: ignore[method-assign,assignment]
-    try:
-        yield
-    finally:
-        base.apply = original  # type: ignore[method-assign]
+        base.apply = classmethod(noting)  # type: ignore[method-assign,assignment]
+        try:
+            yield
+        finally:
+            base.apply = original  # type: ignore[method-assign]
     if seen:
         warnings.warn(f"{type(model).__name__} applies custom torch.autograd.Function(s) {seen}: the pipeline "
                       "stages run their forward's ops and differentiate those, not the functions' own backward; "

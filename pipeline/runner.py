@@ -141,6 +141,7 @@ class PipelineRunner:
         self.profiler = None if options is None else Profiler(me, options, describe=lambda: run_description(self),
                                                               device=self.device)
         self.recorder = self.profiler.recorder if self.profiler is not None else None
+        self._own_profiler = self.profiler  # record=: this runner's to stop (smp hands runners profilers of its own)
         self.local_stages = [self.split_model.stages[s] for s in self.schedule.stages_of(self.rank)]
         for st in self.local_stages:
             st.module.to(self.device)
@@ -253,10 +254,13 @@ class PipelineRunner:
 
     def close(self) -> None:
         """Destroy the runner's process groups (a runner replaced by another, e.g. after re-partitioning, would
-        otherwise keep its connections open for the life of the process). The runner cannot step afterwards."""
+        otherwise keep its connections open for the life of the process) and stop the profiler ``record=`` made.
+        The runner cannot step afterwards."""
         groups = [self.transport.group, *(g for g, _, _ in self._shared)]
         self.transport.group, self._shared = None, []
         close_groups(groups)
+        if self._own_profiler is not None:  # and its system monitor's thread, if one samples
+            self._own_profiler.stop()
 
     def train(self, mode: bool = True) -> "PipelineRunner":
         """Put this rank's stages in training or evaluation mode (dropout, BatchNorm), as ``nn.Module.train``.

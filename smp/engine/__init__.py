@@ -6,7 +6,7 @@ holding only its own weights (:mod:`~smp.engine.materialize`, :mod:`~smp.engine.
 a new plan between steps (:mod:`~smp.engine.migrate`).
 
 It may import :mod:`smp.runtime`, the recording half of :mod:`smp.profiling` (the session and the re-partitioning
-decision's inputs) and :mod:`smp.health` (the training-health checks after a step), never the SMP surface above it
-(``DistributedModel``, ``DistributedOptimizer``) nor :mod:`smp.checkpoint`: what it needs of the model it receives
-through :class:`~smp.engine.protocols.PipelineModel`.
+decision's inputs) and :mod:`smp.health` (the training-health checks around a step), never the SMP surface above
+it (``DistributedModel``, ``DistributedOptimizer``) nor :mod:`smp.checkpoint`: what it needs of the model it receives
+through :class:`~smp.engine.pipeline_model.PipelineModel`.
 """

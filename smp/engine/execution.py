@@ -39,14 +39,14 @@ __all__ = ["run_step"]
 def run_step(st: State, model: PipelineModel, run: StepRun) -> list[Any]:
     """Run ``run`` on ``model`` on this rank, profiled when a profile records, after re-partitioning when
     ``"auto_repartition"`` is due; the per-microbatch return values, on every rank of the pipeline."""
-    checks = health_of(st)
-    train = model.module.training and run.grad_enabled
-    checks.before(st, model, train)  # judges the last check: raises TrainingStopped when a rule stops the job
     session = session_of(st)
     due = session.repartition_due()
     if due is not None:
         repartition_in_flight(st, model, *due)
         session.repartition_done(st)
+    checks = health_of(st)
+    train = model.module.training and run.grad_enabled
+    checks.before(st, model, train)  # judges the last check: raises TrainingStopped when a rule stops the job
     session.before(model)
     try:
         results = _guarded(st, model, run)

@@ -9,8 +9,9 @@ world group (bounded by ``timeout_s``) gives every rank every rank's statistics,
 (:mod:`smp.health.rules`) to the same findings. Rank 0 reports them (a :class:`TrainingHealthWarning`, once per rule
 and tensor); with ``"action": "stop"`` every rank prints the reason, writes it to the file ``SMP_HEALTH_STOP_FILE``
 names (``smp launch`` sets it and then does not restart the job) and leaves the step with
-:class:`TrainingStopped`, a ``SystemExit`` whose status is :data:`STOP_EXIT_STATUS`: between steps, so the last
-committed checkpoint stays as it was. The optimizer step after a check step is measured for ``WeightUpdateRatio``
+:class:`TrainingStopped`, a ``SystemExit`` whose status is :data:`STOP_EXIT_STATUS`: between steps, before any
+collective of that step (the optimizer step after the fault has run). The optimizer step after a check step is
+measured for ``WeightUpdateRatio``
 (:meth:`Session.around_update`). ``smp.debug.log(name, value)`` records a value (``"eval_loss"`` for ``Overfit``)
 sent with the next check.
 
@@ -71,6 +72,7 @@ class Session:
         self.probe = UpdateProbe()
         self.taps: dict[bool, ActivationTaps] = {}  # every layer's output too? -> this rank's tapped stages
         self.tapping: ActivationTaps | None = None  # the taps of the step running now
+        self.taps_of: Any = None  # the runner whose stages the taps copy
         self.checking = False               # the step running now is a check step
         self.measure_update = False         # the next optimizer step follows a check step
         self.reported: set[tuple[str, str]] = set()
@@ -101,6 +103,8 @@ class Session:
     def start_taps(self, model: Any, layers: bool) -> None:
         """Build the tapped stage copies (once per kind: with every layer's output, or only what crosses stages)
         and run them for this step."""
+        if self.taps_of is not model.runner:  # re-partitioned: the old stages no longer run
+            self.taps, self.taps_of = {}, model.runner
         if layers not in self.taps:
             paths = layer_paths(self.local_parameters(model)) if layers else set()
             self.taps[layers] = ActivationTaps(model.runner.local_stages, paths)

@@ -179,6 +179,9 @@ def init(config: dict | str | None = None) -> State:
 
 
 def reset() -> None:
-    """Forget the state (tests and scripts that run several configurations in one process)."""
+    """Forget the state (tests and scripts that run several configurations in one process). Its process groups
+    stay as they are; its exit handler goes, so the state is not kept alive until exit."""
     global _state
+    if _state is not None:
+        atexit.unregister(_state.close)
     _state = None

@@ -147,3 +147,18 @@ def test_a_job_a_health_rule_stopped_is_not_restarted(tmp_path: Path) -> None:
     one_line_error(smp("launch", "-n", "1", "--max-restarts", "1", str(script), str(tmp_path), "fail"),
                    "failed on local rank(s) 0")
     assert (tmp_path / "runs").read_text() == "xx"  # restarted once
+
+
+def test_a_stale_stop_file_or_a_bad_restart_count_does_not_decide_a_launch(tmp_path, monkeypatch) -> None:
+    """An earlier job's health-stop reason is removed before each attempt, and --max-restarts must be a count."""
+    from smp.cli import main
+    from smp.runtime.health_options import STOP_FILE_ENV
+
+    stale = tmp_path / "stop"
+    stale.write_text("ExplodingTensor at step 3: an earlier job's reason\n")
+    monkeypatch.setenv(STOP_FILE_ENV, str(stale))
+    script = tmp_path / "ok.py"
+    script.write_text("print('ran')\n")
+    assert main(["launch", "-n", "1", "--max-restarts", "1", str(script)]) == 0
+    assert not stale.exists()
+    assert main(["launch", "-n", "1", "--max-restarts", "two", str(script)]) == 2

@@ -92,12 +92,20 @@ def run(ns: argparse.Namespace) -> int:
     if ns.dry_run:
         print("torchrun " + " ".join(torchrun_args(ns)))
         return 0
-    restarts = int(ns.max_restarts or 0)
+    restarts = str(ns.max_restarts or 0)
+    if not restarts.isdigit():
+        raise CLIError(f"--max-restarts {ns.max_restarts!r}: give a number of restarts (0 or more)")
+    return _attempts(ns, int(restarts))
+
+
+def _attempts(ns: argparse.Namespace, restarts: int) -> int:
+    """Run the job, and again after a failure up to ``restarts`` times, unless a training-health rule stopped it."""
     given = os.environ.get(STOP_FILE_ENV)
     with tempfile.TemporaryDirectory(prefix="smp-launch-") as tmp:
         stop_file = os.environ[STOP_FILE_ENV] = given or os.path.join(tmp, "health-stop")
         try:
             for attempt in range(restarts):
+                _remove(stop_file)  # an earlier job's reason is not this attempt's
                 try:
                     return _run_once(ns)
                 except CLIError:
@@ -105,6 +113,7 @@ def run(ns: argparse.Namespace) -> int:
                         break
                     print(f"{PROG}: restarting the job ({attempt + 1} of {restarts} restarts)", file=sys.stderr)
             else:
+                _remove(stop_file)
                 try:
                     return _run_once(ns)
                 except CLIError:
@@ -142,3 +151,10 @@ def _run_once(ns: argparse.Namespace) -> int:
         ranks = ", ".join(str(getattr(f, "local_rank", r)) for r, f in causes.items()) or "?"
         raise CLIError(f"{ns.script} failed on local rank(s) {ranks} (see their output above)") from None
     return 0
+
+
+def _remove(path: str) -> None:
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
