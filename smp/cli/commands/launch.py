@@ -14,6 +14,7 @@ command then exits with that job's status, :data:`smp.runtime.health_options.STO
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
@@ -104,21 +105,16 @@ def _attempts(ns: argparse.Namespace, restarts: int) -> int:
     with tempfile.TemporaryDirectory(prefix="smp-launch-") as tmp:
         stop_file = os.environ[STOP_FILE_ENV] = given or os.path.join(tmp, "health-stop")
         try:
-            for attempt in range(restarts):
+            for attempt in range(restarts + 1):
                 _remove(stop_file)  # an earlier job's reason is not this attempt's
                 try:
                     return _run_once(ns)
                 except CLIError:
                     if os.path.isfile(stop_file):
                         break
-                    print(f"{PROG}: restarting the job ({attempt + 1} of {restarts} restarts)", file=sys.stderr)
-            else:
-                _remove(stop_file)
-                try:
-                    return _run_once(ns)
-                except CLIError:
-                    if not os.path.isfile(stop_file):
+                    if attempt == restarts:
                         raise
+                    print(f"{PROG}: restarting the job ({attempt + 1} of {restarts} restarts)", file=sys.stderr)
             with open(stop_file) as fh:
                 reason = fh.read().strip()
             print(f"{PROG}: a training-health rule stopped the job; not restarting it: {reason}", file=sys.stderr)
@@ -154,7 +150,5 @@ def _run_once(ns: argparse.Namespace) -> int:
 
 
 def _remove(path: str) -> None:
-    try:
+    with contextlib.suppress(FileNotFoundError):
         os.remove(path)
-    except FileNotFoundError:
-        pass
