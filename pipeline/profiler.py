@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from time import perf_counter
 from typing import Any
 
+import psutil
 import torch
 import torch.distributed as dist
 
@@ -95,14 +96,7 @@ class ProfileOptions:
 def memory_sample(device: torch.device | None = None) -> dict[str, float]:
     """This process's resident host memory and, when CUDA is in use, the caching allocator's allocated and
     peak allocated bytes on ``device``."""
-    out: dict[str, float] = {}
-    try:
-        with open("/proc/self/statm") as f:
-            out["rss_bytes"] = float(int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE"))
-    except (OSError, ValueError, IndexError):  # not Linux: the peak is what the OS offers
-        import resource
-
-        out["rss_bytes"] = float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    out: dict[str, float] = {"rss_bytes": float(psutil.Process().memory_info().rss)}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         out["cuda_allocated_bytes"] = float(torch.cuda.memory_allocated(device))
         out["cuda_peak_bytes"] = float(torch.cuda.max_memory_allocated(device))
