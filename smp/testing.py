@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 
 from smp.runtime.rank_env import free_port, rank_environment
 
-__all__ = ["run_ranks", "free_port"]
+__all__ = ["run_ranks"]
 
 
 def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, results: Any, pg_timeout: float) -> None:
