@@ -24,6 +24,11 @@ from .flops import float_bytes, op_flops_and_bytes, tensor_bytes
 from .graph import OpGraph
 from .mutation import colocated_groups
 from .program import TracedProgram, tensor_aliases
+from .tp_collectives import copy_to, gather_from, reduce_from
+
+# Tensor-parallel collectives join the op whose result they carry: no stage cut between a row-parallel matmul and
+# its all-reduce, and Megatron's f and the gather of an output stay with the value they act on.
+FOLDED = frozenset({copy_to, gather_from, reduce_from})
 
 __all__ = ["build_graph"]
 
@@ -99,7 +104,7 @@ def build_graph(gm: torch.fx.GraphModule, in_spec: pytree.TreeSpec, out_spec: py
             continue
         op_ins = [n for n in _input_nodes(node) if n.name in op_of]
         params_used = params_of(node)
-        if node.target is operator.getitem and op_ins:
+        if (node.target is operator.getitem or node.target in FOLDED) and op_ins:
             idx = op_of[op_ins[0].name]
         elif not node.users and op_ins:
             idx = max(op_of[n.name] for n in op_ins)

@@ -19,6 +19,10 @@ this is most of the backward time.
 Memory per stage: parameters (+ gradients + optimizer state for trainable ones, by optimizer kind and
 precision, :func:`partitioner.precision.param_memory`) and the activations each op keeps for backward
 times the microbatches in flight on that stage (:func:`in_flight`).
+
+A graph sharded for tensor parallelism (:mod:`partitioner.shard_program`) is priced at its local shapes, plus its
+collectives over the link within a node (:mod:`partitioner.tp_cost`): they are part of the forward and backward
+seconds of the ops that carry them, and kept apart in :attr:`NodeCosts.tp_forward_s` / ``tp_backward_s``.
 """
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ from .flops import VIEW_OPS, is_matmul_class
 from .graph import OpGraph
 from .pipelines import pipeline_of
 from .precision import at_precision, weight_bytes
+from .tp_cost import collective_seconds, tp_degree
 
 __all__ = ["NodeCosts", "estimate", "needs_grad", "view_ops", "in_flight"]
 
@@ -40,17 +45,27 @@ __all__ = ["NodeCosts", "estimate", "needs_grad", "view_ops", "in_flight"]
 @dataclass
 class NodeCosts:
     """Per-op costs: forward and backward seconds, and whether the op has a backward at all (``measured``
-    when they were timed rather than estimated)."""
+    when they were timed rather than estimated). ``tp_forward_s`` / ``tp_backward_s``: the part of those seconds
+    spent in tensor-parallel collectives (:mod:`partitioner.tp_cost`; None: the graph is not sharded)."""
 
     forward_s: np.ndarray
     backward_s: np.ndarray
     needs_grad: np.ndarray
     measured: bool = False
+    tp_forward_s: np.ndarray | None = None
+    tp_backward_s: np.ndarray | None = None
 
     @property
     def total_s(self) -> np.ndarray:
         """Forward plus backward seconds per op."""
         return self.forward_s + self.backward_s
+
+    @property
+    def tp_comm_s(self) -> np.ndarray:
+        """Seconds of tensor-parallel collectives per op, forward plus backward (zeros without them)."""
+        if self.tp_forward_s is None or self.tp_backward_s is None:
+            return np.zeros_like(np.asarray(self.forward_s, np.float64))
+        return self.tp_forward_s + self.tp_backward_s
 
 
 def needs_grad(graph: OpGraph) -> np.ndarray:
@@ -106,7 +121,11 @@ def estimate(graph: OpGraph, rates: DeviceRates | None = None, dtype: str = "fp3
     factor = np.where(input_grad, 2.0, 1.0)
     grad_s = grad_bytes / (rates.grad_bytes_per_s * rates.memory_efficiency)
     bwd = np.where(needs, factor * compute + grad_s + rates.op_overhead_s, 0.0)
-    return NodeCosts(forward_s=fwd, backward_s=bwd, needs_grad=needs)
+    if tp_degree(graph) == 1:
+        return NodeCosts(forward_s=fwd, backward_s=bwd, needs_grad=needs)
+    tp_fwd, tp_bwd = collective_seconds(graph, rates, dtype, all_needs)
+    return NodeCosts(forward_s=fwd + tp_fwd, backward_s=bwd + tp_bwd, needs_grad=needs, tp_forward_s=tp_fwd,
+                     tp_backward_s=tp_bwd)
 
 
 def in_flight(stage: int, num_stages: int, microbatches: int, pipeline: str) -> int:

@@ -16,7 +16,8 @@ from typing import Any
 import torch
 import torch.fx
 
-__all__ = ["op_flops_and_bytes", "is_matmul_class", "tensor_bytes", "float_bytes", "op_name", "VIEW_OPS", "NORM_OPS"]
+__all__ = ["op_flops_and_bytes", "is_matmul_class", "tensor_bytes", "float_bytes", "op_name", "VIEW_OPS", "NORM_OPS",
+           "TP_EQUIVALENT"]
 
 # Ops that return a view (or nothing at all) and cost no memory traffic of their own.
 VIEW_OPS = frozenset({
@@ -36,6 +37,9 @@ LOSS_OPS = frozenset({"cross_entropy_loss", "nll_loss", "nll_loss_nd", "nll_loss
 _MATMULS = frozenset({"addmm", "mm", "bmm", "baddbmm", "matmul", "linear"})
 _CONVS = frozenset({"conv1d", "conv2d", "conv3d", "convolution", "_convolution", "conv_transpose1d",
                     "conv_transpose2d", "conv_transpose3d"})
+# The ops of a tensor-parallel rank's graph (partitioner.tp_collectives) cost what the ATen op they replace costs on
+# this rank's shard; their collectives are priced on their own (partitioner.tp_cost).
+TP_EQUIVALENT = {"vocab_embedding": "embedding", "vocab_cross_entropy": "cross_entropy_loss", "tp_dropout": "dropout"}
 
 
 def tensor_bytes(v: Any) -> int:
@@ -85,7 +89,7 @@ def _is_attention(name: str) -> bool:
 def op_flops_and_bytes(node: torch.fx.Node) -> tuple[float, int, int, bool]:
     """Forward FLOPs, bytes moved, the floating-point part of those bytes and whether the op is a free
     view, from the traced shapes."""
-    name = op_name(node)
+    name = TP_EQUIVALENT.get(op_name(node), op_name(node))
     if name in VIEW_OPS:
         return 0.0, 0, 0, True
     vals = [a.meta.get("val") if isinstance(a, torch.fx.Node) else a for a in node.args]

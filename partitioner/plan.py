@@ -19,6 +19,7 @@ from .errors import EngineError
 from .graph import OpGraph, unique_ints
 from .objective import Evaluation, Problem, check_acyclic, crossings
 from .stage_modules import split
+from .tp_cost import degree_mismatch, tensor_parallel_record
 from .units import format_bytes
 
 __all__ = ["StageSummary", "PartitionPlan", "PlanError", "PlanMismatchError", "make_plan"]
@@ -62,7 +63,10 @@ class PartitionPlan:
     perfect this plan can at most be. ``shared_params`` lists parameters used on several stages (tied
     embeddings): each such stage holds a replica and their gradients are summed. ``split_ops`` names the
     linear layers computed in column chunks (:mod:`partitioner.chunk`) and their chunk counts: binding the
-    plan to a fresh trace of the model splits them the same way.
+    plan to a fresh trace of the model splits them the same way. ``tensor_parallel``: for a graph sharded for
+    tensor parallelism, its ``degree``, the tp collectives' seconds per stage and microbatch (``comm_s``, in the
+    stage costs) and the ``sharding`` (:func:`partitioner.tp_cost.tensor_parallel_record`); empty (and absent from
+    the JSON) for degree 1. Such a plan binds only to a graph sharded for the same degree.
     """
 
     num_stages: int
@@ -78,6 +82,7 @@ class PartitionPlan:
     options: dict[str, Any] = field(default_factory=dict)
     rates: dict[str, float] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
+    tensor_parallel: dict[str, Any] = field(default_factory=dict)
     graph: Any = field(default=None, repr=False, compare=False)
 
     # JSON names carry units; attributes keep the short names the API documents.
@@ -98,9 +103,9 @@ class PartitionPlan:
         """The plan as JSON-ready data (the op graph is not included; ``extra`` keys sit at the top level)."""
         out: dict[str, Any] = {}
         for f in fields(self):
-            if f.name == "graph":
-                continue
             value = getattr(self, f.name)
+            if f.name == "graph" or (f.name == "tensor_parallel" and not value):
+                continue
             if f.name == "stages":
                 value = [asdict(s) for s in value]
             elif f.name == "extra":
@@ -171,6 +176,8 @@ class PartitionPlan:
             raise PlanMismatchError(f"{source} has {self.num_stages} stages but this run has {num_stages} "
                                     f"pipeline stages: make the plan for {num_stages} stages, or run with "
                                     f"{self.num_stages}")
+        if (why := degree_mismatch(self.tensor_parallel, graph)) is not None:
+            raise PlanMismatchError(f"{source} {why}")
         if self.split_ops and graph.fx is not None and not graph.fx.split_ops:
             graph = split_columns(graph, self.split_ops)
         ops, planned = set(graph.names), set(self.assignment)
@@ -318,6 +325,9 @@ def _check_plan(kw: dict[str, Any]) -> None:
     for op, chunks in kw.get("split_ops", {}).items():
         _check_int(f"split_ops[{op!r}]", chunks, 2)
     _check_type("options", kw.get("options", {}), dict)
+    _check_type("tensor_parallel", kw.get("tensor_parallel", {}), dict)
+    if kw.get("tensor_parallel"):
+        _check_int("tensor_parallel.degree", kw["tensor_parallel"].get("degree"), 1)
     _check_type("rates", kw.get("rates", {}), dict)
     for name, value in kw.get("rates", {}).items():
         if value is not None and not isinstance(value, str):  # a rate, or a profile name / None (DeviceRates)
@@ -344,8 +354,6 @@ def _stage_modules(g: OpGraph, stage: np.ndarray, k: int) -> list[list[str]]:
     for i in first.tolist():
         out[int(stage[i])].append(names[int(mid[i])])
     return out
-
-
 
 
 def make_plan(p: Problem, ev: Evaluation, method: str) -> PartitionPlan:
@@ -382,6 +390,6 @@ def make_plan(p: Problem, ev: Evaluation, method: str) -> PartitionPlan:
         cut_bytes=ev.cut_bytes, lower_bound=lb, bottleneck=ev.bottleneck,
         balance=ev.bottleneck / lb if lb > 0 else 1.0, shared_params=shared,
         split_ops=dict(g.fx.split_ops) if g.fx is not None else {},
-        options={**p.options.to_dict(p.rates), "measured": p.costs.measured},
-        rates=p.rates.to_dict(), graph=g,
+        options={**p.options.to_dict(p.rates), "measured": p.costs.measured}, rates=p.rates.to_dict(), graph=g,
+        tensor_parallel=tensor_parallel_record(g, ev.stage, k, p.costs.tp_comm_s),
     )

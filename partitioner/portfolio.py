@@ -35,6 +35,7 @@ from .plan import PartitionPlan, make_plan
 from .refine import refine
 from .split_points import marker_stages
 from .timing import measure as measure_costs
+from .tp_cost import tp_degree
 from .tracing import trace
 
 __all__ = ["partition", "make_problem", "fixed_plan"]
@@ -69,6 +70,10 @@ def make_problem(graph_or_model: Any, num_stages: int, options: PartitionOptions
     elif opts.measure:
         if graph.fx is None:
             raise ValueError("measure=True needs a traced model, not a synthetic graph")
+        if tp_degree(graph) > 1:
+            raise ValueError(f"measure=True times every op in this process, but the graph is sharded for tensor "
+                             f"parallelism of degree {tp_degree(graph)}: its collectives need the tp group; leave "
+                             "measure off (the estimate prices the collectives) or pass measured costs=")
         costs = measure_costs(graph, args, kwargs, rates=rates)
     else:
         costs = estimate(graph, rates, opts.dtype)

@@ -33,6 +33,8 @@ class TracedProgram:
     training: bool = True                  # the model's mode when traced: the mode stages start in
     split_ops: dict[str, int] = field(default_factory=dict)  # linears cut into column chunks (partitioner.chunk)
     loss: tuple[Any, Any] | None = None    # (loss_fn, one microbatch's target) priced on the output op, if traced
+    tp_comm: Any = None                    # a tensor-parallel rank's program: its TPComm (partitioner.shard_program)
+    sharding: Any = None                   # ... and the Sharding it was written from (partitioner.sharding)
 
 
 def tensor_aliases(module: torch.nn.Module) -> dict[str, str]:

@@ -21,6 +21,7 @@ runs only in training. The stages read that flag from their own ``training`` att
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -214,7 +215,8 @@ def split(graph: OpGraph, assignment: dict[str, int], num_stages: int) -> SplitM
                        for a in pytree.tree_leaves(out_node.args[0], is_leaf=lambda x: isinstance(x, torch.fx.Node))]
         merge_weight_slices(graphs[s], gm)
         module = torch.fx.GraphModule(gm, graphs[s], class_name=f"Stage{s}").train(prog.training)
-        attrs = [n.target for n in graphs[s].nodes if n.op == "get_attr"]
+        attrs = [n.target for n in graphs[s].nodes if n.op == "get_attr"
+                 and isinstance(operator.attrgetter(n.target)(module), torch.Tensor)]
         for name, node in needed[s].items():
             value_meta[name] = node.meta.get("val")
         stages.append(Stage(

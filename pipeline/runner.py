@@ -101,14 +101,18 @@ class PipelineRunner:
                  pipelines: list[list[int]] | None = None, timeout_s: float = 60.0,
                  device: str | torch.device | None = None, record: bool = False,
                  average_grads_across_microbatches: bool = True, checkpoint_modules: Sequence[str] = (),
-                 autocast: tuple[str, torch.dtype] | None = None):
+                 autocast: tuple[str, torch.dtype] | None = None, tp_groups: list[list[int]] | None = None,
+                 tp_seed: int = 0):
         """``ranks``: the global ranks of this pipeline, stage order (default: all ranks). With several
         pipelines side by side (data parallelism), pass them all as ``pipelines`` instead: process groups
         are created collectively, so every rank must name every pipeline in the same order. ``timeout_s``
         bounds every wait and collective of the runner (its process groups are created with it). ``record``:
         True keeps every pass's span in memory (``events``); a directory or
         :class:`pipeline.profiler.ProfileOptions` profiles the steps (see :meth:`write_profile`). ``autocast``:
-        ``(device type, dtype)`` when the plan was traced under ``torch.autocast`` (run the steps under it too)."""
+        ``(device type, dtype)`` when the plan was traced under ``torch.autocast`` (run the steps under it too).
+        ``tp_groups``: with a plan of a tensor-parallel graph (:func:`partitioner.shard_program.shard_graph`), the
+        tp groups of every rank, all of them on every rank, like ``pipelines``; ``tp_seed`` seeds the dropout
+        streams of the sharded graph (the same on every rank of a tp group)."""
         if not dist.is_initialized():
             raise RuntimeError("PipelineRunner needs torch.distributed: call dist.init_process_group (torchrun or "
                                "`smp launch` sets up the environment) before creating it")
@@ -142,6 +146,7 @@ class PipelineRunner:
                                                               device=self.device)
         self.recorder = self.profiler.recorder if self.profiler is not None else None
         self._own_profiler = self.profiler  # record=: this runner's to stop (smp hands runners profilers of its own)
+        self.tp_group = _bind_tp(self.split_model, tp_groups, self._timeout, self.device, tp_seed)
         self.local_stages = [self.split_model.stages[s] for s in self.schedule.stages_of(self.rank)]
         for st in self.local_stages:
             st.module.to(self.device)
@@ -256,7 +261,7 @@ class PipelineRunner:
         """Destroy the runner's process groups (a runner replaced by another, e.g. after re-partitioning, would
         otherwise keep its connections open for the life of the process) and stop the profiler ``record=`` made.
         The runner cannot step afterwards."""
-        groups = [self.transport.group, *(g for g, _, _ in self._shared)]
+        groups = [self.transport.group, *(g for g, _, _ in self._shared), *filter(None, [self.tp_group])]
         self.transport.group, self._shared = None, []
         close_groups(groups)
         if self._own_profiler is not None:  # and its system monitor's thread, if one samples
@@ -303,6 +308,23 @@ class PipelineRunner:
             for p in st.module.parameters():
                 seen.setdefault(id(p), p)
         return list(seen.values())
+
+
+def _bind_tp(sm: SplitModel, tp_groups: list[list[int]] | None, timeout: datetime.timedelta,
+             device: torch.device, seed: int) -> Any:
+    """This rank's tp process group, bound to the sharded graph's collectives (None without tensor parallelism)."""
+    comm = sm.program.tp_comm
+    if comm is None and not tp_groups:
+        return None
+    me = dist.get_rank()
+    mine = [g for g in tp_groups or [] if me in g]
+    if comm is None or len(mine) != 1 or len(mine[0]) != comm.size:
+        raise ValueError(f"rank {me}: the plan's graph is sharded for tensor parallelism of degree "
+                         f"{comm.size if comm else 1}, but tp_groups={tp_groups}: pass every rank's tp group, each "
+                         "of that many ranks, with a plan of a graph sharded for that degree")
+    group, _ = dist.new_subgroups_by_enumeration([list(g) for g in tp_groups or []], timeout=timeout)
+    comm.bind(group, device, seed)
+    return group
 
 
 def _stages_running(plan: PartitionPlan, module_paths: Any) -> set[int]:

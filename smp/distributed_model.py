@@ -21,6 +21,7 @@ from torch.utils.hooks import RemovableHandle
 from partitioner import PartitionOptions, PartitionPlan, trace
 from partitioner.plan import PlanMismatchError
 from partitioner.portfolio import fixed_plan
+from partitioner.shard_program import tensor_parallel_graph
 from pipeline import PipelineRunner
 from smp.checkpoint.commit import CheckpointError
 from smp.checkpoint.state_dicts import PARTIAL_KEY, PLAN_KEY, key_error, on_cpu
@@ -150,16 +151,22 @@ class DistributedModel(torch.nn.Module):
             return plan
         if cfg.partition_file is not None:  # a plan from `smp replan` (or PartitionPlan.to_json): it must fit
             return PartitionPlan.from_json(cfg.partition_file).bind(
-                trace(self.module, call.args, call.kwargs), f"partition_file {cfg.partition_file!r}", pp)
+                self._trace(call), f"partition_file {cfg.partition_file!r}", pp)
         if cfg.auto_partition:
             plan = shared_plan(self.module, call.args, call.kwargs, pp,
                                PartitionOptions.of(options, measure=self.trace_execution_times),
-                               st.world_group, cfg.timeout_s)
+                               st.world_group, cfg.timeout_s, tp=(st.topology.tp, st.topology.tp_rank(st.rank)))
         else:
-            graph = trace(self.module, call.args, call.kwargs)
+            graph = self._trace(call)
             plan = fixed_plan(graph, pp, manual_stages(self.module, graph), options)
             plan.graph = graph
         return plan
+
+    def _trace(self, call: step_run.MicrobatchCall) -> Any:
+        """The model traced on ``call``, as this rank's tp rank runs it (:mod:`partitioner.sharding`)."""
+        st = state.get()
+        return tensor_parallel_graph(trace(self.module, call.args, call.kwargs), st.topology.tp,
+                                     st.topology.tp_rank(st.rank))
 
     def _saved_plan(self, call: step_run.MicrobatchCall, pp: int) -> PartitionPlan | None:
         """The partition of a loaded checkpoint: required for partial state (its tensors are cut that way), a
@@ -170,7 +177,7 @@ class DistributedModel(torch.nn.Module):
         text, required = self._resume_plan
         plan = PartitionPlan.from_json(text)
         try:  # bind re-applies the plan's column chunks (split_ops) to this trace, as for a partition_file
-            return plan.bind(trace(self.module, call.args, call.kwargs), "the checkpoint's partition", pp)
+            return plan.bind(self._trace(call), "the checkpoint's partition", pp)
         except PlanMismatchError:
             pass
         if required:

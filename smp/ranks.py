@@ -21,43 +21,50 @@ import torch.distributed as dist
 from pipeline.p2p import PeerError, default_store, failure_note, named_failures
 from smp.runtime import state
 
-__all__ = ["CommGroup", "RankType", "WORLD", "MP_GROUP", "PP_GROUP", "DP_GROUP", "RDP_GROUP", "rank", "size",
-           "local_rank", "local_size", "pp_rank", "pp_size", "mp_rank", "mp_size", "dp_rank", "dp_size", "rdp_rank",
-           "rdp_size", "tp_rank", "tp_size", "get_mp_group", "get_dp_group", "get_pp_group", "get_rdp_group",
-           "get_tp_group", "get_pp_process_group", "get_dp_process_group", "get_mp_process_group",
+__all__ = ["CommGroup", "RankType", "WORLD", "MP_GROUP", "PP_GROUP", "DP_GROUP", "RDP_GROUP", "TP_GROUP", "rank",
+           "size", "local_rank", "local_size", "pp_rank", "pp_size", "mp_rank", "mp_size", "dp_rank", "dp_size",
+           "rdp_rank", "rdp_size", "tp_rank", "tp_size", "get_mp_group", "get_dp_group", "get_pp_group",
+           "get_rdp_group", "get_tp_group", "get_pp_process_group", "get_dp_process_group", "get_mp_process_group",
            "get_rdp_process_group", "get_tp_process_group", "get_world_process_group", "barrier", "broadcast",
            "allgather", "send", "recv_from"]
 
 
 class CommGroup(enum.Enum):
-    """SMP's groups of ranks. Without tensor parallelism the model-parallel group is the pipeline
-    (``MP_GROUP`` = ``PP_GROUP``) and the reduced-data-parallel group the data-parallel one
-    (``RDP_GROUP`` = ``DP_GROUP``)."""
+    """SMP's groups of ranks on the grid pp x tp x rdp (:mod:`smp.runtime.topology`): ``PP_GROUP`` this rank's
+    pipeline, ``TP_GROUP`` its tensor-parallel group, ``RDP_GROUP`` the replicas of its shard of its stage,
+    ``DP_GROUP`` = tp x rdp ranks holding its stage, ``MP_GROUP`` = pp x tp ranks holding one model replica.
+    Without tensor parallelism ``MP_GROUP`` = ``PP_GROUP`` and ``RDP_GROUP`` = ``DP_GROUP``."""
     WORLD = 0
     MP_GROUP = 1
     DP_GROUP = 2
     PP_GROUP = 3
     RDP_GROUP = 4
+    TP_GROUP = 5
 
 
 class RankType(enum.Enum):
     """How a rank number passed to ``smp.send`` / ``smp.recv_from`` counts: in the world, or within this
-    rank's group of that kind (``PP_RANK`` 0 is the first stage of this rank's pipeline)."""
+    rank's group of that kind (``PP_RANK`` 0 is the first stage of this rank's pipeline, ``TP_RANK`` 1 the
+    second rank of its tensor-parallel group)."""
     WORLD_RANK = 0
     MP_RANK = 1
     DP_RANK = 2
     PP_RANK = 3
     RDP_RANK = 4
+    TP_RANK = 5
 
 
 # SMP v1 exposes the groups at module level too: smp.barrier(smp.PP_GROUP)
 WORLD, MP_GROUP, DP_GROUP = CommGroup.WORLD, CommGroup.MP_GROUP, CommGroup.DP_GROUP
-PP_GROUP, RDP_GROUP = CommGroup.PP_GROUP, CommGroup.RDP_GROUP
+PP_GROUP, RDP_GROUP, TP_GROUP = CommGroup.PP_GROUP, CommGroup.RDP_GROUP, CommGroup.TP_GROUP
 
-_GROUP_KIND = {CommGroup.WORLD: "world", CommGroup.MP_GROUP: "pipeline", CommGroup.PP_GROUP: "pipeline",
-               CommGroup.DP_GROUP: "data-parallel", CommGroup.RDP_GROUP: "data-parallel"}
-_RANK_KIND = {RankType.WORLD_RANK: "world", RankType.MP_RANK: "pipeline", RankType.PP_RANK: "pipeline",
-              RankType.DP_RANK: "data-parallel", RankType.RDP_RANK: "data-parallel"}
+# smp.runtime.state's kind of each group (with tp = 1 "model-parallel" is the "pipeline", and so on: State.aliases)
+_GROUP_KIND = {CommGroup.WORLD: "world", CommGroup.MP_GROUP: "model-parallel", CommGroup.PP_GROUP: "pipeline",
+               CommGroup.DP_GROUP: "data-parallel", CommGroup.RDP_GROUP: "reduced-data-parallel",
+               CommGroup.TP_GROUP: "tensor-parallel"}
+_RANK_KIND = {RankType.WORLD_RANK: "world", RankType.MP_RANK: "model-parallel", RankType.PP_RANK: "pipeline",
+              RankType.DP_RANK: "data-parallel", RankType.RDP_RANK: "reduced-data-parallel",
+              RankType.TP_RANK: "tensor-parallel"}
 
 
 def rank() -> int:
@@ -66,7 +73,7 @@ def rank() -> int:
 
 
 def size() -> int:
-    """The number of processes (pipeline stages x data-parallel replicas)."""
+    """The number of processes (pipeline stages x tensor-parallel degree x reduced-data-parallel replicas)."""
     return state.get().topology.world
 
 
@@ -81,77 +88,106 @@ def local_size() -> int:
 
 
 def pp_rank() -> int:
-    """This rank's stage in its pipeline (also ``smp.mp_rank()``)."""
+    """This rank's stage in its pipeline."""
     s = state.get()
     return s.topology.pp_rank(s.rank)
 
 
 def pp_size() -> int:
-    """The number of pipeline stages, ``pipeline_parallel_degree`` (also ``smp.mp_size()``)."""
+    """The number of pipeline stages, ``pipeline_parallel_degree``."""
     return state.get().topology.pp
 
 
-mp_rank, mp_size = pp_rank, pp_size  # without tensor parallelism the model-parallel group is the pipeline
+def mp_rank() -> int:
+    """This rank's index in its model-parallel group (``smp.get_mp_group()``): ``pp_rank()`` without tensor
+    parallelism; ``pp_rank() * tp_size() + tp_rank()`` under the "cluster" placement."""
+    s = state.get()
+    return s.topology.mp_rank(s.rank)
+
+
+def mp_size() -> int:
+    """The number of ranks holding one model replica: pp x tp."""
+    return state.get().topology.mp
 
 
 def dp_rank() -> int:
-    """This rank's data-parallel replica (also ``smp.rdp_rank()``)."""
+    """This rank's index in its data-parallel group (``smp.get_dp_group()``): ``rdp_rank()`` without tensor
+    parallelism; ``rdp_rank() * tp_size() + tp_rank()`` under the "cluster" placement."""
     s = state.get()
     return s.topology.dp_rank(s.rank)
 
 
 def dp_size() -> int:
-    """The number of data-parallel replicas (also ``smp.rdp_size()``)."""
+    """The data-parallel degree: tp x rdp (tensor parallelism is carved out of the data-parallel ranks)."""
     return state.get().topology.dp
 
 
-rdp_rank, rdp_size = dp_rank, dp_size  # reduced-data-parallel = data-parallel without tensor parallelism
+def rdp_rank() -> int:
+    """Which replica of its stage (and tensor-parallel shard) this rank is (``smp.dp_rank()`` when tp = 1)."""
+    s = state.get()
+    return s.topology.rdp_rank(s.rank)
+
+
+def rdp_size() -> int:
+    """The number of replicas of each stage and shard: dp / tp (``smp.dp_size()`` when tp = 1)."""
+    return state.get().topology.rdp
 
 
 def tp_rank() -> int:
-    """Always 0: this engine has no tensor parallelism (``tensor_parallel_degree`` is 1)."""
-    state.get()
-    return 0
+    """This rank's index in its tensor-parallel group (0 when ``tensor_parallel_degree`` is 1)."""
+    s = state.get()
+    return s.topology.tp_rank(s.rank)
 
 
 def tp_size() -> int:
-    """Always 1: this engine has no tensor parallelism."""
-    state.get()
-    return 1
+    """The tensor-parallel degree, ``tensor_parallel_degree``."""
+    return state.get().topology.tp
 
 
 def get_mp_group() -> list[int]:
+    """Global ranks holding this rank's model replica (pp x tp), in ``mp_rank`` order: without tensor parallelism
+    this rank's pipeline, in stage order."""
+    return state.get().ranks("model-parallel")
+
+
+def get_pp_group() -> list[int]:
     """Global ranks of this rank's pipeline, in stage order."""
     return state.get().ranks("pipeline")
 
 
 def get_dp_group() -> list[int]:
-    """Global ranks holding this rank's stage in every data-parallel replica."""
+    """Global ranks holding this rank's stage (tp x rdp), in ``dp_rank`` order."""
     return state.get().ranks("data-parallel")
 
 
+def get_rdp_group() -> list[int]:
+    """Global ranks holding this rank's shard of its stage in every replica, in ``rdp_rank`` order."""
+    return state.get().ranks("reduced-data-parallel")
+
+
 def get_tp_group() -> list[int]:
-    """This rank alone: without tensor parallelism each rank is its own tensor-parallel group."""
-    return [state.get().rank]
-
-
-get_pp_group = get_mp_group  # the pipeline is the model-parallel group without tensor parallelism
-get_rdp_group = get_dp_group  # reduced-data-parallel = data-parallel without tensor parallelism
+    """Global ranks of this rank's tensor-parallel group, in ``tp_rank`` order (``[smp.rank()]`` when tp = 1)."""
+    return state.get().ranks("tensor-parallel")
 
 
 def get_pp_process_group() -> Any:
-    """The torch process group of this rank's pipeline (created with ``timeout_s``; also
-    ``smp.get_mp_process_group()``)."""
+    """The torch process group of this rank's pipeline (created with ``timeout_s``)."""
     return state.get().group("pipeline")
 
 
+def get_mp_process_group() -> Any:
+    """The torch process group of ``smp.get_mp_group()`` (the pipeline's when tp = 1)."""
+    return state.get().group("model-parallel")
+
+
 def get_dp_process_group() -> Any:
-    """The torch process group of this rank's stage across replicas (created with ``timeout_s``; also
-    ``smp.get_rdp_process_group()``)."""
+    """The torch process group of ``smp.get_dp_group()`` (created with ``timeout_s``)."""
     return state.get().group("data-parallel")
 
 
-get_mp_process_group, get_rdp_process_group = get_pp_process_group, get_dp_process_group
+def get_rdp_process_group() -> Any:
+    """The torch process group of ``smp.get_rdp_group()`` (the data-parallel one when tp = 1)."""
+    return state.get().group("reduced-data-parallel")
 
 
 def get_world_process_group() -> Any:
@@ -160,14 +196,9 @@ def get_world_process_group() -> Any:
 
 
 def get_tp_process_group() -> Any:
-    """A torch process group of this rank alone (no tensor parallelism), made on first use; only its member
-    takes part in making it, so ranks may ask for it at different times."""
-    st = state.get()
-    st.group("world")  # after a failure closed smp's groups, say so
-    if st.tp_group is None:
-        st.tp_group = dist.new_group([st.rank], timeout=datetime.timedelta(seconds=st.config.timeout_s),
-                                     use_local_synchronization=True)
-    return st.tp_group
+    """The torch process group of ``smp.get_tp_group()``. With tp = 1 it is this rank alone, made on first use by
+    its one member, so ranks may ask for it at different times."""
+    return state.get().group("tensor-parallel")
 
 
 def _kind(group: CommGroup) -> str:

@@ -168,6 +168,10 @@ def add_plan_args(p: argparse.ArgumentParser, *, microbatches_required: bool = F
                         "memory; no limit on cpu)")
     p.add_argument("--optimizer", metavar="NAME", default=keep,
                    help="optimizer whose state counts in memory: adam (default), adamw, sgd or none")
+    p.add_argument("--tp", "--tensor-parallel-degree", dest="tp", metavar="T", type=positive_int, default=1,
+                   help="tensor-parallel degree: split each transformer block's matmuls, the embedding and the LM "
+                        "head over T ranks of a node (Megatron's pattern; what cannot be split stays whole, with a "
+                        "warning), plan tp rank 0's shards and price the tp all-reduces on --link (default 1)")
     p.add_argument("--max-actions", type=positive_int, default=DEFAULT_MAX_ACTIONS,
                    help=f"refuse to simulate more schedule actions (stages x microbatches x passes, all schedules "
                         f"together) than this (default {DEFAULT_MAX_ACTIONS:.0e}, a few minutes and GB)")
@@ -189,7 +193,8 @@ def check_output(path: str | None, flag: str, exts: Sequence[str]) -> None:
 class Options:
     """A plan request: ``partitions`` stages under ``partition``, the :class:`partitioner.PartitionOptions`
     (microbatches and schedule included), for the pipeline SMP calls ``pipeline``; ``measure_stages`` also
-    times each stage for real; ``max_actions`` bounds the simulation.
+    times each stage for real; ``max_actions`` bounds the simulation; ``tp``: the tensor-parallel degree
+    (:mod:`smp.cli.tensor_parallel`).
 
     ``Options(4, microbatches=8, memory_weight=0)``: keywords other than these go to PartitionOptions."""
 
@@ -198,17 +203,24 @@ class Options:
     pipeline: str
     measure_stages: bool
     max_actions: int
+    tp: int
 
     def __init__(self, partitions: int, pipeline: str = "interleaved", *, measure_stages: bool = False,
-                 max_actions: int = DEFAULT_MAX_ACTIONS, **partition: Any) -> None:
+                 max_actions: int = DEFAULT_MAX_ACTIONS, tp: int = 1, **partition: Any) -> None:
         from partitioner.options import PartitionOptions
 
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise CLIError(f"--tp {tp!r}: the tensor-parallel degree must be a positive integer (1: no tensor "
+                           "parallelism)")
+        if tp > 1 and measure_stages:
+            raise CLIError(f"--measure times the stages in this process, but --tp {tp} stages run collectives "
+                           "between tp ranks; measure with --tp 1, or run the job and use smp report")
         try:
             options = PartitionOptions.of(pipeline=pipeline, **partition)
         except (TypeError, ValueError) as exc:
             raise CLIError(str(exc)) from None
         for name, value in (("partitions", partitions), ("partition", options), ("pipeline", pipeline),
-                            ("measure_stages", measure_stages), ("max_actions", max_actions)):
+                            ("measure_stages", measure_stages), ("max_actions", max_actions), ("tp", tp)):
             object.__setattr__(self, name, value)
 
     @classmethod
@@ -218,7 +230,7 @@ class Options:
 
         given = {f.name: getattr(ns, f.name) for f in fields(PartitionOptions) if hasattr(ns, f.name)}
         return cls(ns.partitions, ns.smp_pipeline, measure_stages=getattr(ns, "measure_stages", False),
-                   max_actions=getattr(ns, "max_actions", DEFAULT_MAX_ACTIONS), **given)
+                   max_actions=getattr(ns, "max_actions", DEFAULT_MAX_ACTIONS), tp=getattr(ns, "tp", 1), **given)
 
     @property
     def microbatches(self) -> int:

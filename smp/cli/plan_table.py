@@ -1,7 +1,8 @@
 """The report ``smp inspect`` prints: one row per stage, the totals, and why the plan is what it is.
 
-First the device, precision and links the plan is priced for; then the stage table, and the bytes the rank running
-each stage holds by kind (:func:`partitioner.stage_memory`). After the tables: the lower bound and the balance
+First the device, precision and links the plan is priced for; then the stage table (for a tensor-parallel plan with a
+``tp ms`` column: the tp collectives per microbatch, part of fwd and bwd), and the bytes the rank running each stage
+holds by kind (:func:`partitioner.stage_memory`; per tp rank). After the tables: the lower bound and the balance
 (bottleneck / lower bound), the cut and the largest stage's memory, shared parameters, the simulated schedule (and
 the one with measured stage times), and the baselines scored by the same cost model and schedule.
 """
@@ -35,9 +36,12 @@ def module_range(modules: Sequence[str]) -> str:
 
 def _stage_table(plan: Any, graph: Any) -> list[str]:
     measured = plan.extra.get("measured")
+    tp_s = plan.tensor_parallel.get("comm_s")
     header = ["stage", "ops", "params", "FLOPs", "fwd ms", "bwd ms"]
     if measured:
         header += ["meas fwd", "meas bwd"]
+    if tp_s:
+        header += ["tp ms"]
     header += ["comm ms", "cost ms", "memory", "in", "out", "modules"]
     rows = []
     for s in plan.stages:
@@ -45,6 +49,8 @@ def _stage_table(plan: Any, graph: Any) -> list[str]:
                ms(s.backward_s)]
         if measured:
             row += [ms(measured["forward_s"][s.index]), ms(measured["backward_s"][s.index])]
+        if tp_s:
+            row += [ms(tp_s[s.index])]
         row += [ms(s.comm_s), ms(s.cost_s), format_bytes(s.memory_bytes), format_bytes(s.bytes_in),
                 format_bytes(s.bytes_out), module_range(s.modules)]
         rows.append(row)
@@ -54,6 +60,8 @@ def _stage_table(plan: Any, graph: Any) -> list[str]:
              ms(sum(s.backward_s for s in plan.stages))]
     if measured:
         total += [ms(sum(measured["forward_s"])), ms(sum(measured["backward_s"]))]
+    if tp_s:
+        total += [ms(sum(tp_s))]
     total += [ms(sum(s.comm_s for s in plan.stages)), ms(sum(s.cost_s for s in plan.stages)),
               format_bytes(sum(s.memory_bytes for s in plan.stages)), "", format_bytes(plan.cut_bytes), ""]
     lines = table(header, rows + [total], left=(len(header) - 1,))
@@ -87,9 +95,10 @@ def format_report(plan: Any, graph: Any = None) -> str:
     memory = plan.extra.get("memory")
     if memory:
         lines.append("")
+        tp = plan.tensor_parallel.get("degree", 1)
         lines.append(f"memory per rank ({plan.options.get('dtype', 'fp32')}, {plan.options.get('optimizer', 'adam')}"
                      "; what the rank running each stage holds at its peak, activations in flight by the "
-                     "simulated schedule):")
+                     "simulated schedule" + (f"; tp rank 0 of {tp} ranks per stage" if tp > 1 else "") + "):")
         lines += _memory_table(memory)
     worst = max(plan.stages, key=lambda s: s.cost_s).index
     lines.append("")

@@ -5,7 +5,8 @@ that no real plan is made: every stage gets the model's total forward and backwa
 the model were proportionally deeper, and every boundary carries the mean boundary of a real plan of up to 16
 stages. Bytes are at the training precision (``--dtype``). A boundary costs nothing between stages on one rank,
 the plan's link within a node, and the inter-node link between nodes (ranks fill nodes in order, SMP's
-"cluster" placement).
+"cluster" placement). A graph sharded for tensor parallelism (``--tp``) is priced per rank, its tp collectives inside
+the stage costs and also kept apart (``tp_comm_s``).
 """
 from __future__ import annotations
 
@@ -36,6 +37,8 @@ class PipelineCosts:
     note: str = ""
     rates: dict[str, float] = field(default_factory=dict)
     act_bytes: list[float] = field(default_factory=list)  # activations one microbatch leaves on each stage
+    tp_comm_s: list[float] = field(default_factory=list)  # tp collectives per microbatch, inside forward/backward
+    param_state: list[dict[str, float]] = field(default_factory=list)  # per stage: weights, gradients, ... bytes
 
 
 def pipeline_costs(graph: Any, opts: Options, stages: int, *, exact: bool = True) -> PipelineCosts:
@@ -44,15 +47,28 @@ def pipeline_costs(graph: Any, opts: Options, stages: int, *, exact: bool = True
     import numpy as np
 
     from partitioner import UNLIMITED, partition
-    from partitioner.objective import stage_crossings
-    from partitioner.precision import activation_bytes
+    from partitioner.objective import stage_crossings, stage_params
+    from partitioner.precision import activation_bytes, param_memory_parts
 
     ops = sum(k != "output" for k in graph.kinds)
     dtype = opts.partition.dtype
     act_bytes = activation_bytes(graph, dtype)
 
+    parts = param_memory_parts(graph, dtype, opts.partition.optimizer)
+
     def acts(plan: Any) -> list[float]:
         return np.bincount(plan.stage_of_ops(graph), weights=act_bytes, minlength=plan.num_stages).tolist()
+
+    def state(plan: Any, k: int) -> list[dict[str, float]]:
+        p_stage, p_idx = stage_params(graph, plan.stage_of_ops(graph), plan.num_stages)
+        per = {kind: np.bincount(p_stage, weights=v[p_idx], minlength=plan.num_stages) for kind, v in parts.items()}
+        if k != plan.num_stages:  # the model spread evenly over k stages
+            return [{kind: float(v.sum()) / k for kind, v in per.items()}] * k
+        return [{kind: float(v[s]) for kind, v in per.items()} for s in range(k)]
+
+    def tp(plan: Any, k: int) -> list[float]:
+        comm = plan.tensor_parallel.get("comm_s") or []
+        return list(comm) if k == plan.num_stages else [sum(comm) / k] * k
 
     if exact and stages <= min(ops, EXACT_MAX_STAGES):
         plan = partition(graph, stages, opts.partition)
@@ -60,7 +76,7 @@ def pipeline_costs(graph: Any, opts: Options, stages: int, *, exact: bool = True
         return PipelineCosts([s.forward_s for s in plan.stages], [s.backward_s for s in plan.stages],
                              sorted(crossing), crossing, True,
                              f"a real {stages}-stage plan ({plan.method}, balance {plan.balance:.3f})", plan.rates,
-                             acts(plan))
+                             acts(plan), tp(plan, stages), state(plan, stages))
     k0 = max(1, min(ops, 16, stages))
     plan = partition(graph, k0, opts.partition, device_memory=UNLIMITED)  # a stage of many: no budget applies
     fwd = sum(s.forward_s for s in plan.stages)
@@ -77,7 +93,7 @@ def pipeline_costs(graph: Any, opts: Options, stages: int, *, exact: bool = True
     total_act = float(act_bytes.sum())
     return PipelineCosts([fwd / stages] * stages, [bwd / stages] * stages, chain,
                          {e: (int(per_boundary), tensors) for e in chain}, False, note, plan.rates,
-                         [total_act / stages] * stages)
+                         [total_act / stages] * stages, tp(plan, stages), state(plan, stages))
 
 
 def _link_comm(costs: PipelineCosts, stage_rank: Sequence[int], ranks_per_node: int,

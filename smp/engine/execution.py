@@ -25,10 +25,12 @@ import torch.distributed as dist
 from partitioner.program import flatten_inputs
 from pipeline import PeerError
 from pipeline.p2p import named_failures
+from smp.engine.materialize import tensor_ids
 from smp.engine.pipeline_model import PipelineModel
 from smp.engine.repartition import repartition_in_flight
 from smp.engine.step_run import StepRun
 from smp.engine.step_values import broadcast_values, share_inputs
+from smp.engine.tp_shards import sharded_names
 from smp.health.session import session_of as health_of
 from smp.profiling.session import session_of
 from smp.runtime.state import State
@@ -111,7 +113,12 @@ def _run(st: State, model: PipelineModel, run: StepRun, call: str) -> list[Any]:
                             keep_outputs=False)
     local = run.results()
     if train and st.topology.dp > 1:
-        _reduce_data_parallel(st, [p for p in model.local_parameters() if p.requires_grad], call)
+        sharded = tensor_ids(model.module, sharded_names(runner.plan.traced_graph()))
+        params = [p for p in model.local_parameters() if p.requires_grad]
+        # A tp rank's shards average over the replicas of that shard only; whole parameters over every replica.
+        _reduce_data_parallel(st, [p for p in params if id(p) not in sharded], call, "data-parallel")
+        if st.topology.rdp > 1:
+            _reduce_data_parallel(st, [p for p in params if id(p) in sharded], call, "reduced-data-parallel")
     src = runner.ranks[-1]
     waiting_on = [src] if not last else [r for r in runner.ranks if r != st.rank]
     with named_failures("receiving the step's results from the last stage" if not last else
@@ -135,10 +142,10 @@ def _take_first_stage_inputs(st: State, run: StepRun) -> None:
         run.use_inputs(*inputs)
 
 
-def _reduce_data_parallel(st: State, params: list[torch.nn.Parameter], call: str) -> None:
+def _reduce_data_parallel(st: State, params: list[torch.nn.Parameter], call: str, kind: str) -> None:
     """Average the gradients of ``params`` over the replicas of this stage (one coalesced all-reduce on the
-    data-parallel group)."""
-    st.calls["data-parallel"].announce(call)
+    group of ``kind``: "data-parallel", or "reduced-data-parallel" for tensor-parallel shards)."""
+    st.calls[kind].announce(call)
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
@@ -146,9 +153,9 @@ def _reduce_data_parallel(st: State, params: list[torch.nn.Parameter], call: str
     if not grads:
         return
     flat = torch._utils._flatten_dense_tensors(grads)
-    peers = [r for r in st.ranks("data-parallel") if r != st.rank]
-    with named_failures("averaging gradients over the data-parallel replicas", peers, st.rank, st.config.timeout_s):
-        dist.all_reduce(flat, group=st.dp_group)
-    flat /= st.topology.dp
+    peers = [r for r in st.ranks(kind) if r != st.rank]
+    with named_failures(f"averaging gradients over the {kind} replicas", peers, st.rank, st.config.timeout_s):
+        dist.all_reduce(flat, group=st.group(kind))
+    flat /= len(peers) + 1
     for g, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
         g.copy_(reduced)

@@ -14,11 +14,13 @@ import torch
 import torch.distributed as dist
 
 from partitioner import PartitionOptions, PartitionPlan, partition, trace
+from partitioner.shard_program import tensor_parallel_graph
 from pipeline import PipelineRunner, microbatch
 from pipeline.p2p import named_failures
 from smp.engine import mixed_precision as precision
 from smp.engine.materialize import keep_own_share, tensor_ids
 from smp.engine.pipeline_model import PipelineModel
+from smp.engine.tp_shards import install_shards
 from smp.engine.weights import load_local
 from smp.runtime.state import State
 
@@ -27,13 +29,16 @@ __all__ = ["shared_plan", "pipeline_runner", "smp_runner", "own_tensors"]
 
 def shared_plan(model: torch.nn.Module, args: tuple, kwargs: dict, num_stages: int,
                 options: PartitionOptions | None = None, group: Any = None,
-                timeout_s: float | None = None, loss: tuple[Any, Any] | None = None) -> PartitionPlan:
+                timeout_s: float | None = None, loss: tuple[Any, Any] | None = None,
+                tp: tuple[int, int] = (1, 0)) -> PartitionPlan:
     """Every rank traces ``model`` on one microbatch; global rank 0 partitions and sends the plan to all, over
     ``group`` (every rank; default: the default group), whose timeout bounds the other ranks' wait
     (``timeout_s`` names it in the error: raise it when partitioning takes longer). ``loss``: ``(loss_fn, one
-    microbatch's target)``, the loss the last stage computes, priced in the plan (``partitioner.trace``)."""
+    microbatch's target)``, the loss the last stage computes, priced in the plan (``partitioner.trace``). ``tp``:
+    (tensor-parallel degree, this rank's tp rank): every rank binds the plan to its own tp rank's graph (global
+    rank 0, tp rank 0, partitions its own)."""
     loss_fn, target = loss if loss is not None else (None, None)
-    graph = trace(model, args, kwargs, loss_fn=loss_fn, target=target)
+    graph = tensor_parallel_graph(trace(model, args, kwargs, loss_fn=loss_fn, target=target), *tp)
     text = [partition(graph, num_stages, options, example_inputs=args, example_kwargs=kwargs).to_json()
             if dist.get_rank() == 0 else None]
     with named_failures("receiving the partition plan from rank 0", [0], dist.get_rank(), timeout_s):
@@ -51,6 +56,8 @@ def pipeline_runner(model: torch.nn.Module, args: tuple = (), kwargs: dict | Non
     ``schedule``, ``ranks``/``pipelines``, ``timeout_s``, ``device``, ...). ``num_stages`` defaults to the
     pipeline's ranks times ``virtual_stages``; ``options`` default to ``PartitionOptions(microbatches=...)``.
     ``loss_fn`` and the batch's ``target``: the loss ``step`` will compute, priced on the last stage by the plan.
+    ``tp_groups`` (with ``pipelines``): tensor parallelism, each layer split over the ranks of a tp group
+    (:mod:`partitioner.sharding`); the model's parameters become this rank's shards (:mod:`smp.engine.tp_shards`).
 
     The model keeps only this rank's tensors (:mod:`smp.engine.materialize`): built without weights, it gets them
     initialised, or read from the checkpoint ``weights`` (:mod:`smp.engine.weights`: only this rank's keys are read);
@@ -61,8 +68,10 @@ def pipeline_runner(model: torch.nn.Module, args: tuple = (), kwargs: dict | Non
     mine = next(p for p in pipelines if dist.get_rank() in p)
     stages = num_stages or len(mine) * virtual_stages
     loss = None if loss_fn is None else (loss_fn, microbatch.split((target,), {}, microbatches)[0][0][0])
+    tp_group = next((g for g in runner_kwargs.get("tp_groups") or [] if dist.get_rank() in g), [dist.get_rank()])
     plan = shared_plan(model, mb_args, mb_kwargs, stages, PartitionOptions.of(options, microbatches=microbatches),
-                       loss=loss)
+                       loss=loss, tp=(len(tp_group), tp_group.index(dist.get_rank())))
+    install_shards(model, plan.traced_graph())
     local = own_tensors(plan, mine.index(dist.get_rank()), len(mine))
     keep_own_share(model, local, runner_kwargs.get("device") or "cpu", initialise=weights is None)
     if weights is not None:
@@ -83,9 +92,11 @@ def smp_runner(st: State, model: PipelineModel, plan: PartitionPlan, checkpoint_
     and when re-partitioned in flight, :mod:`smp.engine.migrate`): the model holds only this rank's tensors, initialised
     where they were created without weights (unless weights are about to be loaded), then the runner."""
     cfg = st.config
+    install_shards(model.module, plan.traced_graph())
     local = own_tensors(plan, st.topology.pp_rank(st.rank), st.topology.pp)
     keep_own_share(model.module, local, st.device, initialise)
     return PipelineRunner(plan, schedule=cfg.schedule, microbatches=cfg.microbatches,
                           max_in_flight=cfg.active_microbatches if cfg.schedule == "1f1b" else None,
-                          pipelines=st.topology.mp_groups(), device=st.device, timeout_s=cfg.timeout_s,
-                          checkpoint_modules=checkpoint_modules, autocast=model.traced_autocast)
+                          pipelines=st.topology.pipelines(), device=st.device, timeout_s=cfg.timeout_s,
+                          checkpoint_modules=checkpoint_modules, autocast=model.traced_autocast,
+                          tp_groups=st.topology.tp_groups() if st.topology.tp > 1 else None)

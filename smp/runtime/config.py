@@ -23,6 +23,7 @@ from partitioner.pipelines import PIPELINE_NAMES, pipeline_of
 from pipeline.profiler import ProfileOptions
 from smp.runtime.compat import warn_no_effect
 from smp.runtime.health_options import DebugOptions, debug_options
+from smp.runtime.topology import axis_order
 
 __all__ = ["Config", "ConfigError", "load_config", "DEFAULT_TIMEOUT_S", "TIMEOUT_ENV", "AutoRepartition",
            "DEFAULT_PROFILE_STEPS"]
@@ -35,7 +36,6 @@ class ConfigError(EngineError, ValueError):
     """A bad ``smp.init`` configuration; the message says which key and what is allowed."""
 
 
-_PLACEMENTS = ("cluster", "spread")
 _OPTIMIZE = ("speed", "memory")
 
 
@@ -48,21 +48,21 @@ class Config:
     pipeline: str = "interleaved"
     auto_partition: bool = True
     default_partition: int | None = None
-    placement_strategy: str = "cluster"
+    placement_strategy: str = "cluster"  # or a permutation of "D", "P", "T" (smp.runtime.topology)
     ddp: bool = False
     optimize: str = "speed"
     memory_weight: float | None = None
     active_microbatches: int | None = None
     shard_optimizer_state: bool = False
     offload_activations: bool = False
-    tensor_parallel_degree: int = 1
+    tensor_parallel_degree: int = 1   # carved out of the data-parallel ranks; > 1 needs "ddp": True
     fp16: bool = False                # steps run under float16 autocast, with loss scaling (smp.engine.mixed_precision)
     bf16: bool = False                # steps run under bfloat16 autocast
     delayed_parameter_initialization: bool = False
     sharded_data_parallel_degree: int = 1
     timeout_s: float = DEFAULT_TIMEOUT_S  # per wait/collective; from SMP_TIMEOUT_S when the config has none
+    prescaled_batch: bool = False     # with tp > 1: a tp group reads one batch (True) or one each (smp.engine.tp_batch)
     # SMP v1 keys accepted for compatibility; they have no effect here (see _NO_EFFECT).
-    prescaled_batch: bool = False
     checkpoint_attentions: bool = False
     activation_loading_horizon: int = 4
     skip_tracing: bool = False
@@ -203,6 +203,8 @@ def load_config(config: dict | str | os.PathLike | None = None) -> Config:
     _validate(c)
     defaults = {f.name: f.default for f in fields(Config)}
     for key, why in _NO_EFFECT.items():
+        if key == "prescaled_batch" and c.tensor_parallel_degree > 1:
+            continue  # it decides which ranks of a tensor-parallel group read the same batch
         if getattr(c, key) != defaults[key]:  # through smp.init, stacklevel 3 is the user's smp.init line
             warn_no_effect(f"smp config {key!r}={getattr(c, key)!r}", why, stacklevel=3)
     return c
@@ -226,7 +228,12 @@ def _validate(c: Config) -> None:
     _check(c.pipeline in PIPELINE_NAMES, "pipeline", c.pipeline,
            "'interleaved' or '1f1b' (1F1B, backward first), 'simple' or 'gpipe' (GPipe)")
     _check(isinstance(c.auto_partition, bool), "auto_partition", c.auto_partition, "True or False")
-    _check(c.placement_strategy in _PLACEMENTS, "placement_strategy", c.placement_strategy, f"one of {_PLACEMENTS}")
+    try:
+        axis_order(c.placement_strategy)
+    except ValueError:
+        _check(False, "placement_strategy", c.placement_strategy, "'cluster' (= 'DPT'), 'spread' (= 'TPD') or a "
+               "permutation of the letters 'D' (reduced data parallelism), 'P' (pipeline) and 'T' (tensor "
+               "parallelism), the right-most varying fastest over consecutive ranks")
     _check(isinstance(c.ddp, bool), "ddp", c.ddp, "True or False")
     _check(c.optimize in _OPTIMIZE, "optimize", c.optimize, f"one of {_OPTIMIZE}")
     _check(c.memory_weight is None or (isinstance(c.memory_weight, (int, float)) and 0 <= c.memory_weight <= 1),
@@ -240,8 +247,11 @@ def _validate(c: Config) -> None:
     _check(isinstance(c.timeout_s, (int, float)) and not isinstance(c.timeout_s, bool) and 0 < c.timeout_s < 1e9,
            "timeout_s", c.timeout_s, "a positive number of seconds: how long any one wait or collective of smp "
            "may take before the job stops with an error")
-    _check(c.tensor_parallel_degree == 1, "tensor_parallel_degree", c.tensor_parallel_degree,
-           "only 1: this engine does pipeline and data parallelism, not tensor parallelism")
+    _check(_is_int(c.tensor_parallel_degree) and c.tensor_parallel_degree >= 1, "tensor_parallel_degree",
+           c.tensor_parallel_degree, "a positive integer")
+    _check(c.tensor_parallel_degree == 1 or c.ddp is True, "tensor_parallel_degree", c.tensor_parallel_degree,
+           "a degree above 1 needs 'ddp': True, as in SMP v1 (tensor parallelism is carved out of the "
+           "data-parallel ranks); add \"ddp\": True to the smp config")
     for key in _SMP_V1_FLAGS:
         _check(isinstance(getattr(c, key), bool), key, getattr(c, key), "True or False")
     _check(_is_int(c.sharded_data_parallel_degree) and c.sharded_data_parallel_degree >= 1,

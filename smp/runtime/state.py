@@ -25,7 +25,27 @@ from smp.runtime.workers import Workers
 
 __all__ = ["State", "get", "init", "is_initialized", "reset", "GROUP_KINDS"]
 
-GROUP_KINDS = ("world", "pipeline", "data-parallel")
+GROUP_KINDS = ("world", "pipeline", "data-parallel", "model-parallel", "tensor-parallel", "reduced-data-parallel")
+# The grid axes (smp.runtime.topology) along which each kind of group varies: SMP's WORLD, PP_GROUP, DP_GROUP,
+# MP_GROUP, TP_GROUP and RDP_GROUP.
+GROUP_AXES = {"world": "DPT", "pipeline": "P", "data-parallel": "DT", "model-parallel": "PT", "tensor-parallel": "T",
+              "reduced-data-parallel": "D"}
+_DERIVED = ("model-parallel", "tensor-parallel", "reduced-data-parallel")  # may be the same groups as another kind
+_FIELDS = {"model-parallel": "model_group", "tensor-parallel": "tp_group", "reduced-data-parallel": "rdp_group"}
+
+
+def group_aliases(topology: Topology) -> dict[str, str]:
+    """Kinds of group whose groups are exactly those of an earlier kind (not the world), which they share: with
+    tp = 1 the model-parallel group is the pipeline and the reduced-data-parallel group the data-parallel one;
+    with pp = 1 the tensor-parallel group is the model-parallel one."""
+    out: dict[str, str] = {}
+    kinds = ("pipeline", "data-parallel", *_DERIVED)
+    groups = {kind: topology.groups(GROUP_AXES[kind]) for kind in kinds}
+    for i, kind in enumerate(kinds[2:], start=2):
+        same = next((k for k in kinds[:i] if k not in out and groups[k] == groups[kind]), None)
+        if same is not None:
+            out[kind] = same
+    return out
 
 
 @dataclass
@@ -35,8 +55,8 @@ class State:
     config: Config
     topology: Topology
     rank: int
-    mp_group: Any
-    dp_group: Any
+    mp_group: Any              # this rank's pipeline (SMP's PP_GROUP; its MP_GROUP too when tp = 1)
+    dp_group: Any              # this rank's stage in every replica and tp rank (SMP's DP_GROUP)
     device: torch.device
     world_group: Any = None    # all ranks, with smp's timeout (the default group may have the user's)
     calls: dict[str, CallLog] = field(default_factory=dict)  # group kind -> this rank's collective calls
@@ -45,7 +65,10 @@ class State:
     optimizer: Any = None      # the DistributedOptimizer, once created (handed to post-partition hooks)
     in_step: Any = field(default=None, repr=False)  # the running step (smp.step), if any
     workers: Workers = field(default_factory=Workers, repr=False)  # the threads that run steps' microbatches
-    tp_group: Any = None       # this rank alone (no tensor parallelism), made on first use (smp.get_tp_process_group)
+    tp_group: Any = None       # SMP's TP_GROUP; a group of one (tp = 1) is made on first use (smp.get_tp_process_group)
+    rdp_group: Any = None      # SMP's RDP_GROUP (the data-parallel group when tp = 1)
+    model_group: Any = None    # SMP's MP_GROUP: pp x tp ranks holding one replica (the pipeline when tp = 1)
+    aliases: dict[str, str] = field(default_factory=dict)  # kind -> an earlier kind with the very same groups
     placement: dict = field(default_factory=dict)    # module -> partition, from smp.partition / set_partition
     partition_blocks: list = field(default_factory=list)  # open smp.partition(i) blocks, innermost last
     checkpointed: set = field(default_factory=set)   # modules marked by smp.set_activation_checkpointing
@@ -53,21 +76,34 @@ class State:
     profiling: Any = None      # the profiling session (smp.profile), once a step or smp.profile needed it
     health: Any = None         # the training-health session (smp.debug, smp.health), once a step needed it
 
+    def __post_init__(self) -> None:
+        if not self.aliases:
+            self.aliases = group_aliases(self.topology)
+
     def ranks(self, kind: str) -> list[int]:
-        """Global ranks of this rank's group of ``kind`` (one of GROUP_KINDS)."""
-        if kind == "pipeline":
-            groups = self.topology.mp_groups()
-        elif kind == "data-parallel":
-            groups = self.topology.dp_groups()
-        else:
-            return list(range(self.topology.world))
-        return next(g for g in groups if self.rank in g)
+        """Global ranks of this rank's group of ``kind`` (one of GROUP_KINDS), in ascending order: the pipeline in
+        stage order, the others in the order of the ranks SMP numbers them by (``tp_rank``, ``dp_rank``, ...)."""
+        if kind not in GROUP_AXES:
+            raise ValueError(f"unknown group kind {kind!r}; one of {GROUP_KINDS}")
+        return self.topology.group_of(self.rank, GROUP_AXES[kind])
 
     def group(self, kind: str) -> Any:
-        """The process group of ``kind``; raises if an earlier failure closed smp's groups."""
+        """The process group of ``kind``; raises if an earlier failure closed smp's groups. A tensor-parallel
+        group of this rank alone (tp = 1) is made on first use, by this rank only."""
         if self.failed is not None:
             raise PeerError(f"rank {self.rank}: smp stopped after an earlier failure ({self.failed}); restart the job")
-        return {"world": self.world_group, "pipeline": self.mp_group, "data-parallel": self.dp_group}[kind]
+        kind = self.aliases.get(kind, kind)
+        pg = self._groups()[kind]
+        if pg is None and kind in _DERIVED and len(self.ranks(kind)) == 1:
+            pg = dist.new_group([self.rank], timeout=datetime.timedelta(seconds=self.config.timeout_s),
+                                use_local_synchronization=True)
+            setattr(self, _FIELDS[kind], pg)
+        return pg
+
+    def _groups(self) -> dict[str, Any]:
+        return {"world": self.world_group, "pipeline": self.mp_group, "data-parallel": self.dp_group,
+                "model-parallel": self.model_group, "tensor-parallel": self.tp_group,
+                "reduced-data-parallel": self.rdp_group}
 
     def enter(self, kind: str, call: str) -> Any:
         """Start collective ``call`` on this rank's ``kind`` group once every peer has announced it too
@@ -86,16 +122,16 @@ class State:
         if self.failed is not None:
             return
         self.failed = exc
-        groups = [self.world_group, self.mp_group, self.dp_group]
+        groups = _distinct(self._groups().values())
         # gloo closes a group's connections once nothing holds it; a placeholder (not None, which torch reads
         # as the default group) makes any later collective on it fail at once
-        self.world_group, self.mp_group, self.dp_group = (_Closed(kind) for kind in GROUP_KINDS)
+        self.world_group, self.mp_group, self.dp_group = (_Closed(kind) for kind in GROUP_KINDS[:3])
+        self.model_group, self.tp_group, self.rdp_group = (_Closed(kind) for kind in GROUP_KINDS[3:])
         runner = self.model.runner if self.model is not None else None
         if runner is not None:
             runner.report_failure(exc, also=groups)
         else:
             report_failure(exc, self.rank, groups, default_store())
-
 
     def close(self, default_group: bool) -> None:
         """At exit: destroy the model's pipeline groups and smp's, and the default group when ``smp.init`` made it.
@@ -104,9 +140,18 @@ class State:
         runner = self.model.runner if self.model is not None else None
         if runner is not None:
             runner.close()
-        close_groups([g for g in (self.world_group, self.mp_group, self.dp_group) if not isinstance(g, _Closed)])
+        close_groups([g for g in _distinct(self._groups().values()) if not isinstance(g, _Closed)])
         if default_group and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _distinct(groups: Any) -> list[Any]:
+    """The process groups made so far, each once (kinds with the same ranks share one)."""
+    out: list[Any] = []
+    for g in groups:
+        if g is not None and not any(g is o for o in out):
+            out.append(g)
+    return out
 
 
 class _Closed:
@@ -148,17 +193,17 @@ def init(config: dict | str | None = None) -> State:
         if "WORLD_SIZE" in os.environ:
             dist.init_process_group(backend, timeout=timeout)
         else:
-            if cfg.pipeline_parallel_degree > 1:
-                raise RuntimeError(f"pipeline_parallel_degree={cfg.pipeline_parallel_degree} needs that many "
-                                   f"processes: launch with `smp launch -n {cfg.pipeline_parallel_degree} script.py`")
+            n = cfg.pipeline_parallel_degree * cfg.tensor_parallel_degree
+            if n > 1:
+                raise RuntimeError(f"{_degrees(cfg.pipeline_parallel_degree, cfg.tensor_parallel_degree)} needs {n} "
+                                   f"processes: launch with `smp launch -n {n} script.py`")
             dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
                                     world_size=1, timeout=timeout)
     world = dist.get_world_size()
-    topo = Topology(world, cfg.pipeline_parallel_degree, cfg.placement_strategy)
+    topo = Topology(world, cfg.pipeline_parallel_degree, cfg.tensor_parallel_degree, cfg.placement_strategy)
     if topo.dp > 1 and not cfg.ddp:
-        raise RuntimeError(f"{world} processes with pipeline_parallel_degree={topo.pp} make {topo.dp} data-parallel "
-                           "replicas: set 'ddp': True in the smp config, or launch "
-                           f"{topo.pp} processes")
+        raise RuntimeError(f"{world} processes with {_degrees(topo.pp, topo.tp)} make {topo.rdp} data-parallel "
+                           f"replicas: set 'ddp': True in the smp config, or launch {topo.mp} processes")
     if torch.cuda.is_available():
         local = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local)
@@ -169,13 +214,26 @@ def init(config: dict | str | None = None) -> State:
     store = default_store()
     # The call logs write their keys before the groups exist: creating a group waits for every member, so
     # afterwards every peer's key can be read.
-    st.calls = {kind: CallLog(kind, st.ranks(kind), st.rank, store, cfg.timeout_s) for kind in GROUP_KINDS}
+    st.calls = {kind: CallLog(kind, st.ranks(kind), st.rank, store, cfg.timeout_s)
+                for kind in GROUP_KINDS if kind not in st.aliases}
+    st.calls.update({kind: st.calls[same] for kind, same in st.aliases.items()})
     st.world_group = dist.new_group(timeout=timeout)
-    st.mp_group, _ = dist.new_subgroups_by_enumeration(topo.mp_groups(), timeout=timeout)
+    st.mp_group, _ = dist.new_subgroups_by_enumeration(topo.pipelines(), timeout=timeout)
     st.dp_group, _ = dist.new_subgroups_by_enumeration(topo.dp_groups(), timeout=timeout)
+    for kind in _DERIVED:  # in this order on every rank; groups of one rank are made on first use (State.group)
+        if kind in st.aliases:
+            setattr(st, _FIELDS[kind], st.group(st.aliases[kind]))
+        elif len(st.ranks(kind)) > 1:
+            pg, _ = dist.new_subgroups_by_enumeration(topo.groups(GROUP_AXES[kind]), timeout=timeout)
+            setattr(st, _FIELDS[kind], pg)
     _state = st
     atexit.register(st.close, made_default)
     return st
+
+
+def _degrees(pp: int, tp: int) -> str:
+    """How init's errors name the degrees that make one model replica."""
+    return f"pipeline_parallel_degree={pp} x tensor_parallel_degree={tp}"
 
 
 def reset() -> None:

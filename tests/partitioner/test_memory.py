@@ -45,6 +45,30 @@ def test_breakdown_is_the_plans_memory(dtype, optimizer) -> None:
         stage_memory(plan, graph, [1, 1])
 
 
+@pytest.mark.parametrize("tp", [2, 4])
+def test_a_tensor_parallel_rank_holds_its_shards_of_the_sharded_parameters(tp) -> None:
+    """On a graph written for one tp rank (partitioner.shard_program) the weights, gradients, optimizer state and
+    master weights of a sharded parameter count at 1/tp; the replicated ones (a row-parallel bias) whole."""
+    from partitioner.shard_program import shard_graph
+    from partitioner.sharding import find_sharding
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(m for _ in range(2) for m in (torch.nn.Linear(32, 64), torch.nn.GELU(),
+                                                                 torch.nn.Linear(64, 32))))
+    whole = partitioner.trace(model, (torch.randn(8, 32),))
+    sharding = find_sharding(whole.fx.module, tp)
+    assert len(sharding.params) == 6  # two column weights and biases, two row weights; the row biases stay whole
+    local = shard_graph(whole, sharding, 0)
+    expected = sum(4 * p.numel() / (tp if n in sharding.params else 1) for n, p in model.named_parameters())
+    for graph, fp32 in ((whole, 4 * sum(p.numel() for p in model.parameters())), (local, expected)):
+        plan = partitioner.partition(graph, 2, rates=DeviceRates(), dtype="bf16", optimizer="adam")
+        memory = stage_memory(plan, graph)
+        assert sum(m.weights_bytes for m in memory) == sum(m.gradient_bytes for m in memory) == fp32 / 2
+        assert sum(m.optimizer_bytes for m in memory) == 2 * fp32 and sum(m.master_bytes for m in memory) == fp32
+        for m, s in zip(memory, plan.stages):
+            assert abs(m.total_bytes - s.memory_bytes) <= 2  # the plan's memory, broken down
+
+
 MB, M = 4, 4  # gpt2 zoo: sequences per microbatch, microbatches
 
 

@@ -66,6 +66,9 @@ _DELETE = object()
     (_set("shared_params", {"w": [0, 7]}), r"shared_params\['w'\]\[1\]: 7 is out of range"),
     (_set("rates", {"flops_per_s": -1.0}), r"rates\['flops_per_s'\]: expected a finite number >= 0, got -1.0"),
     (_set("method", 3), r"plan key method: expected a JSON str, got 3"),
+    (_set("tensor_parallel", [8]), r"plan key tensor_parallel: expected a JSON object, got \[8\]"),
+    (_set("tensor_parallel", {"degree": 0}), r"tensor_parallel.degree: 0 is out of range, expected an integer >= 1"),
+    (_set("tensor_parallel", {"comm_s": []}), r"tensor_parallel.degree: expected an integer, got None"),
 ])
 def test_a_malformed_plan_names_the_key_and_value(plan_data, change, message) -> None:
     data = json.loads(json.dumps(plan_data))

@@ -31,3 +31,31 @@ def test_a_plan_of_another_model_or_stage_count_is_refused_with_what_differs():
                                                 r"plan .* smp replan"):
         plan.bind(_graph(layers=5))
     assert issubclass(PlanMismatchError, ValueError)
+
+
+def test_a_tensor_parallel_plan_round_trips_and_binds_only_to_its_degree():
+    """The plan JSON records tensor parallelism; a plan without the record (older) is degree 1; either binds only
+    to a graph sharded for its own degree, with an error that says which."""
+    from partitioner.shard_program import shard_graph
+    from partitioner.sharding import find_sharding
+
+    whole = _graph(width=16, layers=4)  # Linear, ReLU, Linear, ReLU ...: column- then row-parallel pairs
+    local = shard_graph(whole, find_sharding(whole.fx.module, 2), 0)
+    plan = partition(local, 2, rates=DeviceRates())
+    assert plan.tensor_parallel["degree"] == 2 and plan.tensor_parallel["sharding"]["params"]
+    text = plan.to_json()
+    loaded = PartitionPlan.from_json(text)
+    assert loaded.to_json() == text and loaded.tensor_parallel == plan.tensor_parallel
+    assert loaded.bind(shard_graph(whole, find_sharding(whole.fx.module, 2), 1)).graph is not None  # any tp rank
+    with pytest.raises(PlanMismatchError, match=r"plan.json was made for tensor-parallel degree 2 but the graph is "
+                                                r"not sharded \(tensor-parallel degree 1\)"):
+        loaded.bind(whole, "plan.json")
+    with pytest.raises(PlanMismatchError, match=r"made for tensor-parallel degree 2 but the graph is sharded for "
+                                                r"tensor-parallel degree 4"):
+        loaded.bind(shard_graph(whole, find_sharding(whole.fx.module, 4), 0))
+    old = PartitionPlan.from_json(partition(whole, 2, rates=DeviceRates()).to_json())
+    assert "tensor_parallel" not in old.to_dict() and old.tensor_parallel == {}
+    assert old.bind(_graph(width=16, layers=4)).graph is not None
+    with pytest.raises(PlanMismatchError, match=r"made for a model without tensor parallelism but the graph is "
+                                                r"sharded for tensor-parallel degree 2"):
+        old.bind(local)

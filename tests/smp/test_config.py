@@ -114,3 +114,36 @@ def test_profiling_keys_are_checked_and_read(tmp_path):
     for keys, needle in bad:
         with pytest.raises(ConfigError, match=re.escape(needle)):
             load_config({"partitions": 2, **keys})
+
+
+# --- tensor parallelism and placement ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("placement", ["cluster", "spread", "DPT", "DTP", "PDT", "PTD", "TDP", "TPD"])
+def test_placements_of_smp_v1_are_accepted(placement):
+    cfg, warned = _load_recording({**BASE, "tensor_parallel_degree": 2, "ddp": True, "placement_strategy": placement})
+    assert cfg.placement_strategy == placement and cfg.tensor_parallel_degree == 2 and warned == []
+
+
+def test_prescaled_batch_has_an_effect_with_tensor_parallelism():
+    for value in (True, False):
+        cfg, warned = _load_recording({**BASE, "tensor_parallel_degree": 2, "ddp": True, "prescaled_batch": value})
+        assert cfg.prescaled_batch is value and warned == []
+    _, warned = _load_recording({**BASE, "prescaled_batch": True})  # tp = 1: every rank reads its own batch anyway
+    assert len(warned) == 1 and "'prescaled_batch'=True has no effect" in warned[0], warned
+
+
+@pytest.mark.parametrize("config,needle", [
+    ({**BASE, "tensor_parallel_degree": 2}, "'tensor_parallel_degree'=2 is not valid: a degree above 1 needs 'ddp': "
+                                            "True, as in SMP v1"),
+    ({**BASE, "tensor_parallel_degree": 4, "ddp": False}, "'tensor_parallel_degree'=4 is not valid"),
+    ({**BASE, "tensor_parallel_degree": 0, "ddp": True}, "'tensor_parallel_degree'=0 is not valid: a positive integer"),
+    ({**BASE, "tensor_parallel_degree": 2.0, "ddp": True}, "'tensor_parallel_degree'=2.0 is not valid"),
+    ({**BASE, "placement_strategy": "DPD"}, "'placement_strategy'='DPD' is not valid: 'cluster' (= 'DPT'), 'spread' "
+                                            "(= 'TPD') or a permutation of the letters 'D'"),
+    ({**BASE, "placement_strategy": "dpt"}, "'placement_strategy'='dpt' is not valid"),
+    ({**BASE, "placement_strategy": 3}, "'placement_strategy'=3 is not valid"),
+])
+def test_tensor_parallel_and_placement_errors(config, needle):
+    with pytest.raises(ConfigError) as err:
+        load_config(config)
+    assert needle in str(err.value)

@@ -16,11 +16,14 @@ from smp.testing import run_ranks
     ({"microbatches": 4}, "needs 'pipeline_parallel_degree'"),
     ({"partitions": 0}, "'pipeline_parallel_degree'=0 is not valid: a positive integer"),
     ({"partitions": 2, "pipeline": "fast"}, "'pipeline'='fast' is not valid"),
-    ({"partitions": 2, "placement_strategy": "random"}, "one of ('cluster', 'spread')"),
+    ({"partitions": 2, "placement_strategy": "random"}, "'cluster' (= 'DPT'), 'spread' (= 'TPD') or a permutation"),
+    ({"partitions": 2, "placement_strategy": "DPP"}, "'placement_strategy'='DPP' is not valid"),
     ({"partitions": 2, "auto_partition": False}, "required when auto_partition is False"),
     ({"partitions": 2, "memory_weight": 1.5}, "a number in [0, 1]"),
     ({"partitions": 2, "pipeline_parallel_degree": 4}, "disagree"),
-    ({"partitions": 2, "tensor_parallel_degree": 2}, "not tensor parallelism"),
+    ({"partitions": 2, "tensor_parallel_degree": 2}, "'tensor_parallel_degree'=2 is not valid: a degree above 1 "
+                                                      "needs 'ddp': True"),
+    ({"partitions": 2, "tensor_parallel_degree": 0, "ddp": True}, "'tensor_parallel_degree'=0 is not valid"),
 ])
 def test_config_errors(config, needle):
     with pytest.raises(ConfigError) as err:

@@ -1,5 +1,5 @@
-"""``smp.tensor_parallelism``: at this engine's tensor-parallel degree of 1 (the only one smp.init accepts)
-modules created inside stay as they are, as in SMP v1 at degree 1."""
+"""``smp.tensor_parallelism``: modules created inside stay as they are (the engine shards a model's layers on
+its traced graph whatever context created them); the degree itself is checked at init."""
 from __future__ import annotations
 
 import warnings
@@ -17,7 +17,7 @@ from smp.runtime.topology import Topology
 
 @pytest.fixture
 def initialised(monkeypatch):
-    st = state.State(config=load_config({"partitions": 1}), topology=Topology(1, 1, "cluster"), rank=0,
+    st = state.State(config=load_config({"partitions": 1}), topology=Topology(1, 1, placement="cluster"), rank=0,
                      mp_group=None, dp_group=None, device=torch.device("cpu"))
     monkeypatch.setattr(state, "_state", st)
 
@@ -46,7 +46,7 @@ def test_misuse(initialised, monkeypatch):
     with pytest.raises(TypeError, match="enabled must be True or False"):
         with smp.tensor_parallelism(enabled="yes"):
             pass
-    with pytest.raises(ConfigError, match="not tensor parallelism"):  # a degree above 1 is refused at init
+    with pytest.raises(ConfigError, match="ddp"):  # as in SMP v1, tensor parallelism is carved out of ddp ranks
         load_config({"partitions": 1, "tensor_parallel_degree": 2})
     monkeypatch.setattr(state, "_state", None)
     with pytest.raises(RuntimeError, match="call smp.init"):

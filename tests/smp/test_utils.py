@@ -11,7 +11,7 @@ from smp.runtime.topology import Topology
 
 
 def test_rmsg_prefixes_the_global_rank(monkeypatch):
-    st = state.State(config=load_config({"partitions": 2}), topology=Topology(4, 2, "cluster"), rank=3,
+    st = state.State(config=load_config({"partitions": 2}), topology=Topology(4, 2, placement="cluster"), rank=3,
                      mp_group=None, dp_group=None, device=torch.device("cpu"))
     monkeypatch.setattr(state, "_state", st)
     assert utils.rmsg("loss 0.5") == "[3] loss 0.5"

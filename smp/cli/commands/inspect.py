@@ -16,6 +16,7 @@ from smp.cli.limits import check_actions, schedule_actions
 from smp.cli.options import Options, add_plan_args, add_target_args, check_output
 from smp.cli.plan_table import format_report
 from smp.cli.target import load_target, trace_target
+from smp.cli.tensor_parallel import replicated_warnings, shard_target, tp_lines, warn
 from smp.cli.text import Progress
 
 __all__ = ["register", "run", "check_work"]
@@ -57,10 +58,20 @@ def run(ns: argparse.Namespace) -> int:
     check_work(opts)
     progress = Progress(ns.quiet)
     target = load_target(ns.target, size=ns.size, batch=ns.batch, progress=progress)
-    graph = trace_target(target, progress)
+    whole = trace_target(target, progress)
+    graph, sharding = shard_target(whole, opts.tp, progress)
+    if sharding is not None:
+        warn(replicated_warnings(sharding))
     plan, sim = analyse(graph, opts, target=target, progress=progress)
-    print(f"{target.spec}: {graph.describe()}")
+    print(f"{target.spec}: {whole.describe()}" + (f"; tp rank 0 of {opts.tp}: {graph.describe()}" if sharding else ""))
     print(format_report(plan, graph))
+    if sharding is not None:
+        from partitioner.precision import weight_bytes
+
+        dtype = opts.partition.dtype
+        print("\n".join(tp_lines(plan.tensor_parallel, plan.rates, opts.microbatches,
+                                 float(weight_bytes(whole, dtype).sum()), float(weight_bytes(graph, dtype).sum()),
+                                 dtype, plan.extra["schedule"]["predicted_step_s"])))
     _write_outputs(plan, graph, sim, json_path=ns.json, graph_path=ns.graph, timeline_path=ns.timeline,
                    progress=progress)
     return 0

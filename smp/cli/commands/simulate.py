@@ -18,6 +18,7 @@ from smp.cli.options import Options, add_plan_args, add_target_args, check_outpu
 from smp.cli.plan_table import pipeline_title, priced_for
 from smp.cli.pricing import PipelineCosts, pipeline_costs, sim_row
 from smp.cli.target import load_target, trace_target
+from smp.cli.tensor_parallel import replicated_warnings, shard_target, tp_lines, warn
 from smp.cli.text import Progress, ms, table
 
 __all__ = ["register", "run", "COMPARED", "check_work"]
@@ -100,10 +101,17 @@ def run(ns: argparse.Namespace) -> int:
     opts = Options.from_args(ns)
     compared = _schedule_list(ns.schedules, opts.schedule)
     P, M, V, rpn = opts.partitions, opts.microbatches, ns.virtual_stages, ns.ranks_per_node
+    if rpn % opts.tp:
+        raise CLIError(f"--tp {opts.tp} does not divide --ranks-per-node {rpn}: a tensor-parallel group must share "
+                       "one node's links (NVLink), so choose a degree that divides the ranks of a node")
     check_work(opts, compared, V)
     progress = Progress(ns.quiet)
     target = load_target(ns.target, size=ns.size, batch=ns.batch, progress=progress)
-    graph = trace_target(target, progress)
+    whole = trace_target(target, progress)
+    graph, sharding = shard_target(whole, opts.tp, progress)
+    if sharding is not None:
+        warn(replicated_warnings(sharding))
+    rpn //= opts.tp  # pipeline stages per node: each stage's tp group fills tp ranks of it
     progress(f"pricing {P} stages")
     costs = pipeline_costs(graph, opts, P)
     inter = (costs.rates["inter_node_bytes_per_s"] if ns.inter_node_bandwidth is None else ns.inter_node_bandwidth,
@@ -130,6 +138,7 @@ def run(ns: argparse.Namespace) -> int:
     ok = {k: r for k, r in rows.items() if "skipped" not in r}
     best = min(ok, key=lambda k: ok[k]["predicted_step_s"])
     _print(target.spec, graph, opts, costs, rpn, inter, rows, best, scaling)
+    tp = _tensor_parallel(whole, graph, opts, costs, main_row["predicted_step_s"])
     if ns.json:
         out = {"target": target.spec, "partitions": P, "microbatches": M, "pipeline": opts.pipeline,
                "schedule": opts.schedule, "ranks_per_node": rpn, "exact": costs.exact, "note": costs.note,
@@ -141,6 +150,8 @@ def run(ns: argparse.Namespace) -> int:
                "predicted_step_s": main_row["predicted_step_s"], "bubble": main_row["bubble"],
                "throughput_microbatches_per_s": main_row["throughput_microbatches_per_s"],
                "schedules": rows, "winner": best, "scaling": scaling}
+        if tp:
+            out["tensor_parallel"] = tp
         try:
             text = json.dumps(out, indent=1, sort_keys=True, allow_nan=False)
         except ValueError:
@@ -159,9 +170,10 @@ def _print(spec: str, graph: Any, opts: Options, costs: PipelineCosts, rpn: int,
     P, M = opts.partitions, opts.microbatches
     main_row = rows[opts.schedule]
     T = sum(costs.forward_s) + sum(costs.backward_s)
-    print(f"{spec}: {graph.describe()}")
-    print(f"{P} stages on {math.ceil(P / rpn)} node(s) of {rpn} ranks, {M} microbatches, "
-          f"{pipeline_title(opts.pipeline, opts.schedule)}")
+    print(f"{spec}: {graph.describe()}" + (f" (tp rank 0 of {opts.tp})" if opts.tp > 1 else ""))
+    nodes = (f"{math.ceil(P / rpn)} node(s) of {rpn} ranks" if opts.tp == 1 else
+             f"{math.ceil(P / rpn)} node(s) of {rpn * opts.tp} ranks (tp groups of {opts.tp}, {P * opts.tp} ranks)")
+    print(f"{P} stages on {nodes}, {M} microbatches, {pipeline_title(opts.pipeline, opts.schedule)}")
     print(priced_for(opts.partition.to_dict(DeviceRates.from_dict(costs.rates)), costs.rates))
     print(f"stage costs: {costs.note}")
     print(f"links: within a node {format_bytes(costs.rates.get('link_bytes_per_s', 0))}/s + "
@@ -231,3 +243,24 @@ def _scaling(graph: Any, opts: Options, costs: PipelineCosts, rpn: int, inter: t
                 r = sim_row(opts.schedule, cache[p], m, p, rpn, inter)
             out.append({"p": p, "m": m, "step_s": r["predicted_step_s"], "bubble": r["bubble"], "simulated": True})
     return out
+
+
+def _tensor_parallel(whole: Any, graph: Any, opts: Options, costs: PipelineCosts, step_s: float) -> dict[str, Any]:
+    """Print what ``--tp`` does (the tp collectives per microbatch and step, the parameter state per rank) and
+    return it for the JSON; nothing for ``--tp 1``."""
+    from partitioner.precision import weight_bytes
+
+    if opts.tp == 1:
+        return {}
+    dtype, M = opts.partition.dtype, opts.microbatches
+    record = {"degree": opts.tp, "comm_s": costs.tp_comm_s, "sharding": graph.fx.sharding.to_dict()}
+    print()
+    print("\n".join(tp_lines(record, costs.rates, M, float(weight_bytes(whole, dtype).sum()),
+                             float(weight_bytes(graph, dtype).sum()), dtype, step_s)))
+    s = max(range(len(costs.param_state)), key=lambda i: sum(costs.param_state[i].values()))
+    held = costs.param_state[s]
+    print(f"  per rank on stage {s} (the most parameter state; {dtype}, {opts.partition.optimizer}): weights "
+          f"{format_bytes(held['weights'])}, gradients {format_bytes(held['gradients'])}, optimizer state "
+          f"{format_bytes(held['optimizer'])}, master weights {format_bytes(held['master'])}; activations: the "
+          "peak activations/rank column above")
+    return {**record, "per_step_s": [M * c for c in costs.tp_comm_s], "param_state": costs.param_state}

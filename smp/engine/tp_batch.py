@@ -1,0 +1,137 @@
+"""Which batch a tensor-parallel group runs: SMP v1's ``prescaled_batch``.
+
+With ``tensor_parallel_degree`` > 1 and ``prescaled_batch`` False (SMP's default) every rank reads its own batch
+(data sharded by ``smp.dp_rank()``), and the ranks of a tp group must still compute on the same samples, since
+each holds one shard of the same layers. So the step's arguments are regrouped: every tensor argument is
+all-gathered along dim 0 over the tp group, and each rank of the group runs the step on the concatenation, in
+``tp_rank`` order, of its group's batches (SMP's global batch is then ``dp_size`` x the per-rank batch). With
+``prescaled_batch`` True the tp group already reads one batch (data sharded by ``smp.rdp_rank()``) and nothing
+moves.
+
+:func:`regroup_batch` does it for one call's ``(args, kwargs)``, as :func:`smp.engine.step_values.share_inputs`
+treats them: tensors travel; Python scalars (bool, int, float, complex, str, bytes, None) and 0-dim tensors must
+be equal on every rank of the group; other objects (the model, an optimizer) are each rank's own and stay.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+
+from partitioner.errors import EngineError
+
+__all__ = ["regroup_batch", "BatchMismatchError"]
+
+_SCALARS = (bool, int, float, complex, str, bytes, type(None))
+
+
+class BatchMismatchError(EngineError, ValueError):
+    """The ranks of a tensor-parallel group passed step arguments that cannot be concatenated into one batch."""
+
+
+def _describe(x: Any) -> tuple:
+    """What the other ranks of the group must know of one leaf: how it is regrouped and what must agree."""
+    if isinstance(x, torch.Tensor):
+        if x.layout != torch.strided:
+            return ("unsupported", f"a {x.layout} tensor")
+        if x.dim() == 0:
+            return ("same", "tensor", str(x.dtype), x.item())
+        return ("gather", str(x.dtype), tuple(x.shape), x.requires_grad)
+    if isinstance(x, _SCALARS):
+        return ("same", type(x).__name__, x)
+    return ("own", type(x).__name__)
+
+
+def _what(desc: tuple) -> str:
+    if desc[0] == "gather":
+        return f"a {desc[1]} tensor"
+    if desc[0] == "same":
+        return "a 0-dim tensor" if desc[1] == "tensor" else f"a Python {desc[1]}"
+    return f"a {desc[1]} (each rank's own object)"
+
+
+def _check(names: list[str], described: list[tuple]) -> None:
+    """Raise unless every rank's (structure, leaf descriptions) can be regrouped with tp_rank 0's; every rank
+    reads the same ``described`` (one entry per tp rank), so every rank raises the same error."""
+    spec, ref = described[0]
+    for r, (spec_r, leaves_r) in enumerate(described):
+        if spec_r != spec:
+            raise BatchMismatchError(f"the step's arguments have another structure on tp_rank {r} ({spec_r}) than on "
+                                     f"tp_rank 0 ({spec}): every rank of a tensor-parallel group must pass arguments "
+                                     "of one structure, whose tensors are concatenated along dim 0")
+        for name, a, b in zip(names, ref, leaves_r):
+            where = f"step argument {name} on tp_rank {r}"
+            if b[0] == "unsupported":
+                raise BatchMismatchError(f"{where} is {b[1]}: only dense (strided) tensors can be regrouped over a "
+                                         "tensor-parallel group")
+            if b[0] == "gather" and b[3]:
+                raise BatchMismatchError(f"{where} requires grad: regrouping it over the tensor-parallel group would "
+                                         "cut its graph; pass data tensors, or set 'prescaled_batch': True and feed "
+                                         "every rank of the group the same batch")
+            if a[:2] != b[:2]:
+                raise BatchMismatchError(f"{where} is {_what(b)}, on tp_rank 0 {_what(a)}: the ranks of a "
+                                         "tensor-parallel group must pass the same kinds and dtypes")
+            if a[0] == "gather" and (len(a[2]) != len(b[2]) or a[2][1:] != b[2][1:]):
+                raise BatchMismatchError(f"{where} has shape {list(b[2])}, on tp_rank 0 {list(a[2])}: tensors are "
+                                         "concatenated along dim 0, so all other dimensions must agree")
+            if a[0] == "same" and not _equal(a[2], b[2]):
+                raise BatchMismatchError(f"{where} is {b[2]!r}, on tp_rank 0 {a[2]!r}: arguments that are not "
+                                         "batched tensors must be equal on every rank of a tensor-parallel group "
+                                         "(or set 'prescaled_batch': True)")
+
+
+def _equal(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b) or (a != a and b != b)  # NaN equals NaN here: the same value was passed
+    except Exception:
+        return False
+
+
+def _gather(x: torch.Tensor, rows: list[int], group: Any) -> torch.Tensor:
+    """``x`` of every rank of ``group`` concatenated along dim 0 (ranks may hold different numbers of rows)."""
+    wide = max(rows)
+    send = x.detach().contiguous()
+    if send.shape[0] < wide:
+        send = torch.cat([send, send.new_zeros((wide - send.shape[0], *send.shape[1:]))])
+    if send.dtype == torch.bool:  # not every backend reduces or gathers bool: move its bytes
+        send = send.view(torch.uint8)
+    parts = [torch.empty_like(send) for _ in rows]
+    dist.all_gather(parts, send, group=group)
+    out = torch.cat([p[:n] for p, n in zip(parts, rows)])
+    return out.view(torch.bool) if x.dtype == torch.bool else out
+
+
+def regroup_batch(args: tuple, kwargs: dict, group: Any, tp_size: int, prescaled: bool) -> tuple[tuple, dict]:
+    """The step arguments ``(args, kwargs)`` this rank runs on, within its tensor-parallel ``group`` of
+    ``tp_size`` ranks (a torch process group; None: the default group).
+
+    ``prescaled`` (``prescaled_batch``) True, or ``tp_size`` 1: the arguments as they are, with no communication.
+    Otherwise every tensor with a batch dimension becomes the concatenation along dim 0, in ``tp_rank`` order, of
+    that tensor on every rank of the group (ranks may pass different numbers of rows); Python scalars and 0-dim
+    tensors must be equal on every rank, other objects stay this rank's own. A mismatch (structure, dtype, trailing
+    dimensions, a scalar, a tensor that requires grad) raises :class:`BatchMismatchError` on every rank.
+    Every rank of the group must call it, in the same order as its other collectives on ``group``.
+    """
+    if prescaled or tp_size == 1:
+        return args, kwargs
+    if not isinstance(tp_size, int) or tp_size < 1:
+        raise ValueError(f"regroup_batch: tp_size={tp_size!r} is not a positive integer")
+    if dist.get_world_size(group) != tp_size:
+        raise ValueError(f"regroup_batch: the group has {dist.get_world_size(group)} ranks, tp_size={tp_size}: "
+                         "pass this rank's tensor-parallel group")
+    paths, spec = pytree.tree_flatten_with_path((tuple(args), dict(kwargs)))
+    leaves = [x for _, x in paths]
+    names = [("args" if path[0] == pytree.SequenceKey(0) else "kwargs") + pytree.keystr(path[1:])
+             for path, _ in paths]
+    theirs: list[Any] = [None] * tp_size
+    dist.all_gather_object(theirs, (str(spec), [_describe(x) for x in leaves]), group=group)
+    _check(names, theirs)
+    out = []
+    for i, x in enumerate(leaves):
+        if theirs[0][1][i][0] == "gather":
+            x = _gather(x, [t[1][i][2][0] for t in theirs], group)
+        out.append(x)
+    new_args, new_kwargs = pytree.tree_unflatten(out, spec)
+    return tuple(new_args), dict(new_kwargs)

@@ -1,0 +1,47 @@
+"""The user's model holds this rank's tensor-parallel shards: its parameters become the sharded graph's.
+
+A tp rank's graph (:func:`partitioner.shard_program.shard_graph`) holds new parameters, this rank's slices of the
+sharded weights. The model's own ``nn.Parameter`` objects take their place: :func:`torch.utils.swap_tensors`
+gives each the shard's data (an optimizer built over ``model.parameters()`` before partitioning steps the shards),
+and the graph is pointed back at them, so the whole weights are released and ``model.parameters()``,
+``state_dict`` and checkpoints see exactly what this rank holds, under the model's own names (as SMP v1's
+distributed modules do).
+"""
+from __future__ import annotations
+
+import torch
+
+from partitioner.graph import OpGraph
+from partitioner.program import tensor_aliases
+
+__all__ = ["install_shards", "sharded_names"]
+
+
+def sharded_names(graph: OpGraph) -> set[str]:
+    """Every name (tied ones included) of the parameters that ``graph``'s tensor parallelism shards."""
+    prog = graph.fx
+    if prog is None or prog.sharding is None:
+        return set()
+    alias = tensor_aliases(prog.module)
+    wanted = {alias.get(t, t) for t in prog.sharding.params}
+    return {path for path, canonical in alias.items() if canonical in wanted}
+
+
+def install_shards(model: torch.nn.Module, graph: OpGraph) -> None:
+    """Give ``model``'s sharded parameters this rank's shards from ``graph`` and point ``graph`` at them."""
+    prog = graph.fx
+    names = sharded_names(graph)
+    if prog is None or not names:
+        return
+    done: dict[int, torch.nn.Parameter] = {}
+    for path in sorted(names):
+        mine = model.get_parameter(path)
+        shard = prog.module.get_parameter(path)
+        if shard is mine:
+            continue
+        if id(mine) not in done:
+            with torch.no_grad():
+                torch.utils.swap_tensors(mine, torch.nn.Parameter(shard.detach(), mine.requires_grad))
+            done[id(mine)] = mine
+        owner, _, leaf = path.rpartition(".")
+        setattr(prog.module.get_submodule(owner), leaf, mine)

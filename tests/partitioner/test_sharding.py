@@ -1,0 +1,59 @@
+"""Megatron's pattern found on traced graphs, process-free: what splits, along which dimension, what stays whole
+and why; and the graph each tp rank runs from it."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from partitioner import trace
+from partitioner.shard_program import ReplicatedWarning, local_length, shard_graph, tensor_parallel_graph
+from partitioner.sharding import Shard, find_sharding
+from tests.smp.test_tp_training import VOCAB, build
+
+
+def _graph(kind: str):
+    ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return trace(build(kind), (ids,), {"labels": ids})
+
+
+def test_gpt2_fused_qkv_is_split_by_heads_block_by_block_and_the_tied_vocabulary_by_rows():
+    sh = find_sharding(_graph("gpt2").fx.module, 2)
+    assert sh.params["transformer.h.0.attn.c_attn.weight"] == Shard(1, 192, 3)  # q|k|v, each by heads
+    assert sh.params["transformer.h.0.attn.c_proj.weight"] == Shard(0, 64)       # row-parallel (Conv1D is in x out)
+    assert sh.params["lm_head.weight"] == Shard(0, VOCAB)                         # tied embedding and head
+    assert "transformer.h.0.attn.c_proj.bias" not in sh.params                   # added once, after the all-reduce
+    assert sorted(set(sh.roles.values())) == ["column", "embedding", "loss", "row"] and not sh.replicated
+
+
+def test_llama_grouped_query_attention_splits_its_kv_heads_when_they_divide():
+    sh = find_sharding(_graph("llama").fx.module, 2)
+    assert sh.params["model.layers.0.self_attn.k_proj.weight"] == Shard(0, 32)  # 2 kv heads of 16
+    assert sh.params["model.layers.0.mlp.down_proj.weight"] == Shard(1, 128)
+    assert not sh.replicated
+
+
+def test_what_cannot_be_split_stays_whole_with_a_warning_that_names_it():
+    graph = _graph("gpt2")
+    with pytest.warns(ReplicatedWarning, match="addmm.*split") as seen:
+        local = tensor_parallel_graph(graph, 3, 0)  # 4 heads, 256 MLP columns: nothing of a block divides by 3
+    assert "c_attn" not in str(local.fx.sharding.params) and local.fx.sharding.params  # the vocabulary still splits
+    assert "whole on every tp rank" in str(seen[0].message)
+
+
+def test_every_rank_writes_the_same_nodes_and_holds_shards_of_its_own():
+    graph = _graph("llama")
+    sh = find_sharding(graph.fx.module, 2)
+    ranks = [shard_graph(graph, sh, r) for r in range(2)]
+    assert ranks[0].names == ranks[1].names
+    full = graph.fx.module.get_parameter("model.layers.0.self_attn.q_proj.weight")
+    for r, local in enumerate(ranks):
+        w = local.fx.module.get_parameter("model.layers.0.self_attn.q_proj.weight")
+        assert w.shape == (32, 64) and w.untyped_storage().data_ptr() != full.untyped_storage().data_ptr()
+        assert torch.equal(w, full[32 * r:32 * (r + 1)])
+    head = [local.fx.module.get_parameter("lm_head.weight").shape[0] for local in ranks]
+    assert head == [local_length(Shard(0, VOCAB), 2, r) for r in range(2)] == [51, 50]
+    assert sum(ranks[0].flops) < 0.7 * sum(graph.flops)  # each rank prices its share of the matmuls
