@@ -24,11 +24,11 @@ from .flops import float_bytes, op_flops_and_bytes, tensor_bytes
 from .graph import OpGraph
 from .mutation import colocated_groups
 from .program import TracedProgram, tensor_aliases
-from .tp_collectives import copy_to, gather_from, reduce_from
+from .tp_collectives import copy_to, gather_from, reduce_from, scatter_to
 
 # Tensor-parallel collectives join the op whose result they carry: no stage cut between a row-parallel matmul and
 # its all-reduce, and Megatron's f and the gather of an output stay with the value they act on.
-FOLDED = frozenset({copy_to, gather_from, reduce_from})
+FOLDED = frozenset({copy_to, gather_from, reduce_from, scatter_to})
 
 __all__ = ["build_graph"]
 

@@ -18,7 +18,7 @@ import contextlib
 import copy
 import operator
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx
@@ -34,13 +34,15 @@ from .tp_collectives import (
     copy_to,
     gather_from,
     reduce_from,
+    scatter_to,
     shard_range,
     tp_dropout,
     vocab_cross_entropy,
     vocab_embedding,
 )
 
-__all__ = ["shard_graph", "tensor_parallel_graph", "local_length", "shard_tensor", "COMM_ATTR", "ReplicatedWarning"]
+__all__ = ["shard_graph", "tensor_parallel_graph", "local_length", "shard_ranges", "shard_tensor", "unshard_tensor",
+           "COMM_ATTR", "ReplicatedWarning"]
 
 
 COMM_ATTR = "tp_comm"  # the attribute of a sharded program (and of its stage modules) holding its TPComm
@@ -62,6 +64,32 @@ def shard_tensor(full: torch.Tensor, s: Shard, tp: int, rank: int) -> torch.Tens
     a, b = shard_range(block, tp, rank)
     parts = [full.narrow(s.dim, g * block + a, b - a) for g in range(s.groups)]
     return (torch.cat(parts, s.dim) if len(parts) > 1 else parts[0]).clone()
+
+
+def shard_ranges(s: Shard, tp: int, rank: int) -> list[tuple[int, int]]:
+    """The ``[start, stop)`` ranges of dimension ``s.dim`` of the whole tensor that make tp rank ``rank``'s shard
+    (:func:`shard_tensor`), in the order the shard holds them: one, or one per block of a fused weight."""
+    block = s.size // s.groups
+    a, b = shard_range(block, tp, rank)
+    return [(g * block + a, g * block + b) for g in range(s.groups)]
+
+
+def unshard_tensor(pieces: Sequence[torch.Tensor], s: Shard, tp: int) -> torch.Tensor:
+    """The whole tensor from every tp rank's shard (``pieces[r]`` is rank r's, as :func:`shard_tensor` cuts it):
+    the inverse of :func:`shard_tensor`, block by block for a fused weight."""
+    if len(pieces) != tp:
+        raise ValueError(f"unshard_tensor needs the shards of all {tp} tp ranks, got {len(pieces)}")
+    lengths = [local_length(s, tp, r) for r in range(tp)]
+    got = [p.shape[s.dim] if p.dim() > s.dim else None for p in pieces]
+    if got != lengths:
+        raise ValueError(f"shards of lengths {got} along dim {s.dim} do not make a tensor of length {s.size} split "
+                         f"over {tp} tp ranks ({s.groups} block(s)): expected lengths {lengths}")
+    parts: list[torch.Tensor] = []
+    for g in range(s.groups):
+        for r, piece in enumerate(pieces):
+            width = lengths[r] // s.groups
+            parts.append(piece.narrow(s.dim, g * width, width))
+    return torch.cat(parts, s.dim)
 
 
 def _fake(like: Any, shape: list[int] | tuple[int, ...], dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -99,6 +127,12 @@ class _Writer:
     def write(self) -> None:
         nodes = {n.name: n for n in self.g.nodes}
         sharded_users = set(self.sh.values) | set(self.sh.roles)
+        for consumer, inputs in self.sh.scatters.items():
+            user = nodes[consumer]
+            for name, dim, size in inputs:
+                n = nodes[name]
+                val = _local_val(n.meta.get("val"), Shard(dim, size), self.tp, self.rank)
+                user.replace_input_with(n, self.add(n, scatter_to, (n, dim, self.comm), f"{name}_tp_scatter", val))
         for name in self.sh.copies:
             n = nodes[name]
             f = self.add(n, copy_to, (n, self.comm), f"{name}_tp_copy", n.meta.get("val"))
@@ -197,6 +231,19 @@ def _set(module: torch.nn.Module, owner: str, leaf: str, value: torch.nn.Paramet
     setattr(module, leaf, value)
 
 
+def _keep_plain_constants(module: torch.nn.Module, source: torch.nn.Module) -> None:
+    """``GraphModule`` registers every tensor it copies as a buffer; constants the export lifted (plain tensor
+    attributes of ``source``, not the model's) stay plain attributes, as they are in the traced program."""
+    buffers = {name for name, _ in source.named_buffers(remove_duplicate=False)}
+    for name, _ in list(module.named_buffers(remove_duplicate=False)):
+        if name not in buffers:
+            owner, _, leaf = name.rpartition(".")
+            holder = module.get_submodule(owner)
+            value = getattr(holder, leaf)
+            delattr(holder, leaf)
+            setattr(holder, leaf, value)
+
+
 def shard_graph(graph: OpGraph, sharding: Sharding, rank: int) -> OpGraph:
     """The op graph of tp rank ``rank`` (see the module docstring), over a new module that holds this rank's
     shards of the sharded parameters (``OpGraph.fx.module``) and the unbound ``TPComm`` (``fx.tp_comm``); every
@@ -216,6 +263,7 @@ def shard_graph(graph: OpGraph, sharding: Sharding, rank: int) -> OpGraph:
         module = torch.fx.GraphModule(prog.module, fx_graph)
     finally:
         delattr(prog.module, COMM_ATTR)
+    _keep_plain_constants(module, prog.module)
     made: dict[str, torch.nn.Parameter] = {}
     canonical = tensor_aliases(prog.module)
     shards = {canonical[t]: s for t, s in sharding.params.items()}

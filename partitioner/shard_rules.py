@@ -76,8 +76,12 @@ def shard_of(x: Any, values: dict[str, Shard]) -> Shard | None:
     return values.get(x.name) if isinstance(x, torch.fx.Node) else None
 
 
-def carry(node: torch.fx.Node, name: str, values: dict[str, Shard], tp: int) -> Shard | None:
-    """The shard of ``node``'s output (an op named ``name``) from its inputs' shards in ``values``."""
+def carry(node: torch.fx.Node, name: str, values: dict[str, Shard], tp: int,
+          scatters: dict[str, list[tuple[str, int, int]]] | None = None) -> Shard | None:
+    """The shard of ``node``'s output (an op named ``name``) from its inputs' shards in ``values``. A whole input
+    that an elementwise op, batched matmul or attention must read in slices (grouped-query attention's kv heads
+    repeated for more q heads than kv heads divide among the ranks, a per-head mask) is recorded in ``scatters``:
+    consumer -> [(input, its sharded dim, global size)]."""
     a = node_args(node)
     x = a[0]
     s = values.get(x.name) if isinstance(x, torch.fx.Node) else None
@@ -116,24 +120,37 @@ def carry(node: torch.fx.Node, name: str, values: dict[str, Shard], tp: int) -> 
         keep = len(a) > 2 and bool(a[2]) or bool(node.kwargs.get("keepdim"))
         return None if s.dim in dims else Shard(s.dim - (0 if keep else sum(d < s.dim for d in dims)),
                                                 s.size, s.groups)
-    if name == "cat":
-        return _cat(node, values)
+    if name == "flatten" and s:
+        start, end = (int(x) % len(ishape) for x in (list(a[1:3]) + [0, -1][len(a) - 1:])[:2])
+        if s.dim < start:
+            return s
+        if s.dim > end:
+            return Shard(s.dim - (end - start), s.size, s.groups)
+        return Shard(start, oshape[start], 1) if s.dim == start and s.groups == 1 and s.size % tp == 0 else None
+    if name in ("cat", "stack"):
+        return _cat(node, values, stack=name == "stack")
     if name in ("matmul", "bmm", "scaled_dot_product_attention") or name in ELEMENTWISE:
-        return _broadcast(node, values)
+        return _broadcast(node, values, scatters)
     return None
 
 
-def _cat(node: torch.fx.Node, values: dict[str, Shard]) -> Shard | None:
+def _cat(node: torch.fx.Node, values: dict[str, Shard], stack: bool) -> Shard | None:
+    """Concatenating or stacking shards that agree, along another dimension (rotary embeddings' halves)."""
     parts, d = node_args(node)[0], node_args(node)[1] if len(node_args(node)) > 1 else 0
     shards = {values.get(p.name) for p in parts}
     if len(shards) != 1 or None in shards:
         return None
     s = shards.pop()
-    return s if s is not None and d % value_of(node).dim() != s.dim else None
+    d %= value_of(node).dim()
+    if s is None or (not stack and d == s.dim):
+        return None
+    return Shard(s.dim + (stack and d <= s.dim), s.size, s.groups)
 
 
-def _broadcast(node: torch.fx.Node, values: dict[str, Shard]) -> Shard | None:
-    """Elementwise ops, batched matmuls and attention: sharded inputs agree, whole ones broadcast there."""
+def _broadcast(node: torch.fx.Node, values: dict[str, Shard],
+               scatters: dict[str, list[tuple[str, int, int]]] | None) -> Shard | None:
+    """Elementwise ops, batched matmuls and attention: sharded inputs agree, whole ones broadcast there or are
+    read in this rank's slice (``scatters``)."""
     out = value_of(node)
     if not isinstance(out, torch.Tensor):
         return None
@@ -144,7 +161,7 @@ def _broadcast(node: torch.fx.Node, values: dict[str, Shard]) -> Shard | None:
         if not isinstance(v, torch.Tensor):
             continue
         if s is None:
-            whole.append(v)
+            whole.append((n.name, v))
         else:
             found.add((s.dim + out.dim() - v.dim(), s.size, s.groups))
     if len(found) != 1:
@@ -153,8 +170,13 @@ def _broadcast(node: torch.fx.Node, values: dict[str, Shard]) -> Shard | None:
     last = out.dim() - 2 if op_name(node) in ("matmul", "bmm", "scaled_dot_product_attention") else out.dim()
     if d >= last:
         return None
-    for v in whole:
+    sliced = []
+    for name, v in whole:
         j = d - (out.dim() - v.dim())
-        if j >= 0 and v.shape[j] != 1:
+        if j >= 0 and v.shape[j] == size and groups == 1 and scatters is not None:
+            sliced.append((name, j, size))
+        elif j >= 0 and v.shape[j] != 1:
             return None
+    if sliced and scatters is not None:
+        scatters[node.name] = sliced
     return Shard(d, size, groups)

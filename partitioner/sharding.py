@@ -44,6 +44,7 @@ class Sharding:
     roles: dict[str, str] = field(default_factory=dict)      # node -> column | row | embedding | loss
     copies: list[str] = field(default_factory=list)          # whole values read by sharded ops (Megatron's f)
     gathers: list[str] = field(default_factory=list)         # sharded values the graph outputs (gathered)
+    scatters: dict[str, list[tuple[str, int, int]]] = field(default_factory=dict)  # node -> whole inputs it slices
     replicated: dict[str, str] = field(default_factory=dict)  # matmul or embedding left whole -> why
 
     def to_dict(self) -> dict[str, Any]:
@@ -154,7 +155,7 @@ class _Walk:
             result = self.rule(node, name)
         except _Restart:
             raise
-        except (ValueError, IndexError, TypeError, AttributeError) as exc:
+        except (ValueError, IndexError) as exc:
             return self.fail(ins, f"{node.name} ({name}): {exc}")
         if result is None:
             return self.fail(ins, f"{node.name} ({name}) cannot work on a slice of the features")
@@ -194,7 +195,7 @@ class _Walk:
             return self.split(node, self.out.values[a[0].name], list(value_of(a[0]).shape))
         if name == "cross_entropy_loss":
             return self.loss(node)
-        return carry(node, name, self.out.values, self.tp)
+        return carry(node, name, self.out.values, self.tp, self.out.scatters)
 
     def split(self, node: torch.fx.Node, s: Shard, ishape: list[int]) -> list[Shard | None] | None:
         a = node_args(node)
@@ -286,8 +287,10 @@ def _param_conflicts(gm: torch.fx.GraphModule, walk: _Walk, tp: int) -> dict[str
 
 
 def _finish(gm: torch.fx.GraphModule, out: Sharding) -> None:
-    """Record the whole floating-point values that sharded ops read: Megatron's ``f`` goes after each."""
+    """Record the whole floating-point values that sharded ops read: Megatron's ``f`` goes after each (not after
+    those read in slices: the slices' backward gathers the whole gradient already)."""
     sharded_ops = {n for n, r in out.roles.items() if r in ("column", "row", "loss")} | set(out.values)
+    sliced = {(user, name) for user, inputs in out.scatters.items() for name, _, _ in inputs}
     seen: list[str] = []
     for node in gm.graph.nodes:
         if node.name not in sharded_ops or out.roles.get(node.name) == "embedding":
@@ -295,6 +298,7 @@ def _finish(gm: torch.fx.GraphModule, out: Sharding) -> None:
         for n in node_inputs(node):
             v = value_of(n)
             if n.name not in out.values and n.op != "get_attr" and isinstance(v, torch.Tensor) \
+                    and (node.name, n.name) not in sliced \
                     and v.is_floating_point() and n.name not in seen and out.roles.get(node.name) != "row":
                 seen.append(n.name)
     out.copies = seen

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-__all__ = ["TPComm", "UnboundGroupError", "shard_range", "copy_to", "reduce_from", "gather_from",
+__all__ = ["TPComm", "UnboundGroupError", "shard_range", "copy_to", "reduce_from", "gather_from", "scatter_to",
            "vocab_embedding", "vocab_cross_entropy", "tp_dropout"]
 
 
@@ -104,6 +104,14 @@ def gather_from(x: torch.Tensor, dim: int, size: int, comm: TPComm) -> torch.Ten
     whole = DTensor.from_local(x, comm.bound_mesh(), [Shard(dim)], run_check=False, shape=torch.Size(shape),
                                stride=stride)
     return whole.redistribute(comm.mesh, [Replicate()]).to_local()
+
+
+def scatter_to(x: torch.Tensor, dim: int, comm: TPComm) -> torch.Tensor:
+    """This rank's slice along ``dim`` of a value every rank holds whole (:func:`shard_range`); backward, the
+    slices' gradients are gathered, so the whole value gets its whole gradient on every rank (Megatron's
+    ``scatter_to_tensor_model_parallel_region``)."""
+    from torch.distributed.tensor.placement_types import Replicate, Shard
+    return _dtensor(x, comm, Replicate()).redistribute(comm.mesh, [Shard(dim)]).to_local()
 
 
 def vocab_embedding(weight: torch.Tensor, ids: torch.Tensor, start: int, padding_idx: int,

@@ -29,7 +29,7 @@ from .devices import DeviceRates
 from .flops import float_bytes, tensor_bytes
 from .graph import OpGraph
 from .precision import at_precision
-from .tp_collectives import copy_to, gather_from, reduce_from, vocab_cross_entropy, vocab_embedding
+from .tp_collectives import copy_to, gather_from, reduce_from, scatter_to, vocab_cross_entropy, vocab_embedding
 
 __all__ = ["Collective", "tp_degree", "collectives", "all_reduce_s", "all_gather_s", "collective_seconds",
            "tensor_parallel_record", "degree_mismatch", "stage_comm_s"]
@@ -91,6 +91,9 @@ def collectives(graph: OpGraph, dtype: str = "fp32", needs_grad: np.ndarray | No
             found.append(Collective(node.name, op, "all_reduce", _bytes(val, dtype)))
         elif fn is copy_to and (needs_grad is None or bool(needs_grad[op])):
             found.append(Collective(node.name, op, "all_reduce", _bytes(val, dtype), backward=True))
+        elif fn is scatter_to and (needs_grad is None or bool(needs_grad[op])):  # backward: the slices' gradients
+            found.append(Collective(node.name, op, "all_gather", _bytes(node.args[0].meta.get("val"), dtype),
+                                    backward=True))
         elif fn is gather_from:
             x, dim, size = node.args[0].meta.get("val"), node.args[1], node.args[2]
             local = x.shape[dim] if isinstance(x, torch.Tensor) else 0

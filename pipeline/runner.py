@@ -314,7 +314,7 @@ def _bind_tp(sm: SplitModel, tp_groups: list[list[int]] | None, timeout: datetim
              device: torch.device, seed: int) -> Any:
     """This rank's tp process group, bound to the sharded graph's collectives (None without tensor parallelism)."""
     comm = sm.program.tp_comm
-    if comm is None and not tp_groups:
+    if comm is None and all(len(g) == 1 for g in tp_groups or []):
         return None
     me = dist.get_rank()
     mine = [g for g in tp_groups or [] if me in g]

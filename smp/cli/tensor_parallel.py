@@ -6,7 +6,8 @@ rank 0 (:func:`partitioner.shard_program.shard_graph`): its ops, parameters and 
 so a plan of it counts memory per rank, and its stage costs include the tp collectives on the link within a node
 (:mod:`partitioner.tp_cost`). Rank 0 holds the largest shard where a size does not divide (``torch.chunk``'s layout),
 so its numbers are its group's worst. What stays whole on every rank (sizes that do not divide, a weight tied outside
-the embedding/head pair) is listed as a warning on stderr. ``--tp 1`` changes nothing.
+the embedding/head pair) is listed as a warning on stderr; a degree that leaves some rank no slice of a sharded
+weight is refused. ``--tp 1`` changes nothing.
 """
 from __future__ import annotations
 
@@ -40,6 +41,11 @@ def shard_target(graph: Any, tp: int, progress: Callable[[str], None] = lambda m
             local = shard_graph(graph, sharding, 0)
     except (ValueError, TypeError, RuntimeError) as exc:
         raise CLIError(f"--tp {tp}: cannot shard this model: {type(exc).__name__}: {exc}") from None
+    thin = sorted((s.size // s.groups, name) for name, s in sharding.params.items() if s.size // s.groups < tp)
+    if thin:
+        size, name = thin[0]
+        raise CLIError(f"--tp {tp} is more ranks than {name} has slices to share ({size} along the split "
+                       f"dimension): ranks {size}..{tp - 1} would hold none of it; use --tp {size} or fewer")
     progress(f"tp rank 0 of {tp}: {local.describe()}")
     return local, sharding
 

@@ -30,6 +30,7 @@ from smp.engine.pipeline_model import PipelineModel
 from smp.engine.repartition import repartition_in_flight
 from smp.engine.step_run import StepRun
 from smp.engine.step_values import broadcast_values, share_inputs
+from smp.engine.tp_batch import regroup_batch
 from smp.engine.tp_shards import sharded_names
 from smp.health.session import session_of as health_of
 from smp.profiling.session import session_of
@@ -83,6 +84,9 @@ def _guarded(st: State, model: PipelineModel, run: StepRun) -> list[Any]:
 
 
 def _run(st: State, model: PipelineModel, run: StepRun, call: str) -> list[Any]:
+    if st.topology.tp > 1 and not st.config.prescaled_batch and st.topology.pp_rank(st.rank) == 0:
+        # SMP v1's default: each tp rank read its own batch; the tp group runs on their concatenation.
+        run.use_inputs(*regroup_batch(*run.inputs, st.group("tensor-parallel"), st.topology.tp, False))
     if st.topology.pp > 1:
         _take_first_stage_inputs(st, run)
     if not model.partitioned:

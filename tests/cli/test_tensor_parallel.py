@@ -91,6 +91,9 @@ def test_what_stays_whole_is_a_warning_and_tp_1_is_todays_output(capsys, llama: 
     (["inspect", "zoo:mlp", "-p", "2", "--tp", "2", "--measure"], "--measure times the stages in this process, but "
                                                                    "--tp 2"),
     (["simulate", "zoo:mlp", "-p", "2", "-m", "2", "--tp", "3"], "--tp 3 does not divide --ranks-per-node 8"),
+    (["inspect", "zoo:mlp", "-p", "2", "--tp", "2048"], "--tp 2048 is more ranks than embed.bias has slices to share "
+                                                        "(1024 along the split dimension): ranks 1024..2047 would hold "
+                                                        "none of it; use --tp 1024 or fewer"),
 ])
 def test_nonsense_tp_is_refused_with_its_value(argv, needle, capsys) -> None:
     from smp.cli import main

@@ -36,6 +36,22 @@ def test_llama_grouped_query_attention_splits_its_kv_heads_when_they_divide():
     assert not sh.replicated
 
 
+def test_kv_heads_fewer_than_tp_stay_whole_and_each_rank_reads_its_repeated_heads():
+    sh = find_sharding(_graph("llama").fx.module, 4)  # 4 q heads, 2 kv heads
+    assert sh.params["model.layers.0.self_attn.q_proj.weight"] == Shard(0, 64)
+    assert "model.layers.0.self_attn.k_proj.weight" not in sh.params
+    sliced = [name for inputs in sh.scatters.values() for name, dim, size in inputs if dim == 1 and size == 4]
+    assert len(sliced) == 4  # k and v of both layers, after repeat_kv
+
+
+@pytest.mark.parametrize("kind", ["gptj", "gptneo", "bert"])
+def test_other_families_match_the_pattern_with_no_model_code_changed(kind):
+    sh = find_sharding(_graph(kind).fx.module, 2)
+    assert {"column", "row", "embedding", "loss"} <= set(sh.roles.values())
+    # BERT's prediction transform (dense, then a norm over its features) is the only layer left whole.
+    assert all("layer_norm" in why for why in sh.replicated.values()) and len(sh.replicated) <= 1
+
+
 def test_what_cannot_be_split_stays_whole_with_a_warning_that_names_it():
     graph = _graph("gpt2")
     with pytest.warns(ReplicatedWarning, match="addmm.*split") as seen:

@@ -118,3 +118,10 @@ def test_the_plan_records_the_degree_the_seconds_and_the_sharding(graphs) -> Non
     assert "degree 2 but the graph is not sharded" in degree_mismatch(tp, whole)
     assert "without tensor parallelism" in degree_mismatch({}, local)
 
+
+
+def test_measuring_a_sharded_graph_in_one_process_is_refused(graphs) -> None:
+    _, local = graphs
+    with pytest.raises(ValueError, match=r"measure=True times every op in this process, but the graph is sharded for "
+                                         r"tensor parallelism of degree 2"):
+        partitioner.partition(local, 2, measure=True)

@@ -20,6 +20,14 @@ def build(kind: str) -> torch.nn.Module:
         cfg = T.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=32, resid_pdrop=0.0,
                            embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
         return T.GPT2LMHeadModel(cfg)
+    if kind == "gptj":
+        return T.GPTJForCausalLM(T.GPTJConfig(n_layer=2, n_embd=64, n_head=4, rotary_dim=8, vocab_size=VOCAB,
+                                              n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    if kind == "gptneo":
+        return T.GPTNeoForCausalLM(T.GPTNeoConfig(num_layers=2, hidden_size=64, num_heads=4, vocab_size=VOCAB,
+                                                  max_position_embeddings=32, window_size=4,
+                                                  attention_types=[[["global", "local"], 1]], resid_dropout=0.0,
+                                                  embed_dropout=0.0, attention_dropout=0.0))
     if kind == "llama":
         return T.LlamaForCausalLM(T.LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
                                                 num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB))
@@ -79,6 +87,15 @@ def test_tp2_reproduces_the_single_process_losses_and_gradients(kind):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("kind", ["gptj", "gptneo"])
+def test_tp2_gptj_and_gptneo(kind):
+    for r in run_ranks(_run, 2, kind, 1, "1f1b", timeout=240):
+        assert abs(r["loss"] - r["want"]) <= 1e-5 * abs(r["want"]), r
+        assert r["worst"] < 1e-5, r
+        assert r["held"] < 0.6 * r["whole"], r
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
 @pytest.mark.parametrize("kind", ["gpt2", "llama", "bert"])
 def test_pp2_tp2_reproduces_the_single_process_losses_and_gradients(kind, schedule):
@@ -88,7 +105,7 @@ def test_pp2_tp2_reproduces_the_single_process_losses_and_gradients(kind, schedu
         assert r["worst"] < 1e-5, r
 
 
-def _smp_run(rank: int, world: int, kind: str, pp: int, tp: int) -> dict:
+def _smp_run(rank: int, world: int, kind: str, pp: int, tp: int, prescaled: bool = True) -> dict:
     import smp
     from partitioner.program import tensor_aliases
     from partitioner.shard_program import shard_tensor
@@ -99,7 +116,7 @@ def _smp_run(rank: int, world: int, kind: str, pp: int, tp: int) -> dict:
     want.backward()
     grads = {n: p.grad for n, p in ref.named_parameters(remove_duplicate=False)}
     smp.init({"pipeline_parallel_degree": pp, "tensor_parallel_degree": tp, "ddp": True, "microbatches": m,
-              "prescaled_batch": True})
+              "prescaled_batch": prescaled})
     model = smp.DistributedModel(build(kind))
 
     @smp.step
@@ -109,6 +126,8 @@ def _smp_run(rank: int, world: int, kind: str, pp: int, tp: int) -> dict:
         return loss
 
     mine = ids[4 * smp.rdp_rank():4 * smp.rdp_rank() + 4]
+    if not prescaled:  # each tp rank reads its own rows; the engine concatenates them over the tp group
+        mine = mine[smp.tp_rank() * 4 // tp:(smp.tp_rank() + 1) * 4 // tp]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         loss = train_step(model, mine).reduce_mean()
@@ -126,8 +145,9 @@ def _smp_run(rank: int, world: int, kind: str, pp: int, tp: int) -> dict:
     return {"loss": float(loss), "want": float(want) * rdp, "worst": worst, "tp_rank": smp.tp_rank()}
 
 
-def test_smp_tensor_parallel_degree_2_trains_exactly():
-    got = run_ranks(_smp_run, 2, "gpt2", 1, 2, timeout=240)
+@pytest.mark.parametrize("prescaled", [True, False])
+def test_smp_tensor_parallel_degree_2_trains_exactly(prescaled):
+    got = run_ranks(_smp_run, 2, "gpt2", 1, 2, prescaled, timeout=240)
     assert [r["tp_rank"] for r in got] == [0, 1]
     for r in got:
         assert r["worst"] < 1e-5, r
@@ -138,3 +158,13 @@ def test_smp_tensor_parallel_degree_2_trains_exactly():
 def test_smp_tp2_rdp2_averages_shards_over_their_replicas_only(kind):
     for r in run_ranks(_smp_run, 4, kind, 1, 2, timeout=400):
         assert r["worst"] < 1e-5, r
+
+
+@pytest.mark.slow
+def test_grouped_query_attention_with_fewer_kv_heads_than_tp_slices_the_repeated_heads():
+    """Llama with 2 kv heads on tp4: k and v stay whole, each rank reads the repeated heads of its q heads."""
+    got = run_ranks(_run, 4, "llama", 1, "1f1b", timeout=300)
+    for r in got:
+        assert abs(r["loss"] - r["want"]) <= 1e-5 * abs(r["want"]), r
+        assert r["worst"] < 1e-5, r
+        assert r["sharded"] >= 12 and r["held"] < 0.6 * r["whole"], r  # q, o, MLP and vocabulary: 2 layers

@@ -259,7 +259,8 @@ def _tensor_parallel(whole: Any, graph: Any, opts: Options, costs: PipelineCosts
                              float(weight_bytes(graph, dtype).sum()), dtype, step_s)))
     s = max(range(len(costs.param_state)), key=lambda i: sum(costs.param_state[i].values()))
     held = costs.param_state[s]
-    print(f"  per rank on stage {s} (the most parameter state; {dtype}, {opts.partition.optimizer}): weights "
+    where = f"on stage {s} (the most parameter state" if costs.exact else f"(the model's total / {len(costs.forward_s)}"
+    print(f"  per rank {where}; {dtype}, {opts.partition.optimizer}): weights "
           f"{format_bytes(held['weights'])}, gradients {format_bytes(held['gradients'])}, optimizer state "
           f"{format_bytes(held['optimizer'])}, master weights {format_bytes(held['master'])}; activations: the "
           "peak activations/rank column above")
