@@ -39,7 +39,8 @@ _CONVS = frozenset({"conv1d", "conv2d", "conv3d", "convolution", "_convolution",
                     "conv_transpose2d", "conv_transpose3d"})
 # The ops of a tensor-parallel rank's graph (partitioner.tp_collectives) cost what the ATen op they replace costs on
 # this rank's shard; their collectives are priced on their own (partitioner.tp_cost).
-TP_EQUIVALENT = {"vocab_embedding": "embedding", "vocab_cross_entropy": "cross_entropy_loss", "tp_dropout": "dropout"}
+TP_EQUIVALENT = {"vocab_embedding": "embedding", "vocab_cross_entropy": "cross_entropy_loss", "tp_dropout": "dropout",
+                 "tp_attention": "scaled_dot_product_attention"}
 
 
 def tensor_bytes(v: Any) -> int:

@@ -36,15 +36,17 @@ from .tp_collectives import (
     reduce_from,
     scatter_to,
     shard_range,
+    tp_attention,
     tp_dropout,
     vocab_cross_entropy,
     vocab_embedding,
 )
 
-__all__ = ["shard_graph", "tensor_parallel_graph", "local_length", "shard_ranges", "shard_tensor", "unshard_tensor",
-           "COMM_ATTR", "ReplicatedWarning"]
+__all__ = ["MIN_TORCH", "shard_graph", "tensor_parallel_graph", "local_length", "shard_ranges", "shard_tensor",
+           "unshard_tensor", "COMM_ATTR", "ReplicatedWarning"]
 
 
+MIN_TORCH = (2, 6)   # the oldest torch tensor parallelism runs on (tp = 1 keeps the package's own floor)
 COMM_ATTR = "tp_comm"  # the attribute of a sharded program (and of its stage modules) holding its TPComm
 
 
@@ -168,7 +170,9 @@ class _Writer:
             node.target, node.args, node.kwargs = vocab_cross_entropy, (a[0], a[1], start, reduction, ignore,
                                                                         self.comm), {}
             return None
-        if name == "dropout":
+        if name == "scaled_dot_product_attention" and _dropout_p(node) > 0:
+            node.target, node.kwargs = tp_attention, {**node.kwargs, "sharded": s is not None, "comm": self.comm}
+        elif name == "dropout":
             sharded = s is not None
             node.target, node.args, node.kwargs = tp_dropout, (*node_args(node)[:3], sharded, self.comm), {}
         elif s is not None and name in ("view", "reshape", "_unsafe_view", "expand"):
@@ -231,6 +235,13 @@ def _set(module: torch.nn.Module, owner: str, leaf: str, value: torch.nn.Paramet
     setattr(module, leaf, value)
 
 
+def _dropout_p(node: torch.fx.Node) -> float:
+    """The dropout probability of a traced ``scaled_dot_product_attention``."""
+    args = node_args(node)
+    p: Any = args[4] if len(args) > 4 else node.kwargs.get("dropout_p", 0.0)
+    return float(p)
+
+
 def _keep_plain_constants(module: torch.nn.Module, source: torch.nn.Module) -> None:
     """``GraphModule`` registers every tensor it copies as a buffer; constants the export lifted (plain tensor
     attributes of ``source``, not the model's) stay plain attributes, as they are in the traced program."""
@@ -288,6 +299,10 @@ def tensor_parallel_graph(graph: OpGraph, tp: int, rank: int) -> OpGraph:
         raise ValueError("tensor parallelism needs a traced graph (partitioner.trace), not a synthetic one")
     if tp == 1:
         return graph
+    if tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < MIN_TORCH:
+        raise RuntimeError(f"tensor_parallel_degree={tp} needs torch >= {'.'.join(map(str, MIN_TORCH))} (DTensor's "
+                           f"uneven shards and DeviceMesh.from_group, and gloo's all-gather, as used here); this is "
+                           f"torch {torch.__version__}: upgrade torch, or use tensor_parallel_degree=1")
     sharding = find_sharding(graph.fx.module, tp)
     if sharding.replicated:
         warnings.warn(f"tensor_parallel_degree={tp} leaves {len(sharding.replicated)} layer(s) whole on every tp "

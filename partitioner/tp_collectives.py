@@ -22,9 +22,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensor
 
 __all__ = ["TPComm", "UnboundGroupError", "shard_range", "copy_to", "reduce_from", "gather_from", "scatter_to",
-           "vocab_embedding", "vocab_cross_entropy", "tp_dropout"]
+           "vocab_embedding", "vocab_cross_entropy", "tp_dropout", "tp_attention"]
 
 
 class UnboundGroupError(RuntimeError):
@@ -157,5 +158,25 @@ def tp_dropout(x: torch.Tensor, p: float, train: bool, sharded: bool, comm: TPCo
     if not train or p == 0.0:
         return x
     comm.bound_mesh()
+    if isinstance(x, FakeTensor):
+        return x * 1.0
     keep = torch.empty_like(x).bernoulli_(1.0 - p, generator=comm.generators["sharded" if sharded else "replicated"])
     return x * keep / (1.0 - p)
+
+
+def tp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
+                 dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+                 enable_gqa: bool = False, *, sharded: bool, comm: TPComm) -> torch.Tensor:
+    """``scaled_dot_product_attention`` whose dropout draws from the engine's stream for a ``sharded`` (heads
+    split over the group: independent masks) or a whole attention (the same mask on every rank), in a forked
+    random state: the user's global stream is neither read nor advanced."""
+    comm.bound_mesh()
+    if isinstance(q, FakeTensor):  # a shape-only run (the runner's boundary analysis) draws no random numbers
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                                              scale=scale, enable_gqa=enable_gqa)
+    gen = comm.generators["sharded" if sharded else "replicated"]
+    seed = int(torch.randint(0, 2**62, (1,), generator=gen, device=gen.device))
+    with torch.random.fork_rng(devices=[q.device] if q.device.type != "cpu" else [], device_type=q.device.type):
+        torch.manual_seed(seed)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                                              scale=scale, enable_gqa=enable_gqa)

@@ -73,3 +73,22 @@ def test_every_rank_writes_the_same_nodes_and_holds_shards_of_its_own():
     head = [local.fx.module.get_parameter("lm_head.weight").shape[0] for local in ranks]
     assert head == [local_length(Shard(0, VOCAB), 2, r) for r in range(2)] == [51, 50]
     assert sum(ranks[0].flops) < 0.7 * sum(graph.flops)  # each rank prices its share of the matmuls
+
+
+def test_dropout_in_a_sharded_graph_draws_from_the_engines_streams():
+    import transformers as T
+
+    from partitioner.tp_collectives import tp_attention, tp_dropout
+    torch.manual_seed(0)
+    model = T.GPT2LMHeadModel(T.GPT2Config(n_layer=1, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=32,
+                                           bos_token_id=0, eos_token_id=0)).train()  # dropout 0.1 everywhere
+    ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        local = tensor_parallel_graph(trace(model, (ids,), {"labels": ids}), 2, 0)
+    calls = [n for n in local.fx.module.graph.nodes if n.op == "call_function"]
+    assert not [n for n in calls if "dropout" in str(n.target) and n.target is not tp_dropout]
+    drops = [n.args[3] for n in calls if n.target is tp_dropout]
+    attention = [n.kwargs["sharded"] for n in calls if n.target is tp_attention]
+    assert drops and not any(drops)  # residual-stream dropouts act on whole activations: one mask for all ranks
+    assert attention == [True]        # attention dropout acts on this rank's heads: masks of its own

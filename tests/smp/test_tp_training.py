@@ -168,3 +168,28 @@ def test_grouped_query_attention_with_fewer_kv_heads_than_tp_slices_the_repeated
         assert abs(r["loss"] - r["want"]) <= 1e-5 * abs(r["want"]), r
         assert r["worst"] < 1e-5, r
         assert r["sharded"] >= 12 and r["held"] < 0.6 * r["whole"], r  # q, o, MLP and vocabulary: 2 layers
+
+
+def _dropout_run(rank: int, world: int) -> dict:
+    import transformers as T
+
+    from smp.engine.planning import pipeline_runner
+    torch.manual_seed(0)
+    model = T.GPT2LMHeadModel(T.GPT2Config(n_layer=1, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=32,
+                                           bos_token_id=0, eos_token_id=0)).train()  # dropout 0.1
+    ids = torch.randint(0, VOCAB, (4, 8), generator=torch.Generator().manual_seed(1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        runner = pipeline_runner(model, (ids,), {"labels": ids}, microbatches=2, pipelines=[[0], [1]],
+                                 tp_groups=[[0, 1]], timeout_s=60)
+    state = torch.get_rng_state()
+    losses = [runner.step((ids,), {"labels": ids}, loss_fn=_loss).loss for _ in range(2)]
+    untouched = torch.equal(state, torch.get_rng_state())
+    runner.close()
+    return {"losses": losses, "untouched": untouched}
+
+
+def test_training_with_dropout_leaves_the_users_random_stream_alone():
+    a, b = run_ranks(_dropout_run, 2, timeout=240)
+    assert a["untouched"] and b["untouched"]
+    assert a["losses"] == b["losses"] and a["losses"][0] != a["losses"][1]  # one loss per tp group; masks change
