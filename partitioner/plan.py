@@ -18,6 +18,7 @@ from .chunk import split_columns
 from .errors import EngineError
 from .graph import OpGraph, unique_ints
 from .objective import Evaluation, Problem, check_acyclic, crossings
+from .plan_inputs import input_record, inputs_mismatch
 from .stage_modules import split
 from .tp_cost import degree_mismatch, tensor_parallel_record
 from .units import format_bytes
@@ -66,7 +67,8 @@ class PartitionPlan:
     plan to a fresh trace of the model splits them the same way. ``tensor_parallel``: for a graph sharded for
     tensor parallelism, its ``degree``, the tp collectives' seconds per stage and microbatch (``comm_s``, in the
     stage costs) and the ``sharding`` (:func:`partitioner.tp_cost.tensor_parallel_record`); empty (and absent from
-    the JSON) for degree 1. Such a plan binds only to a graph sharded for the same degree.
+    the JSON) for degree 1. Such a plan binds only to a graph sharded for the same degree. ``inputs``: the traced
+    example inputs (one microbatch), name -> shape and dtype (:mod:`partitioner.plan_inputs`); empty when unknown.
     """
 
     num_stages: int
@@ -83,6 +85,7 @@ class PartitionPlan:
     rates: dict[str, float] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
     tensor_parallel: dict[str, Any] = field(default_factory=dict)
+    inputs: dict[str, Any] = field(default_factory=dict)
     graph: Any = field(default=None, repr=False, compare=False)
 
     # JSON names carry units; attributes keep the short names the API documents.
@@ -104,7 +107,7 @@ class PartitionPlan:
         out: dict[str, Any] = {}
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name == "graph" or (f.name == "tensor_parallel" and not value):
+            if f.name == "graph" or (f.name in ("tensor_parallel", "inputs") and not value):
                 continue
             if f.name == "stages":
                 value = [asdict(s) for s in value]
@@ -169,14 +172,16 @@ class PartitionPlan:
                             f"{exc.msg}") from None
         return cls.from_dict(data)
 
-    def bind(self, graph: OpGraph, source: str = "the plan", num_stages: int | None = None) -> "PartitionPlan":
-        """This plan attached to ``graph``, a trace of the model it is to cut, checked to fit: the same ops
-        (and ``num_stages`` stages when given), else a :class:`PlanMismatchError` naming ``source``."""
+    def bind(self, graph: OpGraph, source: str = "the plan", num_stages: int | None = None,
+             microbatches: int | None = None) -> "PartitionPlan":
+        """This plan attached to ``graph``, a trace of the model it is to cut, checked to fit: the same ops (and
+        ``num_stages`` stages), else a :class:`PlanMismatchError` naming ``source``. With ``microbatches``, ``graph``
+        traced example inputs (one microbatch of m) of the shapes and dtypes of ``inputs`` (:mod:`.plan_inputs`)."""
         if num_stages is not None and self.num_stages != num_stages:
             raise PlanMismatchError(f"{source} has {self.num_stages} stages but this run has {num_stages} "
                                     f"pipeline stages: make the plan for {num_stages} stages, or run with "
                                     f"{self.num_stages}")
-        if (why := degree_mismatch(self.tensor_parallel, graph)) is not None:
+        if (why := degree_mismatch(self.tensor_parallel, graph) or inputs_mismatch(self.inputs, graph, microbatches)):
             raise PlanMismatchError(f"{source} {why}")
         if self.split_ops and graph.fx is not None and not graph.fx.split_ops:
             graph = split_columns(graph, self.split_ops)
@@ -324,8 +329,8 @@ def _check_plan(kw: dict[str, Any]) -> None:
     _check_type("split_ops", kw.get("split_ops", {}), dict)
     for op, chunks in kw.get("split_ops", {}).items():
         _check_int(f"split_ops[{op!r}]", chunks, 2)
-    _check_type("options", kw.get("options", {}), dict)
-    _check_type("tensor_parallel", kw.get("tensor_parallel", {}), dict)
+    for key in ("options", "tensor_parallel", "inputs"):
+        _check_type(key, kw.get(key, {}), dict)
     if kw.get("tensor_parallel"):
         _check_int("tensor_parallel.degree", kw["tensor_parallel"].get("degree"), 1)
     _check_type("rates", kw.get("rates", {}), dict)
@@ -391,5 +396,5 @@ def make_plan(p: Problem, ev: Evaluation, method: str) -> PartitionPlan:
         balance=ev.bottleneck / lb if lb > 0 else 1.0, shared_params=shared,
         split_ops=dict(g.fx.split_ops) if g.fx is not None else {},
         options={**p.options.to_dict(p.rates), "measured": p.costs.measured}, rates=p.rates.to_dict(), graph=g,
-        tensor_parallel=tensor_parallel_record(g, ev.stage, k, p.costs.tp_comm_s),
+        tensor_parallel=tensor_parallel_record(g, ev.stage, k, p.costs.tp_comm_s), inputs=input_record(g),
     )

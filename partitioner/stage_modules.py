@@ -92,9 +92,14 @@ class SplitModel:
                 if not isinstance(got, torch.Tensor):
                     raise TypeError(f"input {name!r} was traced as a tensor, got {type(got).__name__}")
                 if tuple(got.shape) != tuple(want.shape):
+                    whole = (got.ndim == want.ndim > 0 and got.shape[1:] == want.shape[1:] and 0 < got.shape[0]
+                             < want.shape[0] and want.shape[0] % got.shape[0] == 0)
                     raise ValueError(f"input {name!r} has shape {tuple(got.shape)} but the model was traced "
                                      f"with {tuple(want.shape)}; stages are specialised to the traced shapes: "
-                                     "keep the (micro)batch shape fixed or partition again for the new shape")
+                                     "keep the (micro)batch shape fixed or partition again for the new shape"
+                                     + (f"; it was traced on {want.shape[0] // got.shape[0]} microbatches (the whole "
+                                        f"batch?): example inputs are one microbatch, {name}[:{got.shape[0]}] here"
+                                        if whole else ""))
                 if got.dtype != want.dtype:
                     raise ValueError(f"input {name!r} has dtype {got.dtype} but the model was traced with "
                                      f"{want.dtype}; convert the input or partition again with that dtype")

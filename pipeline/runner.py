@@ -30,6 +30,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from partitioner import PartitionPlan
 from partitioner.program import flatten_inputs, set_device
 from partitioner.stage_modules import MODEL_INPUT, SplitModel, split
+from partitioner.tp_collectives import tp_attention, tp_dropout
 from partitioner.tracing import trace
 from pipeline import microbatch
 from pipeline.executor import Executor
@@ -151,9 +152,11 @@ class PipelineRunner:
         for st in self.local_stages:
             st.module.to(self.device)
             set_device(st.module, self.device)
+        checkpointed = _stages_running(plan, checkpoint_modules)
+        _check_tp_recompute(self.split_model, checkpointed)
         self.executor = Executor(self.split_model, self.schedule, self.rank, self.ranks, self.transport,
                                  boundary_requires_grad(self.split_model, autocast), self.device, self.recorder,
-                                 checkpointed=_stages_running(plan, checkpoint_modules))
+                                 checkpointed=checkpointed)
         self._shared = self._shared_groups()
 
     @property
@@ -295,10 +298,12 @@ class PipelineRunner:
     def from_plan_file(cls, path: str | os.PathLike[str], model: torch.nn.Module, args: tuple = (),
                        kwargs: dict | None = None, **runner_kwargs: Any) -> "PipelineRunner":
         """A runner of the plan in the JSON file ``path`` (``plan.to_json(path)``, ``smp replan -o``) for
-        ``model``, traced on one microbatch ``args``/``kwargs``. The plan must cut this model: a plan of
-        another model (or of other input shapes) is a :class:`partitioner.plan.PlanMismatchError`."""
+        ``model``, traced on the example inputs ``args``/``kwargs``: one microbatch, of the shapes the plan was made
+        from. A plan of another model, or example inputs of other shapes (the whole batch, say), is a
+        :class:`partitioner.plan.PlanMismatchError` naming what differs, raised before any process group is made."""
         graph = trace(model, tuple(args), dict(kwargs or {}))
-        plan = PartitionPlan.from_json(os.fspath(path)).bind(graph, source=f"plan file {os.fspath(path)}")
+        plan = PartitionPlan.from_json(os.fspath(path)).bind(graph, source=f"plan file {os.fspath(path)}",
+                                                             microbatches=runner_kwargs.get("microbatches", 1))
         return cls(plan, **runner_kwargs)
 
     def local_parameters(self) -> list[torch.nn.Parameter]:
@@ -325,6 +330,17 @@ def _bind_tp(sm: SplitModel, tp_groups: list[list[int]] | None, timeout: datetim
     group, _ = dist.new_subgroups_by_enumeration([list(g) for g in tp_groups or []], timeout=timeout)
     comm.bind(group, device, seed)
     return group
+
+
+def _check_tp_recompute(sm: SplitModel, checkpointed: set[int]) -> None:
+    """Activation checkpointing re-runs a stage's forward, and the dropout of a sharded graph draws from the
+    engine's streams, which the recomputation does not rewind: refuse the pair instead of mismatched masks."""
+    for s in sorted(checkpointed):
+        if any(n.target is tp_attention or n.target is tp_dropout and n.args[1] > 0
+               for n in sm.stages[s].module.graph.nodes):
+            raise ValueError(f"stage {s} is activation-checkpointed and runs dropout in a tensor-parallel graph: its "
+                             "recomputation would draw other masks than its forward. Set dropout to 0 in the model's "
+                             "config, or checkpoint no module of that stage")
 
 
 def _stages_running(plan: PartitionPlan, module_paths: Any) -> set[int]:

@@ -24,12 +24,14 @@ from partitioner.portfolio import fixed_plan
 from partitioner.shard_program import tensor_parallel_graph
 from pipeline import PipelineRunner
 from smp.checkpoint.commit import CheckpointError
-from smp.checkpoint.state_dicts import PARTIAL_KEY, PLAN_KEY, key_error, on_cpu
+from smp.checkpoint.state_dicts import PARTIAL_KEY, PLAN_KEY, TP_KEY, key_error, on_cpu
+from smp.checkpoint.tp_state import TPLayout, check_partial, cut_model_state, whole_model_state
 from smp.engine import mixed_precision as precision
 from smp.engine import step_run
 from smp.engine.materialize import tensor_ids
 from smp.engine.planning import own_tensors, shared_plan, smp_runner
-from smp.engine.weights import load_local
+from smp.engine.tp_shards import shard_specs
+from smp.engine.weights import load_local, weight_cuts
 from smp.placement import manual_stages
 from smp.runtime import state
 from smp.runtime.compat import warn_no_effect
@@ -234,7 +236,9 @@ class DistributedModel(torch.nn.Module):
         if not self.partitioned:
             self._weights = (os.fspath(path), strict)
             return []
-        return load_local(self.module, path, self._local_ids(), strict).missing
+        layout = self.tensor_parallel_layout()
+        return load_local(self.module, path, self._local_ids(), strict,
+                          weight_cuts(layout.shards, layout.degree, layout.rank)).missing
 
     def local_state_dict(self) -> dict[str, Any]:
         """This rank's parameters and buffers, marked partial (``smp.save(..., partial=True)``). Once the model
@@ -243,20 +247,31 @@ class DistributedModel(torch.nn.Module):
         out[PARTIAL_KEY] = True
         if self.partitioned:
             out[PLAN_KEY] = self._pipeline().plan.to_json()
+            if state.get().topology.tp > 1:  # this tp rank's shards: they load into this tp rank only
+                out[TP_KEY] = self.tensor_parallel_layout().marker()
         return out
 
+    def tensor_parallel_layout(self) -> TPLayout:
+        """This rank's tensor-parallel degree and tp rank, and the shard of every sharded state-dict key (none
+        before partitioning, or without tensor parallelism)."""
+        st = state.get()
+        shards = shard_specs(self._pipeline().plan.traced_graph()) if self.partitioned and st.topology.tp > 1 else {}
+        return TPLayout(st.topology.tp, st.topology.tp_rank(st.rank), shards)
+
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
-        """The full model, gathered from every stage of this replica: a collective over the pipeline, so every
-        mp rank calls it, and every one gets the whole dict (on the CPU). Before partitioning it is the
-        module's own ``state_dict(*args, **kwargs)``. Tied parameters stay tied: their keys share one tensor,
-        as in ``nn.Module.state_dict``."""
+        """The full model, gathered from every stage of this replica and, under tensor parallelism, from every
+        tp rank's shards (whole tensors under the module's own keys): a collective over the model-parallel group
+        (pp x tp ranks), so every mp rank calls it, and every one gets the whole dict (on the CPU). Before
+        partitioning it is the module's own ``state_dict(*args, **kwargs)``. Tied parameters stay tied: their
+        keys share one tensor, as in ``nn.Module.state_dict``."""
         if not self.partitioned:
             return self.module.state_dict(*args, **kwargs)
         st = state.get()
-        st.enter("pipeline", "model.state_dict()")  # collective: every rank of the pipeline must call it
-        parts: list[Any] = [None] * st.topology.pp
-        dist.all_gather_object(parts, on_cpu(self._local_state()), group=st.mp_group)
-        gathered = {k: v for part in parts for k, v in part.items()}
+        pg = st.enter("model-parallel", "model.state_dict()")  # collective: every rank of the replica calls it
+        layout = self.tensor_parallel_layout()
+        parts: list[Any] = [None] * st.topology.mp
+        dist.all_gather_object(parts, (layout.rank, on_cpu(self._local_state())), group=pg)
+        gathered = whole_model_state(parts, layout)
         keys_of: dict[int, list[str]] = {}  # the module's tensors (by id) -> their keys, in state_dict order
         own = self.module.state_dict(keep_vars=True)
         for k, v in own.items():
@@ -281,16 +296,28 @@ class DistributedModel(torch.nn.Module):
         this rank's part of the same partition; without it, a partial dict saved under another partition of
         an already partitioned model is rebuilt from every pipeline rank's part, which makes this call a
         collective over the pipeline.
+
+        Under tensor parallelism a full dict's whole tensors are cut to this rank's shards (loaded before the first
+        step, it is applied right after partitioning, and this returns None), so a full state dict loads under any
+        tensor-parallel degree; a partial dict holds one tp rank's shards and loads only into that tp rank of the
+        degree it was saved with (anything else is a :class:`CheckpointError`).
         """
         sd = dict(state_dict)
         partial = bool(sd.pop(PARTIAL_KEY, False))
         plan = sd.pop(PLAN_KEY, None)
+        saved_tp = sd.pop(TP_KEY, None)
+        st = state.get()
         if not partial or plan is None:  # full, or partial but saved before partitioning: the whole model
-            if not self.partitioned:
+            if self.partitioned:
+                return self._load_held(sd, strict, part=False, whole=True)
+            if st.topology.tp == 1:
                 return self.module.load_state_dict(sd, strict=strict)
-            return self._load_held(sd, strict, part=False)
+            self.after_partition(lambda: self._load_held(sd, strict, part=False, whole=True))
+            return None
         saved = PartitionPlan.from_json(plan)
-        pp = state.get().topology.pp
+        check_partial(int(saved.tensor_parallel.get("degree", 1)), None if saved_tp is None else int(saved_tp["rank"]),
+                      TPLayout(st.topology.tp, st.topology.tp_rank(st.rank)), "this partial state dict")
+        pp = st.topology.pp
         if not self.partitioned:
             if saved.num_stages != pp:
                 raise CheckpointError(f"this partial state dict was saved with pipeline_parallel_degree="
@@ -312,15 +339,18 @@ class DistributedModel(torch.nn.Module):
         dist.all_gather_object(parts, on_cpu(sd), group=state.get().mp_group)
         return self._load_held({k: v for part in parts for k, v in part.items()}, strict, part=False)
 
-    def _load_held(self, sd: dict[str, Any], strict: bool, part: bool) -> Any:
+    def _load_held(self, sd: dict[str, Any], strict: bool, part: bool, whole: bool = False) -> Any:
         """Copy the entries of the keys this rank holds into its tensors. ``part``: ``sd`` is one rank's part,
-        so every key in it must be one of ours; otherwise only keys the model does not have are unexpected."""
+        so every key in it must be one of ours; otherwise only keys the model does not have are unexpected.
+        ``whole``: ``sd`` holds whole tensors (a full dict), cut to this rank's tensor-parallel shards."""
         held = set(self._local_state())
         missing = sorted(held - set(sd))
         unexpected = sorted(set(sd) - (held if part else set(self.module.state_dict(keep_vars=True))))
         if strict and (missing or unexpected):
             raise CheckpointError(key_error(missing, unexpected, *self._where()))
-        self.module.load_state_dict({k: v for k, v in sd.items() if k in held}, strict=False)
+        mine = {k: v for k, v in sd.items() if k in held}
+        self.module.load_state_dict(cut_model_state(mine, self.tensor_parallel_layout()) if whole else mine,
+                                    strict=False)
         return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
 
     def partition_plan(self) -> PartitionPlan | None:

@@ -4,7 +4,13 @@ Each rank's stages fill ``.grad`` only for the parameters they hold, and torch o
 parameters whose gradient is None, so the wrapped optimizer steps exactly the local parameters and
 keeps state for those only. ``state_dict()`` gathers every stage's state into the full dict;
 ``local_state_dict()`` is this rank's part. With ``shard_optimizer_state`` the local parameters are
-handed to torch's ``ZeroRedundancyOptimizer`` over the data-parallel group instead.
+handed to torch's ``ZeroRedundancyOptimizer`` over the reduced-data-parallel group instead (the replicas of
+this rank's stage and tensor-parallel shard: the data-parallel group mixes different tp ranks' shards).
+
+Under tensor parallelism the state of a sharded parameter is this tp rank's shard of it: ``local_state_dict()``
+holds it (marked with the tp degree and rank, :data:`~smp.checkpoint.state_dicts.TP_KEY`), ``state_dict()``
+puts the tp ranks' shards together into whole tensors, and a full dict's whole tensors are cut to this rank's
+shards on load (:mod:`smp.checkpoint.tp_state`).
 
 With ``"fp16": True`` in the config the optimizer holds SMP's loss scaler (:mod:`smp.engine.mixed_precision`), built
 from the ``static_loss_scale`` / ``dynamic_loss_scale`` / ``dynamic_loss_args`` arguments: ``step()`` unscales
@@ -19,7 +25,8 @@ import torch
 import torch.distributed as dist
 
 from smp.checkpoint.commit import CheckpointError
-from smp.checkpoint.state_dicts import SHARD_KEY, ZERO_KEY, on_cpu
+from smp.checkpoint.state_dicts import SHARD_KEY, TP_KEY, ZERO_KEY, on_cpu
+from smp.checkpoint.tp_state import ShardedParam, TPLayout, check_partial, cut_optimizer_state, whole_optimizer_state
 from smp.engine import gradnorm
 from smp.engine import mixed_precision as precision
 from smp.health import session as health
@@ -48,7 +55,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             world_group=lambda: state.get().group("world"))
         self.overflow = False  # SMP's fp16 optimizer: True when the last step() was skipped for an overflow
         st.optimizer = self
-        self._sharded = st.config.shard_optimizer_state and st.topology.dp > 1
+        self._sharded = st.config.shard_optimizer_state and st.topology.rdp > 1
         if self._sharded:
             if st.model is None:
                 raise RuntimeError("create the smp.DistributedModel before a DistributedOptimizer with "
@@ -69,11 +76,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 groups.append({**{k: v for k, v in g.items() if k not in ("params", "initial_lr")}, "params": params})
                 self._zero_groups.append(i)
         self._zero = ZeroRedundancyOptimizer(groups, optimizer_class=type(self.optimizer),
-                                             process_group=state.get().dp_group, **defaults)
+                                             process_group=state.get().group("reduced-data-parallel"), **defaults)
 
     @property
     def state_sharded(self) -> bool:
-        """Is this rank's optimizer state one data-parallel shard (``shard_optimizer_state``, once partitioned)?"""
+        """Is this rank's optimizer state one shard over its reduced-data-parallel replicas (``shard_optimizer_state``,
+        once partitioned)?"""
         return self._zero is not None
 
     def _sync_zero_hyperparameters(self) -> None:
@@ -121,34 +129,49 @@ class DistributedOptimizer(torch.optim.Optimizer):
         the entries of the parameters this rank steps, ``"param_groups"`` the hyperparameters. With sharded
         state those are the entries of this replica's shard, and the dict is marked ``ZERO_KEY`` and lists
         the shard's parameters (``SHARD_KEY``, :mod:`smp.checkpoint.state_dicts`), so it loads only into the same
-        shard."""
+        shard. Under tensor parallelism (tp > 1) it is this tp rank's, marked ``TP_KEY``."""
         wrapped = self.optimizer.state_dict()
-        if self._zero is None:
-            return wrapped
-        index = self._index()
-        return {"state": dict(sorted((index[id(p)], v) for p, v in self._zero.optim.state.items())),
-                "param_groups": wrapped["param_groups"], ZERO_KEY: True, SHARD_KEY: self._shard_keys()}
+        out = wrapped
+        if self._zero is not None:
+            index = self._index()
+            out = {"state": dict(sorted((index[id(p)], v) for p, v in self._zero.optim.state.items())),
+                   "param_groups": wrapped["param_groups"], ZERO_KEY: True, SHARD_KEY: self._shard_keys()}
+        layout, _ = self._tensor_parallel()
+        if layout.degree > 1:
+            out[TP_KEY] = layout.marker()
+        return out
 
     def state_dict(self) -> dict[str, Any]:
         """The optimizer state of every stage, merged (on every rank), keyed as the wrapped optimizer's own
-        ``state_dict()`` would be on one device. With sharded state the replicas hold disjoint parts of each
-        stage's state, so the parts are gathered over the whole world rather than the pipeline."""
+        ``state_dict()`` would be on one device: a collective over the model-parallel group (pp x tp ranks). With
+        sharded state the replicas hold disjoint parts of each stage's state, so the parts are gathered over the
+        whole world instead. The state of a tensor-parallel shard is put together from every tp rank's."""
         st = state.get()
         local = self.local_state_dict()
-        group, size = (None, dist.get_world_size()) if self._zero is not None else (st.mp_group, st.topology.pp)
+        layout, params = self._tensor_parallel()
+        group, size = (None, dist.get_world_size()) if self._zero is not None else \
+            (st.group("model-parallel"), st.topology.mp)
         parts: list[Any] = [None] * size
-        dist.all_gather_object(parts, on_cpu(local["state"]), group=group)
-        merged = {k: v for part in parts for k, v in part.items()}
+        dist.all_gather_object(parts, (layout.rank, on_cpu(local["state"])), group=group)
+        merged = whole_optimizer_state(parts, params, layout.degree)
         return {"state": dict(sorted(merged.items())), "param_groups": local["param_groups"]}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a full (``state_dict()``) or this rank's (``local_state_dict()``) optimizer state. Each rank keeps
-        the entries of the parameters it steps (its stages', or its shard's), never another stage's. Before the
-        first step the load is applied right after partitioning, when those are known."""
+        the entries of the parameters it steps (its stages', or its shard's), never another stage's. Under tensor
+        parallelism a full dict's whole state tensors are cut to this rank's shards, and a local dict saved by
+        another tp rank or degree is refused. Before the first step the load is applied right after partitioning,
+        when those are known."""
         st = state.get()
+        saved_tp = state_dict.get(TP_KEY)
+        if saved_tp is not None:
+            check_partial(int(saved_tp["degree"]), int(saved_tp["rank"]),
+                          TPLayout(st.topology.tp, st.topology.tp_rank(st.rank)), "this optimizer state")
         if state_dict.get(ZERO_KEY) and not self._sharded:
             raise CheckpointError("this optimizer state was saved with shard_optimizer_state=True over several "
-                                  "data-parallel replicas; load it with the same config and data-parallel degree")
+                                  "reduced-data-parallel replicas; load it with the same config and degrees "
+                                  f"(this run: shard_optimizer_state={st.config.shard_optimizer_state}, "
+                                  f"{st.topology.rdp} replica(s) per shard)")
         model = st.model
         if model is not None and not model.partitioned:
             model.after_partition(lambda: self._load(state_dict))
@@ -157,31 +180,46 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _load(self, state_dict: dict[str, Any]) -> None:
         index = self._index()
+        layout, sharded = self._tensor_parallel()
         if self._zero is None:
             model = state.get().model
             held = None if model is None else {index[id(p)] for p in model.local_parameters() if id(p) in index}
-            self.optimizer.load_state_dict({
-                "state": {k: v for k, v in state_dict["state"].items() if held is None or k in held},
-                "param_groups": state_dict["param_groups"]})
+            mine = {k: v for k, v in state_dict["state"].items() if held is None or k in held}
+            self.optimizer.load_state_dict({"state": cut_optimizer_state(mine, sharded, layout),  # tp: this shard
+                                            "param_groups": state_dict["param_groups"]})
             return
         if state_dict.get(ZERO_KEY) and state_dict[SHARD_KEY] != self._shard_keys():
             raise CheckpointError("this sharded optimizer state belongs to another shard (the data-parallel replica "
                                   "that saved it held other parameters): load each replica's own file "
-                                  "(PATH_<mp_rank>_<rdp_rank>), with the data-parallel degree it was saved with")
+                                  "(PATH_<pp_rank>_<rdp_rank>, or PATH_<pp_rank>_<tp_rank>_<rdp_rank> with tensor "
+                                  "parallelism), with the degrees it was saved with")
         # The hyperparameters into the wrapped groups (ZeRO's follow them at each step), and to ZeRO's shard only
         # the state of the parameters it holds.
         for g, saved in zip(self.optimizer.param_groups, state_dict["param_groups"]):
             g.update({k: v for k, v in saved.items() if k != "params"})
         shard = self._zero.optim.state_dict()
         params = [p for g in self._zero.optim.param_groups for p in g["params"]]
-        shard["state"] = {i: state_dict["state"][index[id(p)]] for i, p in enumerate(params)
-                          if index[id(p)] in state_dict["state"]}
+        keys = set(self._shard_keys())
+        kept = cut_optimizer_state({k: v for k, v in state_dict["state"].items() if k in keys}, sharded, layout)
+        shard["state"] = {i: kept[index[id(p)]] for i, p in enumerate(params) if index[id(p)] in kept}
         self._zero.optim.load_state_dict(shard)
 
     def _shard_keys(self) -> list[int]:
         """The wrapped optimizer's keys of the parameters in this replica's ZeRO shard."""
         index = self._index()
         return sorted(index[id(p)] for g in self._zero.optim.param_groups for p in g["params"])
+
+    def _tensor_parallel(self) -> tuple[TPLayout, dict[int, ShardedParam]]:
+        """This rank's tensor-parallel layout, and its sharded parameters by their key in the wrapped optimizer."""
+        st = state.get()
+        model = st.model
+        if model is None or not model.partitioned:
+            return TPLayout(st.topology.tp, st.topology.tp_rank(st.rank)), {}
+        layout = model.tensor_parallel_layout()
+        index = self._index()
+        return layout, {index[id(p)]: ShardedParam(layout.shards[name], tuple(p.shape))
+                        for name, p in model.module.named_parameters(remove_duplicate=False)
+                        if name in layout.shards and id(p) in index}
 
     def _index(self) -> dict[int, int]:
         """Parameter (by id) -> its key in the wrapped optimizer's ``state_dict()``."""

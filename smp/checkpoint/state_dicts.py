@@ -5,7 +5,8 @@ CPU copies to gather or save them, and the error that names the keys a rank hold
 
 The marker keys live here and nowhere else: :data:`PARTIAL_KEY` (this rank's part of a model, not the whole),
 :data:`PLAN_KEY` (the partition that part was cut by, as plan JSON), :data:`ZERO_KEY` (optimizer state of one
-data-parallel shard, ZeRO-1) and :data:`SHARD_KEY` (the parameters of that shard).
+data-parallel shard, ZeRO-1), :data:`SHARD_KEY` (the parameters of that shard) and :data:`TP_KEY` (the
+tensor-parallel degree and tp rank whose shards a partial dict holds, :mod:`~smp.checkpoint.tp_state`).
 """
 from __future__ import annotations
 
@@ -13,13 +14,14 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["on_cpu", "key_error", "PARTIAL_KEY", "PLAN_KEY", "ZERO_KEY", "SHARD_KEY", "CheckpointModel",
+__all__ = ["on_cpu", "key_error", "PARTIAL_KEY", "PLAN_KEY", "ZERO_KEY", "SHARD_KEY", "TP_KEY", "CheckpointModel",
            "CheckpointOptimizer"]
 
 PARTIAL_KEY = "_smp_partial"
 PLAN_KEY = "_smp_plan"
 ZERO_KEY = "_smp_zero"
 SHARD_KEY = "_smp_shard"
+TP_KEY = "_smp_tp"
 
 
 @runtime_checkable

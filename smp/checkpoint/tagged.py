@@ -6,9 +6,11 @@ Layout under ``path`` (the names are SMP's where SMP has them)::
     newest                       committed partial checkpoints, oldest first, one "<tag>_partial" a line
     <tag>_partial/               one committed partial checkpoint: its staging folder, renamed when complete
         manifest.json            the commit marker: every file's size and SHA-256, the layout, the smp config
-        model_<pp_rank>.pt       model.local_state_dict() of each pipeline rank (written on rdp_rank 0)
-        optimizer_<pp_rank>.pt   optimizer.local_state_dict() (rdp_rank 0); with sharded optimizer state
-        optimizer_<pp_rank>_<rdp_rank>.pt   instead, each replica's shard
+        model_<pp_rank>.pt       model.local_state_dict() of each pipeline rank (written on rdp_rank 0); with
+                                 tensor parallelism model_<pp_rank>_<tp_rank>.pt, each tp rank's shards
+        optimizer_<pp_rank>.pt   optimizer.local_state_dict() (rdp_rank 0; optimizer_<pp_rank>_<tp_rank>.pt
+                                 with tensor parallelism); with sharded optimizer state instead
+        optimizer_<pp_rank>_<rdp_rank>.pt   each replica's shard (optimizer_<pp_rank>_<tp_rank>_<rdp_rank>.pt)
         user_content.pt          user_content (rank 0)
     .<tag>_partial.staging/      a partial save in flight (removed when it fails, or by the next save)
     <tag>                        full checkpoint: model.state_dict() gathered; a plain torch state dict (rank 0)
@@ -22,8 +24,10 @@ it to ``newest``. If any rank fails, the folder is dropped and the older checkpo
 ``resume_from_checkpoint`` loads only committed checkpoints (by default the last one in ``newest``), and each
 rank verifies the files it reads against the manifest. Resuming before the first step is the usual case. The
 model is partitioned at the first step, so the state is applied right after partitioning. A partial
-checkpoint's model is cut by the plan it was saved with. A full checkpoint reuses its plan when the layout
-allows it, so that a resumed run computes exactly what the uninterrupted one would have.
+checkpoint's model is cut by the plan it was saved with, and it resumes only under the pipeline and
+tensor-parallel degrees it was saved with. A full checkpoint holds whole tensors (tensor-parallel shards
+gathered), so it loads under any layout; it reuses its plan when the layout allows it, so that a resumed run
+computes exactly what the uninterrupted one would have.
 """
 from __future__ import annotations
 
@@ -43,6 +47,7 @@ from smp.checkpoint.commit import (
     write_manifest,
     write_text,
 )
+from smp.checkpoint.save_load import check_degrees, rank_suffix
 from smp.checkpoint.state_dicts import ZERO_KEY, CheckpointModel, CheckpointOptimizer
 from smp.runtime import state
 
@@ -88,15 +93,16 @@ def save_checkpoint(path: str | os.PathLike, tag: str, partial: bool = True, mod
 
 
 def _layout(st: state.State) -> dict[str, Any]:
-    return {"pipeline_parallel_degree": st.topology.pp, "data_parallel_degree": st.topology.dp,
-            "smp_config": st.config.to_dict()}
+    return {"pipeline_parallel_degree": st.topology.pp, "tensor_parallel_degree": st.topology.tp,
+            "data_parallel_degree": st.topology.dp, "smp_config": st.config.to_dict()}
 
 
 def _save_partial(st: state.State, path: str, tag: str, model: CheckpointModel | None,
                   optimizer: CheckpointOptimizer | None, user_content: Any, keep: int | None, what: str) -> None:
     name = f"{tag}_partial"
     final, staging = os.path.join(path, name), os.path.join(path, f".{name}.staging")
-    pp, rdp = st.topology.pp_rank(st.rank), st.topology.dp_rank(st.rank)
+    rdp = st.topology.rdp_rank(st.rank)
+    mine, per_replica = rank_suffix(st.topology, st.rank), rank_suffix(st.topology, st.rank, per_replica=True)
 
     def prepare() -> None:
         if st.rank == 0:
@@ -109,13 +115,13 @@ def _save_partial(st: state.State, path: str, tag: str, model: CheckpointModel |
     def write() -> dict[str, Any]:
         files: dict[str, Any] = {}
         if model is not None and rdp == 0:
-            files[f"model_{pp}.pt"] = model.local_state_dict()
+            files[f"model{mine}.pt"] = model.local_state_dict()
         if optimizer is not None:
             local = optimizer.local_state_dict()
             if local.get(ZERO_KEY):
-                files[f"optimizer_{pp}_{rdp}.pt"] = local
+                files[f"optimizer{per_replica}.pt"] = local
             elif rdp == 0:
-                files[f"optimizer_{pp}.pt"] = local
+                files[f"optimizer{mine}.pt"] = local
         if user_content is not None and st.rank == 0:
             files["user_content.pt"] = user_content
         return {os.path.join(staging, n): write_file(obj, os.path.join(staging, n)) for n, obj in files.items()}
@@ -163,8 +169,9 @@ def _read_newest(path: str) -> list[str]:
 
 def _save_full(st: state.State, path: str, tag: str, model: CheckpointModel | None,
                optimizer: CheckpointOptimizer | None, user_content: Any, what: str) -> None:
-    rdp = st.topology.dp_rank(st.rank)
-    # Gathers: the model over each pipeline (replica 0's is enough), sharded optimizer state over all ranks.
+    rdp = st.topology.rdp_rank(st.rank)
+    # Gathers: the model over each model-parallel group (replica 0's is enough), sharded optimizer state over all
+    # ranks.
     model_sd = model.state_dict() if model is not None and rdp == 0 else None
     sharded = optimizer is not None and optimizer.state_sharded
     opt_sd = optimizer.state_dict() if optimizer is not None and (sharded or rdp == 0) else None
@@ -239,18 +246,14 @@ def _committed(path: str, tag: str | None) -> str:
 def _resume_partial(st: state.State, folder: str, manifest: dict[str, Any], strict: bool, load_optimizer: bool,
                     load_sharded: bool) -> Any:
     topo = st.topology
-    pp, rdp = topo.pp_rank(st.rank), topo.dp_rank(st.rank)
     files = manifest["files"]
     sharded = manifest["sharded_optimizer"] and load_optimizer and load_sharded
-    saved_pp, saved_dp = manifest["pipeline_parallel_degree"], manifest["data_parallel_degree"]
-    if saved_pp != topo.pp or (sharded and saved_dp != topo.dp):
-        raise CheckpointError(f"{folder} was saved with pipeline_parallel_degree={saved_pp} x {saved_dp} replicas, "
-                              f"this run has {topo.pp} x {topo.dp}: a partial checkpoint resumes on its pipeline "
-                              "degree (and, for sharded optimizer state, its data-parallel degree; pass "
-                              "load_sharded_optimizer_state=False to leave that state out)")
-    if f"model_{pp}.pt" in files:
-        st.model.load_state_dict(load_file(os.path.join(folder, f"model_{pp}.pt"), manifest), strict=strict)
-    opt_file = f"optimizer_{pp}_{rdp}.pt" if manifest["sharded_optimizer"] else f"optimizer_{pp}.pt"
+    check_degrees(manifest, topo, folder, sharded, "; or pass load_sharded_optimizer_state=False to leave its sharded "
+                  "optimizer state out" if sharded else "")
+    model_file = f"model{rank_suffix(topo, st.rank)}.pt"
+    if model_file in files:
+        st.model.load_state_dict(load_file(os.path.join(folder, model_file), manifest), strict=strict)
+    opt_file = f"optimizer{rank_suffix(topo, st.rank, per_replica=manifest['sharded_optimizer'])}.pt"
     if load_optimizer and opt_file in files and (load_sharded or not manifest["sharded_optimizer"]):
         _optimizer(st).load_state_dict(load_file(os.path.join(folder, opt_file), manifest))
     return load_file(os.path.join(folder, "user_content.pt"), manifest) if "user_content.pt" in files else None

@@ -1,29 +1,54 @@
-"""What each rank of ``smp launch`` runs: the training script as ``__main__``, with Ctrl-C ending it quietly.
+"""What each rank of ``smp launch`` runs: the training script as ``__main__``, with failures kept short.
 
 ``python -m smp.cli.worker script.py args`` runs the script as ``python script.py args`` would (its folder
-first on ``sys.path``, ``sys.argv`` its own), except that a KeyboardInterrupt ends the rank with status 130
-and no traceback: Ctrl-C reaches every rank at once, and N identical tracebacks would bury the one line
-``smp launch`` prints.
+first on ``sys.path``, ``sys.argv`` its own), except:
+
+- a KeyboardInterrupt ends the rank with status 130 and no traceback: Ctrl-C reaches every rank at once, and N
+  identical tracebacks would bury the one line ``smp launch`` prints;
+- an exception is recorded with torchrun's own mechanism
+  (:func:`torch.distributed.elastic.multiprocessing.errors.record` writes its message and traceback to the
+  ``error.json`` that ``TORCHELASTIC_ERROR_FILE`` names), and the rank exits with status 1. The traceback goes to
+  stderr, which ``smp launch`` sends to the rank's log file, except on the local rank whose stderr is the console
+  (:data:`smp.runtime.rank_env.CONSOLE_RANK_ENV`): there ``smp launch`` reports the cause once, and the traceback
+  is in ``error.json`` (``SMP_TRACEBACK=1`` prints it there too);
+- a rank started after a training-health rule stopped the job (the file ``SMP_HEALTH_STOP_FILE`` names exists:
+  torchrun restarting a job on several machines) exits at once with the stop status.
 """
 from __future__ import annotations
 
 import os
 import runpy
 import sys
+import traceback
 from collections.abc import Sequence
+
+from smp.runtime.health_options import STOP_EXIT_STATUS, STOP_FILE_ENV
+from smp.runtime.rank_env import CONSOLE_RANK_ENV
 
 __all__ = ["run_script"]
 
 
 def run_script(argv: Sequence[str]) -> int:
-    """Run ``argv[0]`` with arguments ``argv[1:]`` as the main script; 130 when interrupted, else 0."""
+    """Run ``argv[0]`` with arguments ``argv[1:]`` as the main script; 130 when interrupted, 1 when it raised,
+    else 0 (``sys.exit`` inside the script exits with its own status); the health-stop status without running
+    it when the job was stopped."""
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    stop = os.environ.get(STOP_FILE_ENV)
+    if stop and os.path.exists(stop):  # torchrun restarted a job a training-health rule stopped: stop again
+        return STOP_EXIT_STATUS
     script, *args = argv
     sys.argv = [script, *args]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     try:
-        runpy.run_path(script, run_name="__main__")
+        record(runpy.run_path)(script, run_name="__main__")
     except KeyboardInterrupt:
         return 130
+    except Exception:  # recorded in error.json by record(); say it here only where it is not the console
+        console = os.environ.get(CONSOLE_RANK_ENV)
+        if console is None or os.environ.get("LOCAL_RANK") != console or os.environ.get("SMP_TRACEBACK"):
+            traceback.print_exc()
+        return 1
     return 0
 
 

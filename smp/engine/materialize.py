@@ -56,9 +56,11 @@ def _swap(t: torch.Tensor, data: torch.Tensor) -> None:
 
 
 def materialize(module: torch.nn.Module, names: Iterable[str], device: torch.device | str,
-                initialise: bool = True) -> list[str]:
+                initialise: bool = True, shard_of: dict[str, int] | None = None) -> list[str]:
     """Allocate the named parameters and buffers that are on meta on ``device`` and (with ``initialise``)
-    give them their modules' initial values; returns the names allocated. Tied names are one tensor."""
+    give them their modules' initial values; returns the names allocated. Tied names are one tensor.
+    ``shard_of``: module path -> this rank's tp rank, for the modules holding a tensor-parallel shard: each
+    shard is drawn from a stream of its own, so the ranks' shards are not copies of one another."""
     tensors = _tensors(module)
     wanted = set(names)
     done: dict[int, str] = {}
@@ -70,14 +72,14 @@ def materialize(module: torch.nn.Module, names: Iterable[str], device: torch.dev
             _swap(t, torch.full(t.shape, fill, dtype=t.dtype, device=device))
             done[id(t)] = name
     if initialise and done:
-        _initialise(module, {id(t) for t in tensors.values() if id(t) in done})
+        _initialise(module, {id(t) for t in tensors.values() if id(t) in done}, shard_of or {})
     left = sorted(n for n in wanted if tensors[n].is_meta)
     if left:
         raise MaterializeError(f"{', '.join(left[:3])}{' ...' if len(left) > 3 else ''} stayed on the meta device")
     return sorted(done.values())
 
 
-def _initialise(module: torch.nn.Module, fresh: set[int]) -> None:
+def _initialise(module: torch.nn.Module, fresh: set[int], shard_of: dict[str, int]) -> None:
     """Initial values for the modules owning a fresh tensor, each from its own seeded generator; a buffer no
     initialiser filled is an error (it cannot be recovered from the checkpoint either: it is not saved)."""
     hf_root = next((m for m in module.modules() if callable(getattr(m, "_init_weights", None))), None)
@@ -88,7 +90,8 @@ def _initialise(module: torch.nn.Module, fresh: set[int]) -> None:
             own = list(itertools.chain(sub.parameters(recurse=False), sub.buffers(recurse=False)))
             if not any(id(t) in fresh for t in own):
                 continue
-            torch.manual_seed((seed + zlib.crc32(path.encode())) % 2**63)
+            key = path if path not in shard_of else f"{path}@tp{shard_of[path]}"
+            torch.manual_seed((seed + zlib.crc32(key.encode())) % 2**63)
             with torch.no_grad():
                 if hf_root is not None and id(sub) in under_hf:
                     hf_root._init_weights(sub)  # type: ignore[operator]  # a transformers model's method
@@ -125,9 +128,9 @@ def release(module: torch.nn.Module, keep: Iterable[str]) -> int:
 
 
 def keep_own_share(module: torch.nn.Module, names: Iterable[str], device: torch.device | str,
-                   initialise: bool = True) -> int:
+                   initialise: bool = True, shard_of: dict[str, int] | None = None) -> int:
     """Make exactly this rank's tensors ``names`` real: allocate (and, with ``initialise``, initialise) those
-    still on meta, release every other; returns the bytes released."""
+    still on meta, release every other; returns the bytes released. ``shard_of``: see :func:`materialize`."""
     names = set(names)
-    materialize(module, names, device, initialise)
+    materialize(module, names, device, initialise, shard_of)
     return release(module, keep=names)

@@ -15,13 +15,13 @@ import torch.distributed as dist
 
 from partitioner import PartitionOptions, PartitionPlan, partition, trace
 from partitioner.shard_program import tensor_parallel_graph
-from pipeline import PipelineRunner, microbatch
+from pipeline import PipelineRunner
 from pipeline.p2p import named_failures
 from smp.engine import mixed_precision as precision
 from smp.engine.materialize import keep_own_share, tensor_ids
 from smp.engine.pipeline_model import PipelineModel
-from smp.engine.tp_shards import install_shards
-from smp.engine.weights import load_local
+from smp.engine.tp_shards import install_shards, shard_owners, shard_specs
+from smp.engine.weights import load_local, weight_cuts
 from smp.runtime.state import State
 
 __all__ = ["shared_plan", "pipeline_runner", "smp_runner", "own_tensors"]
@@ -51,11 +51,13 @@ def pipeline_runner(model: torch.nn.Module, args: tuple = (), kwargs: dict | Non
                     num_stages: int | None = None, microbatches: int = 1, virtual_stages: int = 1,
                     options: PartitionOptions | None = None, weights: str | None = None,
                     loss_fn: Any = None, target: Any = None, **runner_kwargs: Any) -> PipelineRunner:
-    """Trace ``model`` on one microbatch of the batch ``(args, kwargs)``, partition on global rank 0, share
-    the plan with every rank and build this rank's :class:`pipeline.PipelineRunner` (``runner_kwargs``:
-    ``schedule``, ``ranks``/``pipelines``, ``timeout_s``, ``device``, ...). ``num_stages`` defaults to the
-    pipeline's ranks times ``virtual_stages``; ``options`` default to ``PartitionOptions(microbatches=...)``.
-    ``loss_fn`` and the batch's ``target``: the loss ``step`` will compute, priced on the last stage by the plan.
+    """Trace ``model`` on the example inputs ``(args, kwargs)``, **one microbatch** (as every API that takes example
+    inputs: :mod:`partitioner.plan_inputs`; ``step`` takes the whole batch, ``microbatches`` of them), partition on
+    global rank 0, share the plan with every rank and build this rank's :class:`pipeline.PipelineRunner`
+    (``runner_kwargs``: ``schedule``, ``ranks``/``pipelines``, ``timeout_s``, ``device``, ...). ``num_stages``
+    defaults to the pipeline's ranks times ``virtual_stages``; ``options`` default to
+    ``PartitionOptions(microbatches=...)``. ``loss_fn`` and ``target``, the example microbatch's target: the loss
+    ``step`` will compute, priced on the last stage by the plan.
     ``tp_groups`` (with ``pipelines``): tensor parallelism, each layer split over the ranks of a tp group
     (:mod:`partitioner.sharding`); the model's parameters become this rank's shards (:mod:`smp.engine.tp_shards`).
 
@@ -64,18 +66,19 @@ def pipeline_runner(model: torch.nn.Module, args: tuple = (), kwargs: dict | Non
     built with weights, it releases the other stages' ones."""
     pipelines = [list(p) for p in runner_kwargs.get("pipelines") or
                  [runner_kwargs.get("ranks") or range(dist.get_world_size())]]
-    mb_args, mb_kwargs = microbatch.split(tuple(args), dict(kwargs or {}), microbatches)[0]
     mine = next(p for p in pipelines if dist.get_rank() in p)
     stages = num_stages or len(mine) * virtual_stages
-    loss = None if loss_fn is None else (loss_fn, microbatch.split((target,), {}, microbatches)[0][0][0])
+    loss = None if loss_fn is None else (loss_fn, target)
     tp_group = next((g for g in runner_kwargs.get("tp_groups") or [] if dist.get_rank() in g), [dist.get_rank()])
-    plan = shared_plan(model, mb_args, mb_kwargs, stages, PartitionOptions.of(options, microbatches=microbatches),
-                       loss=loss, tp=(len(tp_group), tp_group.index(dist.get_rank())))
+    tp = (len(tp_group), tp_group.index(dist.get_rank()))
+    plan = shared_plan(model, tuple(args), dict(kwargs or {}), stages,
+                       PartitionOptions.of(options, microbatches=microbatches), loss=loss, tp=tp)
     install_shards(model, plan.traced_graph())
     local = own_tensors(plan, mine.index(dist.get_rank()), len(mine))
-    keep_own_share(model, local, runner_kwargs.get("device") or "cpu", initialise=weights is None)
-    if weights is not None:
-        load_local(model, weights, tensor_ids(model, local))
+    keep_own_share(model, local, runner_kwargs.get("device") or "cpu", initialise=weights is None,
+                   shard_of=shard_owners(plan.traced_graph(), tp[1]))
+    if weights is not None:  # of a tensor-parallel shard, only its slice is read
+        load_local(model, weights, tensor_ids(model, local), cuts=weight_cuts(shard_specs(plan.traced_graph()), *tp))
     runner_kwargs.setdefault("autocast", precision.active_autocast())  # traced under it: the stages run under it
     return PipelineRunner(plan, microbatches=microbatches, virtual_stages=virtual_stages, **runner_kwargs)
 
@@ -94,7 +97,8 @@ def smp_runner(st: State, model: PipelineModel, plan: PartitionPlan, checkpoint_
     cfg = st.config
     install_shards(model.module, plan.traced_graph())
     local = own_tensors(plan, st.topology.pp_rank(st.rank), st.topology.pp)
-    keep_own_share(model.module, local, st.device, initialise)
+    keep_own_share(model.module, local, st.device, initialise,
+                   shard_of=shard_owners(plan.traced_graph(), st.topology.tp_rank(st.rank)))
     return PipelineRunner(plan, schedule=cfg.schedule, microbatches=cfg.microbatches,
                           max_in_flight=cfg.active_microbatches if cfg.schedule == "1f1b" else None,
                           pipelines=st.topology.pipelines(), device=st.device, timeout_s=cfg.timeout_s,

@@ -13,18 +13,25 @@ import torch
 
 from partitioner.graph import OpGraph
 from partitioner.program import tensor_aliases
+from partitioner.sharding import Shard
 
-__all__ = ["install_shards", "sharded_names"]
+__all__ = ["install_shards", "sharded_names", "shard_specs", "shard_owners"]
+
+
+def shard_specs(graph: OpGraph) -> dict[str, Shard]:
+    """Every name (tied ones included) of the parameters that ``graph``'s tensor parallelism shards -> its
+    :class:`~partitioner.sharding.Shard` (dimension, whole length, blocks); empty without tensor parallelism."""
+    prog = graph.fx
+    if prog is None or prog.sharding is None:
+        return {}
+    alias = tensor_aliases(prog.module)
+    wanted = {alias.get(t, t): s for t, s in prog.sharding.params.items()}
+    return {path: wanted[canonical] for path, canonical in alias.items() if canonical in wanted}
 
 
 def sharded_names(graph: OpGraph) -> set[str]:
     """Every name (tied ones included) of the parameters that ``graph``'s tensor parallelism shards."""
-    prog = graph.fx
-    if prog is None or prog.sharding is None:
-        return set()
-    alias = tensor_aliases(prog.module)
-    wanted = {alias.get(t, t) for t in prog.sharding.params}
-    return {path for path, canonical in alias.items() if canonical in wanted}
+    return set(shard_specs(graph))
 
 
 def install_shards(model: torch.nn.Module, graph: OpGraph) -> None:
@@ -45,3 +52,9 @@ def install_shards(model: torch.nn.Module, graph: OpGraph) -> None:
             done[id(mine)] = mine
         owner, _, leaf = path.rpartition(".")
         setattr(prog.module.get_submodule(owner), leaf, mine)
+
+
+def shard_owners(graph: OpGraph, tp_rank: int) -> dict[str, int]:
+    """Module path -> ``tp_rank`` for every module holding a sharded parameter of ``graph`` (initialised from a
+    stream of this tp rank's own: :func:`smp.engine.materialize.materialize`)."""
+    return {name.rpartition(".")[0]: tp_rank for name in sharded_names(graph)}

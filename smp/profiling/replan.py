@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -104,7 +104,7 @@ def replan(m: Measurements, graph: OpGraph) -> Replan:
     stage = old.stage_of_ops(graph)
     estimated = estimate(graph, options.resolve_rates(), options.dtype)
     costs = fit_costs(graph, estimated, stage, m.stage_forward_s, m.stage_backward_s)
-    new = partition(graph, old.num_stages, options, costs=costs)
+    new = replace(partition(graph, old.num_stages, options, costs=costs), inputs=old.inputs)  # the run's microbatch
     measured = statistics.median(p.step_s for p in m.phases.values()) if m.phases else 0.0
     # The old plan under the fitted costs has the measured stage times: the simulator's replay of them.
     return Replan(plan=new, old_step_s=m.replayed.step_s, new_step_s=_step(m.schedule, new, graph),

@@ -19,9 +19,12 @@ import socket
 from contextlib import contextmanager
 from typing import Iterator
 
-__all__ = ["RANK_ENV", "rank_environment", "free_port"]
+__all__ = ["RANK_ENV", "CONSOLE_RANK_ENV", "rank_environment", "free_port"]
 
 RANK_ENV = {"THP_MEM_ALLOC_ENABLE": "1"}
+# Set by `smp launch`: the local rank whose stderr is the console (the others' goes to their log files), where
+# smp.cli.worker leaves a failure's traceback to error.json because the launch reports the cause itself.
+CONSOLE_RANK_ENV = "SMP_LAUNCH_CONSOLE_RANK"
 
 
 @contextmanager

@@ -2,6 +2,7 @@
 ranks, and Ctrl-C (slow: torchrun starts real processes)."""
 from __future__ import annotations
 
+import json
 import re
 import signal
 import subprocess
@@ -13,24 +14,139 @@ import pytest
 from tests.cli.helpers import REPO, ok, one_line_error, smp, smp_env
 
 
-def test_launch_builds_torchrun_arguments(tmp_path: Path, capsys) -> None:
+def test_dry_run_prints_the_command_it_runs(tmp_path: Path, capsys, monkeypatch) -> None:
+    """``--dry-run`` prints the environment it adds and torchrun's arguments as they run: the worker module, the
+    per-rank logs; on one machine no ``--max-restarts`` (smp launch restarts the job itself, and says so)."""
     from smp.cli import main
 
+    for name in ("OMP_NUM_THREADS", "THP_MEM_ALLOC_ENABLE", "SMP_HEALTH_STOP_FILE", "SMP_LAUNCH_CONSOLE_RANK"):
+        monkeypatch.delenv(name, raising=False)
     script = tmp_path / "train.py"
     script.write_text("print('hi')\n")
-    out = ok(smp("launch", "-n", "4", "--dry-run", str(script), "--lr", "0.1"))
-    assert out.split() == ["torchrun", "--nproc-per-node", "4", "--standalone", str(script), "--lr", "0.1"]
+    out = ok(smp("launch", "-n", "4", "--dry-run", "--log-dir", str(tmp_path / "logs"), str(script), "--lr", "0.1"))
+    words = out.split()
+    log_dir = words[words.index("--log-dir") + 1]
+    assert Path(log_dir).parent == tmp_path / "logs" and not Path(log_dir).exists()
+    assert words == ["OMP_NUM_THREADS=1", "THP_MEM_ALLOC_ENABLE=1", f"SMP_HEALTH_STOP_FILE={log_dir}/health-stop",
+                     "SMP_LAUNCH_CONSOLE_RANK=0", "torchrun", "--nproc-per-node", "4", "--standalone", "--log-dir",
+                     log_dir, "--redirects", "1:2,2:2,3:2", "--module", "smp.cli.worker", str(script), "--lr", "0.1"]
 
     def dry(*argv: str) -> list[str]:
         assert main(["launch", *argv]) == 0
-        return capsys.readouterr().out.split()
+        lines = capsys.readouterr().out.splitlines()
+        words = lines[0].split()
+        return words[words.index("torchrun"):] + lines[1:]
 
-    assert dry("-n", "2", "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", "head:29500", "--dry-run",
-               str(script)) == ["torchrun", "--nproc-per-node", "2", "--nnodes", "2", "--node-rank", "1",
-                                "--rdzv-endpoint", "head:29500", str(script)]
-    out = " ".join(dry("-n", "2", "--master-addr", "10.0.0.1", "--master-port", "1234", "--nnodes", "2",
+    got = dry("-n", "2", "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", "head:29500", "--max-restarts", "2",
+              "--dry-run", str(script))  # several machines: torchrun's agents restart every node together
+    assert got[:11] == ["torchrun", "--nproc-per-node", "2", "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint",
+                        "head:29500", "--max-restarts", "2"] and got[-3:] == ["--module", "smp.cli.worker", str(script)]
+    out = " ".join(dry("-n", "1", "--master-addr", "10.0.0.1", "--master-port", "1234", "--nnodes", "2",
                        "--dry-run", str(script)))
     assert "--standalone" not in out and "--master-addr 10.0.0.1" in out and "--master-port 1234" in out
+    assert "--redirects" not in out  # one rank: its stderr is the console
+    assert main(["launch", "-n", "2", "--max-restarts", "1", "--dry-run", str(script)]) == 0
+    assert capsys.readouterr().out.splitlines()[1] == "# if it fails, smp launch runs it again, up to 1 more time(s) " \
+                                                      "(--max-restarts)"  # --standalone: a new rendezvous anyway
+
+
+_FAILS_ON_RANK_1 = """import os, sys, warnings
+warnings.warn("a library warning")
+print("rank", os.environ["RANK"], "up", flush=True)
+if os.environ["RANK"] == "1":
+    raise RuntimeError("no batch for rank 1: " + "x" * 2000)
+import time
+time.sleep(30)
+"""
+
+
+def test_a_failure_reads_in_one_screen(tmp_path: Path) -> None:
+    """A raise on rank 1: exit status 1 (not 2, the command line's), a few lines naming the rank, the cause once and
+    where the traceback and the logs are; the warning every rank gave shows once; no torchrun banner or log line."""
+    script = tmp_path / "fails.py"
+    script.write_text(_FAILS_ON_RANK_1)
+    done = smp("launch", "-n", "2", "--log-dir", str(tmp_path / "logs"), str(script), timeout=120)
+    report = done.stdout + done.stderr
+    assert done.returncode == 1, report
+    assert len(report.splitlines()) < 15, report
+    error = one_line_error(done, "failed on rank 1: RuntimeError: no batch for rank 1", "(fails.py, line 5)")
+    assert "(cut; the whole message is in error.json)" in error and len(error) < 800, error
+    assert report.count("UserWarning: a library warning") == 1 and "Traceback" not in report, report
+    assert "OMP_NUM_THREADS" not in report and "exitcode" not in report, report
+    traceback_file = re.search(r"traceback: (\S+)", done.stderr).group(1)
+    assert Path(traceback_file).parent.name == "1" and str(tmp_path / "logs") in traceback_file
+    assert "no batch for rank 1" in json.loads(Path(traceback_file).read_text())["message"]["extraInfo"]["py_callstack"]
+    rank1 = (Path(traceback_file).parent / "stderr.log").read_text()
+    assert "Traceback" in rank1 and "a library warning" in rank1  # rank 1's stderr went to its log only
+    assert f"logs of every rank: {Path(traceback_file).parent.parent}/<local rank>/" in done.stderr
+
+
+_DOES_NOT_TRACE = """import torch
+import smp
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)
+
+    def forward(self, x):
+        h = self.a(x)
+        if h.sum() > 0:  # data-dependent control flow: torch.export cannot trace it
+            h = h * 2
+        return self.b(h)
+
+smp.init({"pipeline_parallel_degree": 2, "microbatches": 2})
+model = smp.DistributedModel(Net())
+
+@smp.step
+def step(model, x):
+    loss = model(x).sum()
+    model.backward(loss)
+    return loss
+
+step(model, torch.randn(4, 8))
+"""
+
+
+@pytest.mark.slow
+def test_a_model_that_does_not_trace_reads_in_one_screen(tmp_path: Path) -> None:
+    """Issue 26's case: it printed 493 lines (a torch.export traceback per rank). Now: under 40, the cause once."""
+    script = tmp_path / "notrace.py"
+    script.write_text(_DOES_NOT_TRACE)
+    done = smp("launch", "-n", "2", "--log-dir", str(tmp_path / "logs"), str(script), timeout=300)
+    report = done.stdout + done.stderr
+    assert done.returncode == 1 and len(report.splitlines()) < 40, report
+    line = _DOES_NOT_TRACE.splitlines().index("step(model, torch.randn(4, 8))") + 1
+    one_line_error(done, "TraceError: cannot trace Net", "data-dependent control flow", f"(notrace.py, line {line})")
+    assert report.count("cannot trace Net") == 1 and "Traceback" not in report, report
+
+
+def test_the_report_names_the_first_failure_and_not_the_ranks_torchrun_stopped(tmp_path: Path) -> None:
+    """:func:`smp.cli.launch_report.failure_report` on torchrun's failures: SIGTERM is torchrun stopping a rank,
+    not a cause; the earliest error file wins; a rank with no error file is described by its exit and its stderr."""
+    from types import SimpleNamespace as F
+
+    from smp.cli.launch_report import failure_report
+
+    attempt = tmp_path / "attempt_0"
+    (attempt / "2").mkdir(parents=True)
+    (attempt / "2" / "stderr.log").write_text("\n".join(f"line {i}" for i in range(9)) + "\n\n")
+    error = {"message": {"message": "ValueError: bad\n  value", "extraInfo": {
+        "py_callstack": 'File "/x/train.py", line 3, in f\nFile "/lib/torch.py", line 9', "timestamp": "5"}}}
+    failures = {0: F(local_rank=0, exitcode=-signal.SIGTERM, timestamp=1, error_file="<N/A>", error_file_data={}),
+                2: F(local_rank=2, exitcode=3, timestamp=6, error_file="<N/A>", error_file_data={}),
+                3: F(local_rank=3, exitcode=1, timestamp=5, error_file="/nowhere/error.json", error_file_data=error)}
+    head, lines = failure_report("/x/train.py", failures, str(attempt))
+    assert head == "/x/train.py failed on rank 3; 2 ranks failed (2, 3), rank 3 first: ValueError: bad value " \
+                   "(train.py, line 3)", head
+    assert lines == [f"  logs of every rank: {attempt}/<local rank>/ (stderr.log, error.json; local rank 0 wrote "
+                     "to this console)"]
+    head, lines = failure_report("/x/train.py", {k: failures[k] for k in (0, 2)}, str(attempt))
+    assert head == "/x/train.py failed on rank 2: exited with status 3", head
+    assert lines[:5] == [f"  its stderr ended with: line {i}" for i in range(4, 9)], lines
+    head, _ = failure_report("t.py", {5: F(local_rank=1, exitcode=-9, timestamp=1, error_file="<N/A>",
+                                           error_file_data={})}, None)
+    assert head == "t.py failed on rank 5 (local rank 1): killed by SIGKILL", head
 
 
 @pytest.mark.slow
@@ -43,7 +159,9 @@ def test_launch_runs_the_script_on_n_ranks(tmp_path: Path) -> None:
     assert (tmp_path / "rank0").read_text() == (tmp_path / "rank1").read_text() == "2 1 --flag x"
     bad = tmp_path / "bad.py"
     bad.write_text("import os, sys\nsys.exit(3 if os.environ['RANK'] == '1' else 0)\n")
-    one_line_error(smp("launch", "-n", "2", str(bad)), "failed on local rank(s) 1")
+    done = smp("launch", "-n", "2", str(bad))
+    assert done.returncode == 1
+    one_line_error(done, "failed on rank 1: exited with status 3")
 
 
 def test_each_rank_runs_the_script_as_main_and_ends_quietly_on_ctrl_c(tmp_path: Path) -> None:
@@ -63,6 +181,27 @@ def test_each_rank_runs_the_script_as_main_and_ends_quietly_on_ctrl_c(tmp_path: 
     stopped = worker("--stop")
     assert stopped.returncode == 130 and stopped.stderr == ""
     assert worker("--fail").returncode == 5
+
+
+def test_a_rank_records_its_exception_in_torchruns_error_file(tmp_path: Path) -> None:
+    """The worker writes the exception to ``TORCHELASTIC_ERROR_FILE`` (torchrun's ``record``) and exits 1; the traceback
+    goes to stderr except on the console's rank; after a health stop a (re)started rank does not run the script."""
+    script = tmp_path / "job.py"
+    script.write_text("raise ValueError('bad value 7')\n")
+
+    def worker(**env: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "smp.cli.worker", str(script)], capture_output=True, text=True,
+                              env={**smp_env(), **env}, cwd=REPO, timeout=60)
+
+    error_file = tmp_path / "error.json"
+    console = worker(TORCHELASTIC_ERROR_FILE=str(error_file), LOCAL_RANK="0", SMP_LAUNCH_CONSOLE_RANK="0")
+    assert (console.returncode, console.stderr) == (1, "")
+    assert json.loads(error_file.read_text())["message"]["message"] == "ValueError: bad value 7"
+    other = worker(LOCAL_RANK="1", SMP_LAUNCH_CONSOLE_RANK="0")
+    assert other.returncode == 1 and "Traceback" in other.stderr and "bad value 7" in other.stderr
+    stop = tmp_path / "stop"
+    stop.write_text("ExplodingTensor at step 3\n")
+    assert worker(SMP_HEALTH_STOP_FILE=str(stop)).returncode == 79
 
 
 @pytest.mark.slow
@@ -145,7 +284,7 @@ def test_a_job_a_health_rule_stopped_is_not_restarted(tmp_path: Path) -> None:
     assert (tmp_path / "runs").read_text() == "x"
     (tmp_path / "runs").unlink()
     one_line_error(smp("launch", "-n", "1", "--max-restarts", "1", str(script), str(tmp_path), "fail"),
-                   "failed on local rank(s) 0")
+                   "failed on rank 0: exited with status 1")
     assert (tmp_path / "runs").read_text() == "xx"  # restarted once
 
 

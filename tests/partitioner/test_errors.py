@@ -208,6 +208,9 @@ def test_input_of_a_different_shape(staged):
     with pytest.raises(ValueError, match=re.escape("has shape (3, 8) but the model was traced with (4, 8); "
                                                    "stages are specialised to the traced shapes")):
         staged(torch.randn(3, 8))
+    with pytest.raises(ValueError, match=re.escape("it was traced on 2 microbatches (the whole batch?): example inputs "
+                                                   "are one microbatch, input_1[:2] here")):
+        staged(torch.randn(2, 8))  # traced on 4 rows, run on microbatches of 2: the whole batch was traced
 
 
 def test_input_of_a_different_dtype(staged):

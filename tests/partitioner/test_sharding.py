@@ -92,3 +92,12 @@ def test_dropout_in_a_sharded_graph_draws_from_the_engines_streams():
     attention = [n.kwargs["sharded"] for n in calls if n.target is tp_attention]
     assert drops and not any(drops)  # residual-stream dropouts act on whole activations: one mask for all ranks
     assert attention == [True]        # attention dropout acts on this rank's heads: masks of its own
+
+
+def test_no_stage_cut_falls_between_a_row_parallel_matmul_and_its_all_reduce():
+    from partitioner.tp_collectives import reduce_from
+    local = tensor_parallel_graph(_graph("llama"), 2, 0)
+    prog = local.fx
+    for node in prog.module.graph.nodes:
+        if node.target is reduce_from and node.args[0].op == "call_function":
+            assert prog.op_of[node.name] == prog.op_of[node.args[0].name], node.name  # one op: placed together

@@ -158,3 +158,17 @@ def test_a_plan_file_of_another_model_is_refused(tmp_path):
     other = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
     with pytest.raises(PlanMismatchError, match="does not fit this model.*another model or other input shapes"):
         PipelineRunner.from_plan_file(tmp_path / "plan.json", other, (x,), microbatches=2)
+
+
+def test_a_plan_file_given_the_whole_batch_is_refused_naming_both_shapes(tmp_path):
+    """Example inputs are one microbatch: the whole batch fails when the runner is made, not in its first step."""
+    from partitioner import DeviceRates, partition, trace
+    from pipeline import PipelineRunner
+
+    x = torch.randn(32, 64)
+    partition(trace(_model(), (x[:8],), {}), 2, rates=DeviceRates()).to_json(str(tmp_path / "plan.json"))
+    with pytest.raises(PlanMismatchError, match=r"plan.json was made for example inputs of other shapes: input "
+                                                r"'input_1' is float32 \(32, 64\) here but float32 \(8, 64\) in the "
+                                                r"plan\. These look like the whole batch of 32 \(4 microbatches of "
+                                                r"8\)"):
+        PipelineRunner.from_plan_file(tmp_path / "plan.json", _model(), (x,), microbatches=4)

@@ -1,9 +1,12 @@
-"""The examples run end to end on 2 CPU ranks, exit 0, and their printed losses fall; the SMP v1-style ones
-(``smp_v1_*.py``) also run on 4 ranks and resume from their checkpoints to the same printed losses.
+"""Every example runs in the default test run, in a fast variant, and prints finite losses that fall (the
+restart example's need not); the full runs are marked slow.
 
-Each example runs as users launch it, as a subprocess of torchrun (``python -m torch.distributed.run
---standalone --nproc-per-node 2``; ``smp launch`` is a thin wrapper over it); the GPT-2 demo also runs through
-``smp launch`` itself. The CNN and ViT examples (2 ranks) are in the default run; the others are marked slow.
+An example's fast variant is its own command line with few steps (``--steps 2`` or 3: start-up, not the steps,
+is most of a run's time, so the examples keep their sizes), launched as the README launches them, ``smp launch -n
+2 examples/NAME.py ...`` (a thin wrapper over torchrun); :data:`FAST` names each one's, and
+``test_every_example_has_a_fast_variant`` fails when an example is added without one, so CI (``.ci/run``: ``make
+test``) catches any example that breaks. The SMP v1-style ones (``smp_v1_*.py``) also stop, save and resume to the
+same printed losses. Slow: the documented full runs, 4 ranks, other pipelines.
 """
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -33,11 +37,6 @@ def _run(cmd: list[str], timeout: float = 180) -> str:
     return proc.stdout
 
 
-def torchrun(script: str, *args: str, nproc: int = 2, timeout: float = 180) -> str:
-    return _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-                 f"examples/{script}", *args], timeout)
-
-
 def losses(stdout: str, steps: int) -> list[float]:
     found = [(int(k), int(n), float(v)) for k, n, v in STEP.findall(stdout)]
     assert [k for k, _, _ in found] == list(range(1, steps + 1)), \
@@ -50,46 +49,6 @@ def losses(stdout: str, steps: int) -> list[float]:
 
 def assert_falls(values: list[float]) -> None:
     assert values[-1] < values[0], f"the loss did not fall: {values}"
-
-
-def test_train_cnn():
-    out = torchrun("train_cnn.py", "--steps", "4")
-    assert_falls(losses(out, 4))
-    assert "partition plan:" in out and "conv1" in out
-
-
-@pytest.mark.slow
-def test_train_cnn_simple_pipeline_8_microbatches():
-    out = torchrun("train_cnn.py", "--steps", "4", "--pipeline", "simple", "--microbatches", "8")
-    assert_falls(losses(out, 4))
-
-
-@pytest.mark.slow
-def test_train_gpt2():
-    out = torchrun("train_gpt2.py", "--steps", "3")
-    assert_falls(losses(out, 3))
-    assert "partition plan:" in out and "transformer.wte.weight on stages [0, 1]" in out  # tied embeddings
-    assert ("wrote and removed a partial checkpoint (gpt2.model.manifest.json, gpt2.model_0, gpt2.model_1, "
-            "gpt2.optimizer.manifest.json, gpt2.optimizer_0, gpt2.optimizer_1); pass --out DIR to keep it") in out
-
-
-@pytest.mark.slow
-def test_train_gpt2_demo_through_smp_launch(tmp_path):
-    """The README's demo command: ``smp launch -n 2 examples/train_gpt2.py --steps 8``."""
-    out = _run([sys.executable, "-m", "smp.cli", "launch", "-n", "2", "examples/train_gpt2.py", "--steps", "8",
-                "--pipeline", "simple", "--out", str(tmp_path)], timeout=240)
-    values = losses(out, 8)
-    assert_falls(values)
-    assert values[-1] < values[0] - 0.5, values
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["gpt2.model.manifest.json", "gpt2.model_0", "gpt2.model_1",
-                                                           "gpt2.optimizer.manifest.json", "gpt2.optimizer_0",
-                                                           "gpt2.optimizer_1"]
-
-
-def test_train_vit_distillation():
-    out = torchrun("train_vit.py", "--steps", "3")
-    assert_falls(losses(out, 3))
-    assert "student partition plan:" in out and "distill" in out and "accuracy" in out
 
 
 def smp_launch(script: str, *args: str, nproc: int, timeout: float = 300) -> str:
@@ -111,16 +70,102 @@ def _resume_reproduces(script: str, nproc: int, steps: int, ckpt: Path) -> tuple
     return printed, " ".join(sorted(p.name for p in (ckpt / "cut").iterdir()))
 
 
-@pytest.mark.parametrize("nproc", [2, pytest.param(4, marks=pytest.mark.slow)])
-def test_smp_v1_mnist_resumes_exactly(nproc, tmp_path):
+# -- the fast variants: the default test run ----------------------------------------------------------------
+MNIST_FILES = "model.manifest.json model_0 model_1 optimizer.manifest.json optimizer_0 optimizer_1"
+
+
+def fast_train_cnn(tmp_path: Path) -> None:
+    out = smp_launch("train_cnn.py", "--steps", "3", nproc=2)
+    assert_falls(losses(out, 3))
+    assert "partition plan:" in out and "conv1" in out
+
+
+def fast_train_vit(tmp_path: Path) -> None:
+    out = smp_launch("train_vit.py", "--steps", "3", nproc=2)
+    assert_falls(losses(out, 3))
+    assert "student partition plan:" in out and "distill" in out and "accuracy" in out
+
+
+def fast_train_gpt2(tmp_path: Path) -> None:
+    out = smp_launch("train_gpt2.py", "--steps", "2", nproc=2)
+    assert_falls(losses(out, 2))
+    assert "partition plan:" in out and "transformer.wte.weight on stages [0, 1]" in out  # tied embeddings
+    assert ("wrote and removed a partial checkpoint (gpt2.model.manifest.json, gpt2.model_0, gpt2.model_1, "
+            "gpt2.optimizer.manifest.json, gpt2.optimizer_0, gpt2.optimizer_1); pass --out DIR to keep it") in out
+
+
+def fast_smp_v1_mnist(tmp_path: Path) -> None:
     """Data on pp_rank 0 only, ``sum(loss_batch)`` of ``loss.item()`` returns, ``smp.save`` on rdp_rank 0."""
-    _, files = _resume_reproduces("smp_v1_mnist.py", nproc, 4, tmp_path)
-    assert files == "model.manifest.json model_0 model_1 optimizer.manifest.json optimizer_0 optimizer_1", files
+    _, files = _resume_reproduces("smp_v1_mnist.py", 2, 4, tmp_path)
+    assert files == MNIST_FILES, files
+
+
+def fast_smp_v1_gpt2(tmp_path: Path) -> None:
+    """bf16, the optimizer and ``args`` as step arguments, ``smp.save_checkpoint`` / ``resume_from_checkpoint``."""
+    _, files = _resume_reproduces("smp_v1_gpt2.py", 2, 2, tmp_path)
+    assert files == "newest step1_partial", files
+
+
+def fast_train_restart(tmp_path: Path) -> None:
+    """A run without a failure (killing a rank and restarting is tested with ``smp launch --max-restarts``); its
+    learning rate is small and every step a new batch, so two losses need not fall: finite ones are the check."""
+    out = smp_launch("train_restart.py", "--steps", "2", "--ckpt", str(tmp_path), nproc=2)
+    losses(out, 2)
+    assert (tmp_path / "newest").is_file(), sorted(p.name for p in tmp_path.iterdir())
+
+
+FAST: dict[str, Callable[[Path], None]] = {
+    "train_cnn.py": fast_train_cnn, "train_vit.py": fast_train_vit, "train_gpt2.py": fast_train_gpt2,
+    "smp_v1_mnist.py": fast_smp_v1_mnist, "smp_v1_gpt2.py": fast_smp_v1_gpt2, "train_restart.py": fast_train_restart,
+}
+
+
+def test_every_example_has_a_fast_variant():
+    examples = sorted(p.name for p in (ROOT / "examples").glob("*.py"))
+    assert sorted(FAST) == examples, f"give every example a fast variant in FAST (examples: {examples})"
+
+
+@pytest.mark.parametrize("script", sorted(FAST))
+def test_example_fast_variant(script, tmp_path):
+    FAST[script](tmp_path)
+
+
+# -- the full runs: slow ------------------------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("script,marker", [("train_cnn.py", "conv1"), ("train_vit.py", "distill")])
+def test_documented_full_run(script, marker):
+    """The command each docstring gives: ``smp launch -n 2 examples/NAME.py --steps 8``."""
+    out = smp_launch(script, "--steps", "8", nproc=2)
+    assert_falls(losses(out, 8))
+    assert marker in out
+
+
+@pytest.mark.slow
+def test_train_cnn_simple_pipeline_8_microbatches():
+    out = smp_launch("train_cnn.py", "--steps", "4", "--pipeline", "simple", "--microbatches", "8", nproc=2)
+    assert_falls(losses(out, 4))
+
+
+@pytest.mark.slow
+def test_train_gpt2_demo_through_smp_launch(tmp_path):
+    """The README's demo command: ``smp launch -n 2 examples/train_gpt2.py --steps 8``."""
+    out = smp_launch("train_gpt2.py", "--steps", "8", "--pipeline", "simple", "--out", str(tmp_path), nproc=2)
+    values = losses(out, 8)
+    assert_falls(values)
+    assert values[-1] < values[0] - 0.5, values
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gpt2.model.manifest.json", "gpt2.model_0", "gpt2.model_1",
+                                                           "gpt2.optimizer.manifest.json", "gpt2.optimizer_0",
+                                                           "gpt2.optimizer_1"]
+
+
+@pytest.mark.slow
+def test_smp_v1_mnist_resumes_exactly_on_4_ranks(tmp_path):
+    _, files = _resume_reproduces("smp_v1_mnist.py", 4, 4, tmp_path)
+    assert files == MNIST_FILES, files
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_smp_v1_gpt2_resumes_exactly(nproc, tmp_path):
-    """bf16, the optimizer and ``args`` as step arguments, ``smp.save_checkpoint`` / ``resume_from_checkpoint``."""
     _, files = _resume_reproduces("smp_v1_gpt2.py", nproc, 4, tmp_path)
     assert files == "newest step2_partial", files

@@ -19,8 +19,9 @@ def _run(rank: int, world: int) -> dict:
     x, y = torch.randn(8, 16, generator=torch.Generator().manual_seed(1)), torch.arange(8) * 100
     want = sum(float(F.cross_entropy(_model()(x[i:i + 2]), y[i:i + 2])) for i in range(0, 8, 2)) / 4
     model = _model()
-    priced = pipeline_runner(model, (x,), microbatches=4, loss_fn=F.cross_entropy, target=y, timeout_s=60)
-    plain = pipeline_runner(_model(), (x,), microbatches=4, timeout_s=60)
+    # example inputs: one microbatch (x[:2] of 4); the step takes the whole batch
+    priced = pipeline_runner(model, (x[:2],), microbatches=4, loss_fn=F.cross_entropy, target=y[:2], timeout_s=60)
+    plain = pipeline_runner(_model(), (x[:2],), microbatches=4, timeout_s=60)
     out = lambda r: r.plan.graph.flops[r.plan.graph.kinds.index("output")]  # noqa: E731
     loss = priced.step((x,), target=y, loss_fn=F.cross_entropy).loss
     held = sorted(n for n, p in model.named_parameters() if not p.is_meta)

@@ -79,6 +79,8 @@ def test_replan_cuts_where_the_measurements_say_and_predicts_the_gain(misjudged,
     assert bottleneck(result.plan) < 0.8 * bottleneck(plan)
     assert result.old_step_s == pytest.approx(m.replayed.step_s) and result.gain > 1.2
     assert "re-planned" in result.summary(plan)
+    assert result.plan.inputs == plan.inputs == {"input_1": {"shape": [4, sp.WIDTH], "dtype": "float32"}}  # for
+    # PipelineRunner.from_plan_file: the re-planned file keeps the profiled run's example microbatch
 
 
 def test_replan_needs_the_graph_of_the_profiled_plan(misjudged, tmp_path):

@@ -55,8 +55,8 @@ def _run(rank: int, world: int, kind: str, pp: int, schedule: str) -> dict:
     tp_groups = [[s * tp + t for t in range(tp)] for s in range(pp)]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        runner = pipeline_runner(model, (ids,), {"labels": ids}, microbatches=m, pipelines=pipelines,
-                                 tp_groups=tp_groups, schedule=schedule, timeout_s=60)
+        runner = pipeline_runner(model, (ids[:2],), {"labels": ids[:2]}, microbatches=m, pipelines=pipelines,
+                                 tp_groups=tp_groups, schedule=schedule, timeout_s=60)  # one microbatch
     loss = runner.step((ids,), {"labels": ids}, loss_fn=_loss).loss
     graph = runner.plan.traced_graph()
     alias = tensor_aliases(graph.fx.module)
@@ -180,7 +180,7 @@ def _dropout_run(rank: int, world: int) -> dict:
     ids = torch.randint(0, VOCAB, (4, 8), generator=torch.Generator().manual_seed(1))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        runner = pipeline_runner(model, (ids,), {"labels": ids}, microbatches=2, pipelines=[[0], [1]],
+        runner = pipeline_runner(model, (ids[:2],), {"labels": ids[:2]}, microbatches=2, pipelines=[[0], [1]],
                                  tp_groups=[[0, 1]], timeout_s=60)
     state = torch.get_rng_state()
     losses = [runner.step((ids,), {"labels": ids}, loss_fn=_loss).loss for _ in range(2)]
@@ -193,3 +193,50 @@ def test_training_with_dropout_leaves_the_users_random_stream_alone():
     a, b = run_ranks(_dropout_run, 2, timeout=240)
     assert a["untouched"] and b["untouched"]
     assert a["losses"] == b["losses"] and a["losses"][0] != a["losses"][1]  # one loss per tp group; masks change
+
+
+def _delayed(rank: int, world: int) -> dict:
+    import smp
+    smp.init({"pipeline_parallel_degree": 1, "tensor_parallel_degree": 2, "ddp": True, "microbatches": 1})
+    with smp.delay_param_initialization(enabled=True):
+        net = build("gpt2")
+    model = smp.DistributedModel(net)
+
+    @smp.step
+    def forward(model, ids):
+        return model(ids, labels=ids).loss
+
+    ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loss = forward(model, ids).reduce_mean()
+    return {"loss": float(loss), "c_fc": model.get_module().transformer.h[0].mlp.c_fc.weight.detach().clone()}
+
+
+def test_delayed_initialisation_draws_each_shard_from_a_stream_of_its_own():
+    a, b = run_ranks(_delayed, 2, timeout=240)
+    assert a["loss"] == b["loss"] and a["c_fc"].shape == (64, 128)
+    assert not torch.equal(a["c_fc"], b["c_fc"])  # two halves of one initialisation, not one half twice
+    assert abs(float(a["c_fc"].std()) - 0.02) < 0.005  # GPT-2's own initialiser ran (normal, std 0.02)
+
+
+def _checkpointed(rank: int, world: int) -> str:
+    import transformers as T
+
+    from smp.engine.planning import pipeline_runner
+    model = T.GPT2LMHeadModel(T.GPT2Config(n_layer=1, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=32,
+                                           bos_token_id=0, eos_token_id=0)).train()  # dropout 0.1
+    ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            pipeline_runner(model, (ids,), {"labels": ids}, pipelines=[[0], [1]], tp_groups=[[0, 1]], timeout_s=60,
+                            checkpoint_modules=["transformer.h.0"])
+        except ValueError as exc:
+            return str(exc)
+    return "built"
+
+
+def test_activation_checkpointing_with_tensor_parallel_dropout_is_refused():
+    for message in run_ranks(_checkpointed, 2, timeout=240):
+        assert "recomputation would draw other masks" in message, message
