@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import time
 from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -30,6 +31,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from partitioner import PartitionPlan
 from partitioner.program import flatten_inputs, set_device
 from partitioner.stage_modules import MODEL_INPUT, SplitModel, split
+from partitioner.throughput import Throughput, measure
 from partitioner.tp_collectives import tp_attention, tp_dropout
 from partitioner.tracing import trace
 from pipeline import microbatch
@@ -40,6 +42,7 @@ from pipeline.profile_description import run_description
 from pipeline.profiler import ProfileOptions, Profiler
 from pipeline.schedule import make_schedule
 from pipeline.simulate import validate
+from pipeline.tensorboard import TensorBoardWriter
 
 __all__ = ["PipelineRunner", "StepResult", "boundary_requires_grad", "stage_deps"]
 
@@ -52,6 +55,7 @@ class StepResult:
 
     losses: list[float]                          # per microbatch, on every rank of the pipeline
     microbatch_outputs: list[Any] | None = None  # the model's outputs per microbatch (last stage's rank only)
+    throughput: Throughput | None = None  # the step's figures, the same on every rank (partitioner.throughput)
     _merged: Any = field(default=None, init=False, repr=False)
 
     @property
@@ -103,7 +107,7 @@ class PipelineRunner:
                  device: str | torch.device | None = None, record: bool = False,
                  average_grads_across_microbatches: bool = True, checkpoint_modules: Sequence[str] = (),
                  autocast: tuple[str, torch.dtype] | None = None, tp_groups: list[list[int]] | None = None,
-                 tp_seed: int = 0):
+                 tp_seed: int = 0, tensorboard: str | os.PathLike[str] | None = None):
         """``ranks``: the global ranks of this pipeline, stage order (default: all ranks). With several
         pipelines side by side (data parallelism), pass them all as ``pipelines`` instead: process groups
         are created collectively, so every rank must name every pipeline in the same order. ``timeout_s``
@@ -113,7 +117,8 @@ class PipelineRunner:
         ``(device type, dtype)`` when the plan was traced under ``torch.autocast`` (run the steps under it too).
         ``tp_groups``: with a plan of a tensor-parallel graph (:func:`partitioner.shard_program.shard_graph`), the
         tp groups of every rank, all of them on every rank, like ``pipelines``; ``tp_seed`` seeds the dropout
-        streams of the sharded graph (the same on every rank of a tp group)."""
+        streams of the sharded graph (the same on every rank of a tp group). ``tensorboard``: a directory to write
+        every step's loss, throughput and memory to (:class:`pipeline.tensorboard.TensorBoardWriter`)."""
         if not dist.is_initialized():
             raise RuntimeError("PipelineRunner needs torch.distributed: call dist.init_process_group (torchrun or "
                                "`smp launch` sets up the environment) before creating it")
@@ -140,6 +145,7 @@ class PipelineRunner:
         self.rank = self.ranks.index(me)
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.timeout_s = timeout_s
+        self.tensorboard = TensorBoardWriter(tensorboard, me, self.device) if tensorboard is not None else None
         group, _ = dist.new_subgroups_by_enumeration(pipelines, timeout=self._timeout)  # ours: a failure closes it
         self.transport = Transport(group=group, rank=me, timeout_s=timeout_s)
         options = ProfileOptions.of(record)
@@ -196,13 +202,16 @@ class PipelineRunner:
         :class:`pipeline.p2p.PeerError` naming the rank if another rank fails."""
         try:
             with self.profiler.stepping() if self.profiler is not None else nullcontext():
-                return self._step(tuple(args), dict(kwargs or {}), target, loss_fn, return_outputs)
+                result = self._step(tuple(args), dict(kwargs or {}), target, loss_fn, return_outputs)
+            if self.tensorboard is not None:
+                self.tensorboard.log(result.loss, result.throughput)
+            return result
         except BaseException as exc:
             self.report_failure(exc)
             raise
 
     def _step(self, args: tuple, kwargs: dict, target: Any, loss_fn: Any, return_outputs: bool) -> StepResult:
-        m = self.microbatches
+        m, start = self.microbatches, time.perf_counter()
         mbs = microbatch.split(args, kwargs, m)
         targets = [t[0][0] for t in microbatch.split((target,), {}, m)] if target is not None else [None] * m
         sm = self.split_model
@@ -228,7 +237,16 @@ class PipelineRunner:
             with self._named("receiving the losses", [last_rank]):
                 dist.broadcast(losses, src=last_rank, group=self.transport.group)
         outputs = [pytree.tree_unflatten(list(results[k]), sm.program.out_spec) for k in range(m)] if results else None
-        return StepResult(losses=losses.tolist() if loss_fn is not None else [], microbatch_outputs=outputs)
+        return StepResult(losses=losses.tolist() if loss_fn is not None else [], microbatch_outputs=outputs,
+                          throughput=self.throughput(time.perf_counter() - start, mb_inputs, train))
+
+    def throughput(self, seconds: float, mb_inputs: list[dict[str, Any]], train: bool) -> Throughput:
+        """The step's :class:`partitioner.throughput.Throughput` from this rank's ``seconds``: the slowest rank's
+        time (one all-reduce over the pipeline), so that every rank returns the same figures."""
+        slowest = torch.tensor([seconds], dtype=torch.float64, device=self.device)
+        with self._named("agreeing on the step's time", self.ranks):
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=self.transport.group)
+        return measure(self.plan, float(slowest.item()), mb_inputs, train, len(self.ranks))
 
     def run_microbatches(self, mb_inputs: Any, loss_hook: Any, train: bool,
                          before_forward: Any = None, keep_outputs: bool = True) -> dict[int, tuple]:

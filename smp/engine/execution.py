@@ -17,6 +17,7 @@ model to a better plan once the re-planner's window is complete (:mod:`smp.engin
 """
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -84,6 +85,7 @@ def _guarded(st: State, model: PipelineModel, run: StepRun) -> list[Any]:
 
 
 def _run(st: State, model: PipelineModel, run: StepRun, call: str) -> list[Any]:
+    start = time.perf_counter()
     if st.topology.tp > 1 and not st.config.prescaled_batch and st.topology.pp_rank(st.rank) == 0:
         # SMP v1's default: each tp rank read its own batch; the tp group runs on their concatenation.
         run.use_inputs(*regroup_batch(*run.inputs, st.group("tensor-parallel"), st.topology.tp, False))
@@ -91,6 +93,7 @@ def _run(st: State, model: PipelineModel, run: StepRun, call: str) -> list[Any]:
         _take_first_stage_inputs(st, run)
     if not model.partitioned:
         model.partition(run.call_of(0))
+        start = time.perf_counter()  # the first step's figures leave partitioning out
     runner = model.runner
     assert runner is not None  # partitioned
     sm = runner.split_model
@@ -130,6 +133,9 @@ def _run(st: State, model: PipelineModel, run: StepRun, call: str) -> list[Any]:
         results, run.backward_missing = broadcast_values(
             local if last else None, src, runner.transport.group, run.memo.setdefault("results", {}), st.device,
             flag=last and train and run.without_backward())
+    calls = [run.call_of(k) for k in range(len(run.micros))]
+    batch = [dict(zip(sm.program.input_names, flatten_inputs(sm.program, c.args, c.kwargs))) for c in calls]
+    run.throughput = runner.throughput(time.perf_counter() - start, batch, train)
     return results
 
 

@@ -35,6 +35,7 @@ from typing import Any, Callable
 import torch
 import torch.utils._pytree as pytree
 
+from partitioner.throughput import Throughput
 from pipeline import microbatch
 from smp.engine.execution import run_step
 from smp.engine.step_run import StepRun, StepTimeoutError
@@ -45,10 +46,12 @@ __all__ = ["step", "StepOutput", "StepTimeoutError"]
 
 
 class StepOutput:
-    """One returned value of a step, per microbatch, with SMP's reductions."""
+    """One returned value of a step, per microbatch, with SMP's reductions. ``throughput``: the step's samples/s,
+    tokens/s, model FLOP/s per device and MFU (:class:`partitioner.throughput.Throughput`), the same on every rank."""
 
-    def __init__(self, outputs: list[Any]):
+    def __init__(self, outputs: list[Any], throughput: Throughput | None = None):
         self.outputs = list(outputs)
+        self.throughput = throughput
 
     def _tensors(self) -> list[torch.Tensor]:
         return [o if isinstance(o, torch.Tensor) else torch.as_tensor(o) for o in self.outputs]
@@ -76,7 +79,7 @@ class StepOutput:
         return f"StepOutput({self.outputs!r})"
 
 
-def _wrap(results: list[Any]) -> Any:
+def _wrap(results: list[Any], throughput: Throughput | None = None) -> Any:
     """Per-microbatch results -> the same structure with, at every leaf, a StepOutput where the leaf is a
     tensor and a plain list (one value per microbatch) where it is a Python value, as in SMP v1, so that
     ``sum(loss_batch)`` works on a returned ``loss.item()``."""
@@ -89,7 +92,7 @@ def _wrap(results: list[Any]) -> Any:
     if not flat[0][0] and results[0] is None:
         return None
     columns = [[leaves[i] for leaves, _ in flat] for i in range(len(flat[0][0]))]
-    wrapped = [StepOutput(c) if any(isinstance(v, torch.Tensor) for v in c) else c for c in columns]
+    wrapped = [StepOutput(c, throughput) if any(isinstance(v, torch.Tensor) for v in c) else c for c in columns]
     return pytree.tree_unflatten(wrapped, spec)
 
 
@@ -132,6 +135,6 @@ def step(fn: Callable | None = None, *, non_split_inputs: list[str] | tuple[str,
                           "evaluates", UserWarning, stacklevel=2)
         if detach_outputs:
             results = detach(results)
-        return _wrap(results)
+        return _wrap(results, run.throughput)
 
     return wrapper

@@ -132,3 +132,42 @@ def test_step_returns_on_every_rank():
             assert got["stack_shape"] == (4, 2, 4) and got["concat_err"] < 1e-6
             assert not got["requires_grad"]  # detach_outputs=True by default
     assert results[0]["steps"] == results[1]["steps"]
+
+
+# --- throughput ---------------------------------------------------------------------------------------------------
+
+
+def _throughput(rank: int, world: int):
+    import smp
+
+    smp.init({"pipeline_parallel_degree": 2, "microbatches": 4})
+    model = smp.DistributedModel(make_net())
+
+    @smp.step
+    def train_step(model, x, y):
+        loss = F.cross_entropy(model(x), y)
+        model.backward(loss)
+        return loss
+
+    @smp.step
+    def predict(model, x):
+        return model(x)
+
+    x, y = make_batch(0)
+    train_step(model, x, y)
+    trained = train_step(model, x, y).throughput
+    model.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        forward = predict(model, x).throughput
+    return trained, forward, model.runner.plan.stages
+
+
+def test_every_rank_returns_the_same_throughput():
+    (t0, f0, stages), (t1, f1, _) = run_ranks(_throughput, 2, timeout=240)
+    assert t0 == t1 and f0 == f1  # the slowest rank's time: the same figures everywhere
+    flops = sum(s.flops for s in stages) * 4
+    assert t0.samples == 8 and t0.tokens is None and t0.devices == 2
+    assert t0.model_flops == pytest.approx(3 * flops) and f0.model_flops == pytest.approx(flops)
+    assert t0.seconds > 0 and t0.flops_per_s_per_device == pytest.approx(t0.model_flops / (2 * t0.seconds))
+    assert t0.mfu is not None and t0.mfu == pytest.approx(t0.flops_per_s_per_device / t0.peak_flops_per_s)
+    print(t0, f0, sep="\n")
