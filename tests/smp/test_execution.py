@@ -15,13 +15,9 @@ from tests.smp.features import make_batch, make_net
 # --- eval mode / no_grad ------------------------------------------------------------------------------------------
 
 
-def _forward_only(rank: int, world: int, dropout: float):
+def _step_functions():
+    """The step functions these tests run: a training step and a prediction."""
     import smp
-
-    smp.init({"pipeline_parallel_degree": 2, "microbatches": 4})
-    net = make_net(dropout=dropout)
-    reference = copy.deepcopy(net).eval()
-    model = smp.DistributedModel(net)
 
     @smp.step
     def train_step(model, x, y):
@@ -32,6 +28,18 @@ def _forward_only(rank: int, world: int, dropout: float):
     @smp.step
     def predict(model, x):
         return model(x)
+
+    return train_step, predict
+
+
+def _forward_only(rank: int, world: int, dropout: float):
+    import smp
+
+    smp.init({"pipeline_parallel_degree": 2, "microbatches": 4})
+    net = make_net(dropout=dropout)
+    reference = copy.deepcopy(net).eval()
+    model = smp.DistributedModel(net)
+    train_step, predict = _step_functions()
 
     x, y = make_batch(0)
     out = {}
@@ -142,16 +150,7 @@ def _throughput(rank: int, world: int):
 
     smp.init({"pipeline_parallel_degree": 2, "microbatches": 4})
     model = smp.DistributedModel(make_net())
-
-    @smp.step
-    def train_step(model, x, y):
-        loss = F.cross_entropy(model(x), y)
-        model.backward(loss)
-        return loss
-
-    @smp.step
-    def predict(model, x):
-        return model(x)
+    train_step, predict = _step_functions()
 
     x, y = make_batch(0)
     train_step(model, x, y)
@@ -170,4 +169,3 @@ def test_every_rank_returns_the_same_throughput():
     assert t0.model_flops == pytest.approx(3 * flops) and f0.model_flops == pytest.approx(flops)
     assert t0.seconds > 0 and t0.flops_per_s_per_device == pytest.approx(t0.model_flops / (2 * t0.seconds))
     assert t0.mfu is not None and t0.mfu == pytest.approx(t0.flops_per_s_per_device / t0.peak_flops_per_s)
-    print(t0, f0, sep="\n")
