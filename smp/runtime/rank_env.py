@@ -19,7 +19,7 @@ import socket
 from contextlib import contextmanager
 from typing import Iterator
 
-__all__ = ["RANK_ENV", "CONSOLE_RANK_ENV", "rank_environment", "free_port"]
+__all__ = ["RANK_ENV", "CONSOLE_RANK_ENV", "rank_environment", "added_environment", "free_port"]
 
 RANK_ENV = {"THP_MEM_ALLOC_ENABLE": "1"}
 # Set by `smp launch`: the local rank whose stderr is the console (the others' goes to their log files), where
@@ -31,7 +31,13 @@ CONSOLE_RANK_ENV = "SMP_LAUNCH_CONSOLE_RANK"
 def rank_environment() -> Iterator[None]:
     """Add :data:`RANK_ENV`'s variables the user has not set to ``os.environ`` (which processes started
     inside inherit), and take them away again after."""
-    added = {k: v for k, v in RANK_ENV.items() if k not in os.environ}
+    with added_environment({k: v for k, v in RANK_ENV.items() if k not in os.environ}):
+        yield
+
+
+@contextmanager
+def added_environment(added: dict[str, str]) -> Iterator[None]:
+    """``os.environ`` with ``added`` (processes started inside inherit it), and those keys taken away again after."""
     os.environ.update(added)
     try:
         yield

@@ -45,7 +45,7 @@ from smp.cli.launch_report import failure_report, last_attempt, run_folders
 from smp.cli.options import Parser
 from smp.cli.text import PROG
 from smp.runtime.health_options import STOP_EXIT_STATUS, STOP_FILE_ENV
-from smp.runtime.rank_env import CONSOLE_RANK_ENV, RANK_ENV
+from smp.runtime.rank_env import CONSOLE_RANK_ENV, RANK_ENV, added_environment
 
 __all__ = ["register", "run", "launch", "torchrun_args", "launch_environment", "command_line", "WORKER",
            "EXIT_FAILED", "EXIT_STATUS"]
@@ -185,7 +185,7 @@ def run(ns: argparse.Namespace) -> int:
 def _attempts(ns: argparse.Namespace, log_dir: str, local_world: int, restarts: int) -> int:
     """Run the job, and again after a failure up to ``restarts`` times, unless a training-health rule stopped it."""
     added = launch_environment(log_dir, local_world)
-    with _environment(added):
+    with added_environment(added):
         stop_file = os.environ[STOP_FILE_ENV]
         for attempt in range(restarts + 1):
             _remove(stop_file)  # an earlier job's reason is not this attempt's
@@ -257,17 +257,6 @@ def _quiet_torchrun() -> Iterator[None]:
     finally:
         for h in handlers:
             h.removeFilter(drop)
-
-
-@contextlib.contextmanager
-def _environment(added: dict[str, str]) -> Iterator[None]:
-    """``os.environ`` with ``added`` (processes started inside inherit it), as it was again after."""
-    os.environ.update(added)
-    try:
-        yield
-    finally:
-        for k in added:
-            os.environ.pop(k, None)
 
 
 def _remove(path: str) -> None:
