@@ -120,11 +120,12 @@ def _run(st: State, model: PipelineModel, run: StepRun, call: str) -> list[Any]:
                             keep_outputs=False)
     local = run.results()
     if train and st.topology.dp > 1:
-        sharded = tensor_ids(model.module, sharded_names(runner.plan.traced_graph()))
+        tp = st.topology.tp > 1
+        sharded = tensor_ids(model.module, sharded_names(runner.plan.traced_graph())) if tp else set()
         params = [p for p in model.local_parameters() if p.requires_grad]
         # A tp rank's shards average over the replicas of that shard only; whole parameters over every replica.
         _reduce_data_parallel(st, [p for p in params if id(p) not in sharded], call, "data-parallel")
-        if st.topology.rdp > 1:
+        if tp and st.topology.rdp > 1:
             _reduce_data_parallel(st, [p for p in params if id(p) in sharded], call, "reduced-data-parallel")
     src = runner.ranks[-1]
     waiting_on = [src] if not last else [r for r in runner.ranks if r != st.rank]
