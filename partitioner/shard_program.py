@@ -18,7 +18,7 @@ import contextlib
 import copy
 import operator
 import warnings
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Collection, Sequence
 
 import torch
 import torch.fx
@@ -292,9 +292,10 @@ def shard_graph(graph: OpGraph, sharding: Sharding, rank: int) -> OpGraph:
     return out
 
 
-def tensor_parallel_graph(graph: OpGraph, tp: int, rank: int) -> OpGraph:
+def tensor_parallel_graph(graph: OpGraph, tp: int, rank: int, shardable: Collection[str] | None = None) -> OpGraph:
     """``graph`` as tp rank ``rank`` of ``tp`` runs it (:func:`partitioner.sharding.find_sharding`, then
-    :func:`shard_graph`); warns :class:`ReplicatedWarning` naming the matmuls and embeddings left whole."""
+    :func:`shard_graph`); warns :class:`ReplicatedWarning` naming the matmuls and embeddings left whole.
+    ``shardable``: the parameters that may be split (None: all)."""
     if graph.fx is None:
         raise ValueError("tensor parallelism needs a traced graph (partitioner.trace), not a synthetic one")
     if tp == 1:
@@ -303,13 +304,15 @@ def tensor_parallel_graph(graph: OpGraph, tp: int, rank: int) -> OpGraph:
         raise RuntimeError(f"tensor_parallel_degree={tp} needs torch >= {'.'.join(map(str, MIN_TORCH))} (DTensor's "
                            f"uneven shards and DeviceMesh.from_group, and gloo's all-gather, as used here); this is "
                            f"torch {torch.__version__}: upgrade torch, or use tensor_parallel_degree=1")
-    sharding = find_sharding(graph.fx.module, tp)
+    sharding = find_sharding(graph.fx.module, tp, shardable)
     if sharding.replicated:
         warnings.warn(f"tensor_parallel_degree={tp} leaves {len(sharding.replicated)} layer(s) whole on every tp "
                       "rank: " + "; ".join(f"{k}: {v}" for k, v in sorted(sharding.replicated.items())),
                       ReplicatedWarning, stacklevel=2)
     if not sharding.params:
-        raise ValueError(f"tensor_parallel_degree={tp}: no layer of this model can be split (no matmul pair "
-                         "matches Megatron's column/row pattern with sizes divisible by the degree); use "
-                         "tensor_parallel_degree=1")
+        among = "" if shardable is None else " among the layers marked for tensor parallelism"
+        raise ValueError(f"tensor_parallel_degree={tp}: no layer of this model{among} can be split (no matmul "
+                         "pair matches Megatron's column/row pattern with sizes divisible by the degree); use "
+                         "tensor_parallel_degree=1" + ("" if shardable is None else ", or mark more of the model "
+                                                       "with smp.tensor_parallelism()"))
     return shard_graph(graph, sharding, rank)

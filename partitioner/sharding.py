@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Collection
 
 import torch
 import torch.fx
@@ -225,11 +225,13 @@ class _Walk:
         return Shard(0, 0)  # marker; the loss itself is whole
 
 
-def find_sharding(gm: torch.fx.GraphModule, tp: int) -> Sharding:
-    """Megatron's sharding of the traced graph ``gm`` for ``tp`` ranks (see the module docstring)."""
+def find_sharding(gm: torch.fx.GraphModule, tp: int, shardable: Collection[str] | None = None) -> Sharding:
+    """Megatron's sharding of the traced graph ``gm`` for ``tp`` ranks (see the module docstring). ``shardable``:
+    the parameters that may be split (None: all); matmuls and embeddings by others stay whole, unreported."""
     if tp < 1:
         raise ValueError(f"tensor-parallel degree must be at least 1, got {tp}")
-    disabled: dict[str, str] = {}
+    excluded = _excluded(gm, shardable)
+    disabled: dict[str, str] = dict(excluded)
     groups: dict[str, int] = {}
     while True:
         walk = _Walk(gm, tp, disabled, groups)
@@ -244,8 +246,23 @@ def find_sharding(gm: torch.fx.GraphModule, tp: int) -> Sharding:
         for node in [k for k in walk.out.roles if walk.root(walk.region.get(k, k)) in failed]:
             if walk.out.roles[node] in ("column", "embedding", "row"):
                 disabled[node] = failed[walk.root(walk.region.get(node, node))]
-    out.replicated = dict(disabled)
+    out.replicated = {k: v for k, v in disabled.items() if k not in excluded}
     _finish(gm, out)
+    return out
+
+
+def _excluded(gm: torch.fx.GraphModule, shardable: Collection[str] | None) -> dict[str, str]:
+    """The matmuls and embeddings whose weight is not in ``shardable``."""
+    if shardable is None:
+        return {}
+    out: dict[str, str] = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        mm = _matmul(node, gm)
+        weight = mm[1] if mm is not None else node_args(node)[0] if op_name(node) == "embedding" else None
+        if weight is not None and _param(weight, gm) and str(weight.target) not in shardable:
+            out[node.name] = f"tensor parallelism is off for {weight.target}"
     return out
 
 

@@ -24,7 +24,7 @@ import torch
 
 from partitioner.devices import DeviceRates
 
-__all__ = ["Throughput", "batch_counts", "measure", "model_flops", "peak_flops_per_s"]
+__all__ = ["Throughput", "batch_counts", "measure", "from_counts", "model_flops", "peak_flops_per_s"]
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,13 @@ class Throughput:
         if self.tokens is None:
             return None
         return self.tokens / self.seconds if self.seconds > 0 else float("nan")
+
+    def counts(self) -> dict[str, float]:
+        """What was counted (seconds, samples, tokens when known, model FLOPs, devices), as :func:`from_counts`
+        takes it back: the record of a step in a profile (:mod:`pipeline.profiler`'s ``throughput`` counter)."""
+        out = {"seconds": self.seconds, "samples": float(self.samples), "model_flops": self.model_flops,
+               "devices": float(self.devices)}
+        return out if self.tokens is None else {**out, "tokens": float(self.tokens)}
 
     def to_dict(self) -> dict[str, Any]:
         """The fields and the rates, for logs and JSON."""
@@ -105,9 +112,15 @@ def measure(plan: Any, seconds: float, microbatch_inputs: Sequence[Mapping[str, 
             devices: int) -> Throughput:
     """The :class:`Throughput` of a step of ``plan`` that took ``seconds`` on ``devices`` devices."""
     samples, tokens = batch_counts(microbatch_inputs)
-    flops = model_flops(plan, len(microbatch_inputs), train)
+    return from_counts(seconds, samples, tokens, model_flops(plan, len(microbatch_inputs), train), devices,
+                       peak_flops_per_s(plan))
+
+
+def from_counts(seconds: float, samples: int, tokens: int | None, flops: float, devices: int,
+                peak: float | None) -> Throughput:
+    """The :class:`Throughput` of a step that ran ``samples`` samples (``tokens`` tokens) and ``flops`` model FLOPs in
+    ``seconds`` on ``devices`` devices of peak rate ``peak`` (see the module docstring)."""
     per_device = flops / (seconds * devices) if seconds > 0 and devices > 0 else 0.0
-    peak = peak_flops_per_s(plan)
     return Throughput(seconds=seconds, samples=samples, tokens=tokens, model_flops=flops, devices=devices,
                       flops_per_s_per_device=per_device, peak_flops_per_s=peak,
                       mfu=per_device / peak if peak else None)

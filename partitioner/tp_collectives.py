@@ -16,8 +16,9 @@ process group (:meth:`TPComm.bind`) before a step runs.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -65,6 +66,29 @@ class TPComm:
         # Megatron's rule: activations every tp rank holds whole draw the same mask on each, shards their own.
         self.generators = {"replicated": torch.Generator(dev).manual_seed(seed),
                            "sharded": torch.Generator(dev).manual_seed(seed + 1 + self.rank)}
+
+    def replay(self) -> tuple[Any, Any]:
+        """Contexts for ``torch.utils.checkpoint``'s ``context_fn``: the forward records the dropout streams'
+        states, the recomputation draws from those states again (the same masks) and leaves the streams where the
+        forward left them."""
+        saved: dict[str, torch.Tensor] = {}
+
+        @contextmanager
+        def forward() -> Iterator[None]:
+            saved.update({k: g.get_state() for k, g in self.generators.items()})
+            yield
+
+        @contextmanager
+        def recompute() -> Iterator[None]:
+            after = {k: g.get_state() for k, g in self.generators.items()}
+            for k, g in self.generators.items():
+                g.set_state(saved[k])
+            try:
+                yield
+            finally:
+                for k, g in self.generators.items():
+                    g.set_state(after[k])
+        return forward(), recompute()
 
     def bound_mesh(self) -> Any:
         """The device mesh of the bound group (raises :class:`UnboundGroupError` before :meth:`bind`)."""

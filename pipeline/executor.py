@@ -226,8 +226,12 @@ class Executor:
                 boundary[n] = t
             args.append(t)
         if a.stage in self.checkpointed and grad_mode:
-            # Keep only the stage inputs; backward re-runs the forward (same RNG state) to rebuild the rest.
-            outs = torch.utils.checkpoint.checkpoint(stage.module, *args, use_reentrant=False)
+            # Keep only the stage inputs; backward re-runs the forward (same RNG states, tensor parallelism's
+            # dropout streams included) to rebuild the rest.
+            comm = self.split_model.program.tp_comm
+            outs = torch.utils.checkpoint.checkpoint(
+                stage.module, *args, use_reentrant=False,
+                context_fn=comm.replay if comm is not None else torch.utils.checkpoint.noop_context_fn)
         else:
             outs = stage.module(*args)
         last = not stage.consumers and a.stage == len(self.split_model.stages) - 1

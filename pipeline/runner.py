@@ -26,15 +26,13 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 from partitioner import PartitionPlan
 from partitioner.program import flatten_inputs, set_device
-from partitioner.stage_modules import MODEL_INPUT, SplitModel, split
+from partitioner.stage_modules import MODEL_INPUT, SplitModel, Stage, split
 from partitioner.throughput import Throughput, measure
-from partitioner.tp_collectives import tp_attention, tp_dropout
 from partitioner.tracing import trace
-from pipeline import microbatch
+from pipeline import microbatch, shape_classes
 from pipeline.executor import Executor
 from pipeline.lowering import lower
 from pipeline.p2p import Transport, close_groups, named_failures
@@ -44,7 +42,7 @@ from pipeline.schedule import make_schedule
 from pipeline.simulate import validate
 from pipeline.tensorboard import TensorBoardWriter
 
-__all__ = ["PipelineRunner", "StepResult", "boundary_requires_grad", "stage_deps"]
+__all__ = ["PipelineRunner", "StepResult", "stage_deps"]
 
 
 @dataclass
@@ -76,28 +74,6 @@ def stage_deps(sm: SplitModel) -> list[tuple[int, int]]:
     return sorted({(src, s.index) for s in sm.stages for src in s.sources.values() if src != MODEL_INPUT})
 
 
-def boundary_requires_grad(sm: SplitModel, autocast: tuple[str, torch.dtype] | None = None) -> dict[str, bool]:
-    """Which values crossing stages carry a gradient back: one run of the stages on fake tensors
-    (no memory, no compute) so every rank agrees without exchanging metadata; under ``autocast``
-    ((device type, dtype)) when the model was traced under it, as the values' dtypes then say."""
-    flags: dict[str, bool] = {}
-    with FakeTensorMode() as mode, torch.autocast(autocast[0], dtype=autocast[1]) if autocast else nullcontext():
-        values = {n: mode.from_tensor(torch.empty(tuple(m.shape), dtype=m.dtype)) if isinstance(m, torch.Tensor) else m
-                  for n, m in zip(sm.program.input_names, sm.program.input_meta)}
-        for stage in sm.stages:
-            # Fake copies of the weights (in-place updates such as BatchNorm statistics must not touch real ones),
-            # all on the CPU: another rank's stages are on the meta device here, this rank's maybe on a GPU.
-            state = {n: torch.empty(tuple(t.shape), dtype=t.dtype, requires_grad=t.requires_grad)
-                     for n, t in list(stage.module.named_parameters(remove_duplicate=False))
-                     + list(stage.module.named_buffers(remove_duplicate=False))}
-            outs = torch.func.functional_call(stage.module, state, tuple(values[n] for n in stage.inputs),
-                                              tie_weights=False, strict=False)
-            values.update(zip(stage.outputs, outs))
-            for n, t in zip(stage.outputs, outs):
-                flags[n] = isinstance(t, torch.Tensor) and t.requires_grad
-    return flags
-
-
 class PipelineRunner:
     """Runs this rank's stages of ``plan`` as a pipeline of microbatches across ``ranks``."""
 
@@ -107,7 +83,8 @@ class PipelineRunner:
                  device: str | torch.device | None = None, record: bool = False,
                  average_grads_across_microbatches: bool = True, checkpoint_modules: Sequence[str] = (),
                  autocast: tuple[str, torch.dtype] | None = None, tp_groups: list[list[int]] | None = None,
-                 tp_seed: int = 0, tensorboard: str | os.PathLike[str] | None = None):
+                 tp_seed: int = 0, tensorboard: str | os.PathLike[str] | None = None,
+                 model: torch.nn.Module | None = None, shape_cache_size: int = shape_classes.DEFAULT_SHAPE_CACHE_SIZE):
         """``ranks``: the global ranks of this pipeline, stage order (default: all ranks). With several
         pipelines side by side (data parallelism), pass them all as ``pipelines`` instead: process groups
         are created collectively, so every rank must name every pipeline in the same order. ``timeout_s``
@@ -118,7 +95,10 @@ class PipelineRunner:
         ``tp_groups``: with a plan of a tensor-parallel graph (:func:`partitioner.shard_program.shard_graph`), the
         tp groups of every rank, all of them on every rank, like ``pipelines``; ``tp_seed`` seeds the dropout
         streams of the sharded graph (the same on every rank of a tp group). ``tensorboard``: a directory to write
-        every step's loss, throughput and memory to (:class:`pipeline.tensorboard.TensorBoardWriter`)."""
+        every step's loss, throughput and memory to (:class:`pipeline.tensorboard.TensorBoardWriter`). ``model``: the
+        model the plan cuts (tensor degree 1): a step whose microbatches have other shapes (another sequence length,
+        a smaller last batch) runs the same plan on stages traced for them, up to ``shape_cache_size`` shape
+        classes kept (:mod:`pipeline.shape_classes`); without it, every step has the traced shapes."""
         if not dist.is_initialized():
             raise RuntimeError("PipelineRunner needs torch.distributed: call dist.init_process_group (torchrun or "
                                "`smp launch` sets up the environment) before creating it")
@@ -137,8 +117,10 @@ class PipelineRunner:
         self.plan = plan
         self.microbatches = microbatches
         self.average = average_grads_across_microbatches
-        self.split_model = split(plan.traced_graph(), plan.assignment, plan.num_stages)
-        deps = stage_deps(self.split_model)
+        self.model, self.autocast, self.shapes = model, autocast, shape_classes.ShapeCache(shape_cache_size)
+        self.training = plan.traced_graph().fx.training  # the stages' mode (train/eval), in every shape class
+        home = split(plan.traced_graph(), plan.assignment, plan.num_stages)
+        deps = stage_deps(home)
         self.schedule = lower(make_schedule(schedule, p, microbatches, virtual_stages=virtual_stages,
                                             max_in_flight=max_in_flight), deps)
         validate(self.schedule, deps)
@@ -153,17 +135,52 @@ class PipelineRunner:
                                                               device=self.device)
         self.recorder = self.profiler.recorder if self.profiler is not None else None
         self._own_profiler = self.profiler  # record=: this runner's to stop (smp hands runners profilers of its own)
-        self.tp_group = _bind_tp(self.split_model, tp_groups, self._timeout, self.device, tp_seed)
-        self.local_stages = [self.split_model.stages[s] for s in self.schedule.stages_of(self.rank)]
-        for st in self.local_stages:
-            st.module.to(self.device)
-            set_device(st.module, self.device)
-        checkpointed = _stages_running(plan, checkpoint_modules)
-        _check_tp_recompute(self.split_model, checkpointed)
-        self.executor = Executor(self.split_model, self.schedule, self.rank, self.ranks, self.transport,
-                                 boundary_requires_grad(self.split_model, autocast), self.device, self.recorder,
-                                 checkpointed=checkpointed)
+        self.tp_group = _bind_tp(home, tp_groups, self._timeout, self.device, tp_seed)
+        self._checkpointed = _stages_running(plan, checkpoint_modules)
+        self.current = self._stage_set(plan, home)
         self._shared = self._shared_groups()
+
+    def _stage_set(self, plan: PartitionPlan, sm: SplitModel) -> shape_classes.StageSet:
+        """The stage set of ``sm`` (split from ``plan``'s graph): this rank's stages on its device, in the runner's
+        mode, and their executor; kept in the shape cache."""
+        local = [sm.stages[s] for s in self.schedule.stages_of(self.rank)]
+        for st in local:
+            st.module.to(self.device).train(self.training)
+            set_device(st.module, self.device)
+        executor = Executor(sm, self.schedule, self.rank, self.ranks, self.transport,
+                            shape_classes.boundary_requires_grad(sm, self.autocast), self.device, self.recorder,
+                            checkpointed=self._checkpointed)
+        key = shape_classes.shape_key(sm.program, list(sm.program.input_meta))
+        return self.shapes.put(shape_classes.StageSet(key, plan, sm, local, executor))
+
+    @property
+    def split_model(self) -> SplitModel:
+        """The stages of the current shape class (the traced shapes until a step of other shapes ran)."""
+        return self.current.split_model
+
+    @property
+    def local_stages(self) -> list[Stage]:
+        """This rank's stages of the current shape class."""
+        return self.current.local_stages
+
+    @property
+    def executor(self) -> Executor:
+        """The executor of the current shape class."""
+        return self.current.executor
+
+    def specialise(self, args: tuple, kwargs: dict | None = None, loss: tuple[Any, Any] | None = None) -> SplitModel:
+        """Make the stages of the shape class of one microbatch ``(args, kwargs)`` current (traced for it from
+        ``model`` the first time, :func:`pipeline.shape_classes.retrace`; ``loss``: ``(loss_fn, its target)``) and
+        return them. Every rank of the pipeline calls it with microbatches of the same shapes."""
+        program = self.current.split_model.program
+        key = shape_classes.shape_key(program, flatten_inputs(program, tuple(args), dict(kwargs or {})))
+        found = self.shapes.get(key)
+        if found is None:
+            model = shape_classes.check_retraceable(program, key, self.current.key, self.model)
+            plan = shape_classes.retrace(self.plan, model, tuple(args), dict(kwargs or {}), self.autocast, loss)
+            found = self._stage_set(plan, split(plan.traced_graph(), plan.assignment, plan.num_stages))
+        self.current = found
+        return found.split_model
 
     @property
     def _timeout(self) -> datetime.timedelta:
@@ -179,8 +196,9 @@ class PipelineRunner:
                 by_positions.setdefault(positions, []).append(name)
         local: dict[str, torch.Tensor | None] = {}
         for st in self.local_stages:
+            params = dict(st.module.named_parameters(remove_duplicate=False))  # param_names also names buffers
             for path, canonical in st.param_names.items():
-                local.setdefault(canonical, st.module.get_parameter(path) if _is_param(st.module, path) else None)
+                local.setdefault(canonical, params.get(path))
         out = []
         for positions, names in sorted(by_positions.items()):
             group, _ = dist.new_subgroups_by_enumeration([[p[i] for i in positions] for p in self.pipelines],
@@ -214,7 +232,7 @@ class PipelineRunner:
         m, start = self.microbatches, time.perf_counter()
         mbs = microbatch.split(args, kwargs, m)
         targets = [t[0][0] for t in microbatch.split((target,), {}, m)] if target is not None else [None] * m
-        sm = self.split_model
+        sm = self.specialise(*mbs[0], loss=(loss_fn, targets[0]) if loss_fn is not None else None)
         mb_inputs = []
         for a, kw in mbs:
             flat = flatten_inputs(sm.program, a, kw)
@@ -246,7 +264,10 @@ class PipelineRunner:
         slowest = torch.tensor([seconds], dtype=torch.float64, device=self.device)
         with self._named("agreeing on the step's time", self.ranks):
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=self.transport.group)
-        return measure(self.plan, float(slowest.item()), mb_inputs, train, len(self.ranks))
+        figures = measure(self.current.plan, float(slowest.item()), mb_inputs, train, len(self.ranks))
+        if self.profiler is not None and self.profiler.recording is not None:  # for the report (smp report)
+            self.profiler.recording.counter("throughput", figures.counts())
+        return figures
 
     def run_microbatches(self, mb_inputs: Any, loss_hook: Any, train: bool,
                          before_forward: Any = None, keep_outputs: bool = True) -> dict[int, tuple]:
@@ -291,8 +312,10 @@ class PipelineRunner:
     def train(self, mode: bool = True) -> "PipelineRunner":
         """Put this rank's stages in training or evaluation mode (dropout, BatchNorm), as ``nn.Module.train``.
         Stages start in the mode the model was traced in."""
-        for st in self.local_stages:
-            st.module.train(mode)
+        self.training = mode
+        for stage_set in self.shapes.sets.values():
+            for st in stage_set.local_stages:
+                st.module.train(mode)
         return self
 
     def eval(self) -> "PipelineRunner":
@@ -322,7 +345,7 @@ class PipelineRunner:
         graph = trace(model, tuple(args), dict(kwargs or {}))
         plan = PartitionPlan.from_json(os.fspath(path)).bind(graph, source=f"plan file {os.fspath(path)}",
                                                              microbatches=runner_kwargs.get("microbatches", 1))
-        return cls(plan, **runner_kwargs)
+        return cls(plan, **{"model": model, **runner_kwargs})
 
     def local_parameters(self) -> list[torch.nn.Parameter]:
         """The parameters of this rank's stages, each once."""
@@ -350,17 +373,6 @@ def _bind_tp(sm: SplitModel, tp_groups: list[list[int]] | None, timeout: datetim
     return group
 
 
-def _check_tp_recompute(sm: SplitModel, checkpointed: set[int]) -> None:
-    """Activation checkpointing re-runs a stage's forward, and the dropout of a sharded graph draws from the
-    engine's streams, which the recomputation does not rewind: refuse the pair instead of mismatched masks."""
-    for s in sorted(checkpointed):
-        if any(n.target is tp_attention or n.target is tp_dropout and n.args[1] > 0
-               for n in sm.stages[s].module.graph.nodes):
-            raise ValueError(f"stage {s} is activation-checkpointed and runs dropout in a tensor-parallel graph: its "
-                             "recomputation would draw other masks than its forward. Set dropout to 0 in the model's "
-                             "config, or checkpoint no module of that stage")
-
-
 def _stages_running(plan: PartitionPlan, module_paths: Any) -> set[int]:
     """Stages that run some op of one of ``module_paths`` (or of their submodules)."""
     paths = tuple(module_paths)
@@ -369,11 +381,3 @@ def _stages_running(plan: PartitionPlan, module_paths: Any) -> set[int]:
     g = plan.traced_graph()
     return {plan.assignment[n] for n, m in zip(g.names, g.modules)
             if any(m == p or m.startswith(p + ".") for p in paths)}
-
-
-def _is_param(module: torch.nn.Module, path: str) -> bool:
-    try:
-        module.get_parameter(path)
-        return True
-    except AttributeError:
-        return False

@@ -62,6 +62,7 @@ class TensorBoardWriter:
             if throughput.mfu is not None:
                 w.add_scalar("throughput/mfu", throughput.mfu, step)
         w.add_scalar("memory/bytes", self.memory_bytes(), step)
+        w.flush()  # on disk when the step returns: a job that ends without close() keeps every step
 
     def close(self) -> None:
         """Flush and close the event file."""

@@ -24,9 +24,12 @@ holds them to it). At the top level, the SMP surface a user types, kept thin: ``
 (``run_ranks``, N local ranks for tests and benchmarks). Below it: :mod:`smp.runtime` (what ``smp.init`` builds),
 :mod:`smp.engine` (one ``@smp.step`` from call to results), :mod:`smp.checkpoint`, :mod:`smp.profiling`,
 :mod:`smp.health` (training-health rules, ``smp.debug``) and
-:mod:`smp.cli` (the ``smp`` command). The one global state (:func:`smp.runtime.state.get`) is read where a user's
-call enters (``smp.rank()``, ``@smp.step``, ``smp.save_checkpoint``, ``smp.profile``, ...); the code those calls run
-receives what it needs as arguments.
+:mod:`smp.cli` (the ``smp`` command). For code written against SMP v1 that cannot be edited:
+``smp.state`` (SMP's state object, read-only), ``model`` (SMP's module path of ``DistributedModel``) and
+``smdistributed_alias`` (``smp.alias_smdistributed()``: ``import smdistributed.modelparallel.torch`` imports
+smp). The one global state (:func:`smp.runtime.state.get`) is read where a user's call enters (``smp.rank()``,
+``@smp.step``, ``smp.save_checkpoint``, ``smp.profile``, ...); the code those calls run receives what it needs as
+arguments.
 """
 from typing import TYPE_CHECKING
 
@@ -37,7 +40,7 @@ if TYPE_CHECKING:
     from .checkpoint.commit import CheckpointError
     from .checkpoint.save_load import load, save
     from .checkpoint.tagged import resume_from_checkpoint, save_checkpoint
-    from .delayed_init import delay_param_initialization, model_creation
+    from .delayed_init import delay_param_initialization
     from .distributed_model import DistributedModel
     from .distributed_optimizer import DistributedOptimizer
     from .engine.step_function import StepOutput, StepTimeoutError, step
@@ -88,7 +91,10 @@ if TYPE_CHECKING:
     from .runtime.compat import NoEffectWarning
     from .runtime.config import Config, ConfigError
     from .runtime.state import init, is_initialized
-    from .tensor_parallel import tensor_parallelism
+    from .runtime.state_view import state
+    from .smdistributed_alias import SMP_V1_VERSION, alias_smdistributed
+    from .tensor_parallel import model_creation, set_tensor_parallelism, tensor_parallelism
+    from .tp_registry import tp_register, tp_register_with_module
 
 __version__ = "0.1.0"  # pyproject.toml reads it from here
 
@@ -102,9 +108,10 @@ __all__ = [
     "get_tp_process_group", "get_world_process_group", "barrier", "broadcast", "allgather", "send", "recv_from",
     "CommGroup", "RankType",
     "WORLD", "MP_GROUP", "PP_GROUP", "DP_GROUP", "RDP_GROUP", "TP_GROUP",
-    "nn", "optimizers", "utils", "tensor_parallelism", "NoEffectWarning", "__version__",
+    "nn", "optimizers", "utils", "tensor_parallelism", "set_tensor_parallelism", "tp_register",
+    "tp_register_with_module", "NoEffectWarning", "__version__",
     "profile", "annotate", "delay_param_initialization", "model_creation",
-    "debug", "TrainingHealthWarning", "TrainingStopped",
+    "debug", "TrainingHealthWarning", "TrainingStopped", "state", "alias_smdistributed", "SMP_V1_VERSION",
 ]
 
 __getattr__, __dir__ = lazy_exports(__name__)

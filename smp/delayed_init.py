@@ -1,5 +1,5 @@
-"""Building a model too large for one device: SMP v1's ``smp.delay_param_initialization`` and
-``smp.model_creation``.
+"""Building a model too large for one device: SMP v1's ``smp.delay_param_initialization`` (its later name,
+``smp.model_creation``, also marks modules for tensor parallelism: :mod:`smp.tensor_parallel`).
 
 Modules built inside get their parameters on the meta device (no memory, no initialisation cost); after
 partitioning each rank materialises and initialises only its own stages' tensors
@@ -13,10 +13,7 @@ from typing import Iterator
 
 import torch
 
-from smp.runtime import state
-from smp.runtime.compat import warn_no_effect
-
-__all__ = ["delay_param_initialization", "model_creation"]
+__all__ = ["delay_param_initialization"]
 
 
 @contextmanager
@@ -38,21 +35,3 @@ def delay_param_initialization(enabled: bool = True) -> Iterator[None]:
         yield
     finally:
         torch.nn.Module.register_parameter = register  # type: ignore[method-assign]
-
-
-@contextmanager
-def model_creation(tensor_parallelism: bool = False, dtype: torch.dtype | None = None,
-                   **tensor_parallel_config: object) -> Iterator[None]:
-    """SMP v1's later context for building the model: parameters are created without memory when the
-    config's ``delayed_parameter_initialization`` is on, in ``dtype`` when given (the default dtype inside)."""
-    if tensor_parallelism or tensor_parallel_config:
-        warn_no_effect("smp.model_creation(tensor_parallelism=...)", "this engine has no tensor parallelism", 3)
-    delayed = state.is_initialized() and state.get().config.delayed_parameter_initialization
-    previous = torch.get_default_dtype()
-    if dtype is not None:
-        torch.set_default_dtype(dtype)
-    try:
-        with delay_param_initialization(delayed):
-            yield
-    finally:
-        torch.set_default_dtype(previous)

@@ -24,7 +24,7 @@ from partitioner.portfolio import fixed_plan
 from partitioner.shard_program import tensor_parallel_graph
 from pipeline import PipelineRunner
 from smp.checkpoint.commit import CheckpointError
-from smp.checkpoint.state_dicts import PARTIAL_KEY, PLAN_KEY, TP_KEY, key_error, on_cpu
+from smp.checkpoint.state_dicts import PARTIAL_KEY, PLAN_KEY, TP_KEY, key_error, on_cpu, unmarked
 from smp.checkpoint.tp_state import TPLayout, check_partial, cut_model_state, whole_model_state
 from smp.engine import mixed_precision as precision
 from smp.engine import step_run
@@ -35,6 +35,7 @@ from smp.engine.weights import load_local, weight_cuts
 from smp.placement import manual_stages
 from smp.runtime import state
 from smp.runtime.compat import warn_no_effect
+from smp.tensor_parallel import distribute
 
 __all__ = ["DistributedModel"]
 
@@ -59,7 +60,8 @@ class DistributedModel(torch.nn.Module):
             warn_no_effect(f"DistributedModel({', '.join(sorted(kwargs))}=...)",
                            "this engine reduces gradients itself and prices memory from the trace", 3)
         super().__init__()
-        self.module = module
+        # SMP's substitution of the modules marked for tensor parallelism, and what tensor parallelism may split
+        self.module, self.shardable = distribute(module)
         self.trace_device = trace_device
         self.trace_execution_times = trace_execution_times
         self.average_grads_across_microbatches = average_grads_across_microbatches
@@ -157,7 +159,8 @@ class DistributedModel(torch.nn.Module):
         if cfg.auto_partition:
             plan = shared_plan(self.module, call.args, call.kwargs, pp,
                                PartitionOptions.of(options, measure=self.trace_execution_times),
-                               st.world_group, cfg.timeout_s, tp=(st.topology.tp, st.topology.tp_rank(st.rank)))
+                               st.world_group, cfg.timeout_s, tp=(st.topology.tp, st.topology.tp_rank(st.rank)),
+                               shardable=self.shardable)
         else:
             graph = self._trace(call)
             plan = fixed_plan(graph, pp, manual_stages(self.module, graph), options)
@@ -168,7 +171,7 @@ class DistributedModel(torch.nn.Module):
         """The model traced on ``call``, as this rank's tp rank runs it (:mod:`partitioner.sharding`)."""
         st = state.get()
         return tensor_parallel_graph(trace(self.module, call.args, call.kwargs), st.topology.tp,
-                                     st.topology.tp_rank(st.rank))
+                                     st.topology.tp_rank(st.rank), self.shardable)
 
     def _saved_plan(self, call: step_run.MicrobatchCall, pp: int) -> PartitionPlan | None:
         """The partition of a loaded checkpoint: required for partial state (its tensors are cut that way), a
@@ -284,7 +287,8 @@ class DistributedModel(torch.nn.Module):
         return {k: out[k] for k in own}
 
     def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True,  # type: ignore[override]
-                        same_partition_load: bool = False) -> Any:
+                        same_partition_load: bool = False,
+                        translate_function: Callable[[dict], dict] | None = None) -> Any:
         """Load a full dict (``state_dict()``, or a plain model's) or a partial one (``local_state_dict()``).
 
         Each rank loads the keys it holds. With ``strict`` a key of this rank missing from the dict, or a key
@@ -301,12 +305,13 @@ class DistributedModel(torch.nn.Module):
         step, it is applied right after partitioning, and this returns None), so a full state dict loads under any
         tensor-parallel degree; a partial dict holds one tp rank's shards and loads only into that tp rank of the
         degree it was saved with (anything else is a :class:`CheckpointError`).
+        SMP's marker ``_smp_is_partial`` is read (and ours): an unmarked full dict goes through ``translate_function``
+        or SMP's translators (:func:`~smp.checkpoint.state_dicts.unmarked`).
         """
-        sd = dict(state_dict)
-        partial = bool(sd.pop(PARTIAL_KEY, False))
+        st = state.get()
+        sd, partial = unmarked(state_dict, translate_function, st.translate_functions)
         plan = sd.pop(PLAN_KEY, None)
         saved_tp = sd.pop(TP_KEY, None)
-        st = state.get()
         if not partial or plan is None:  # full, or partial but saved before partitioning: the whole model
             if self.partitioned:
                 return self._load_held(sd, strict, part=False, whole=True)

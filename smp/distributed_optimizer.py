@@ -124,15 +124,27 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Clear the gradients of this rank's parameters (as the wrapped optimizer's ``zero_grad``)."""
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
-    def local_state_dict(self) -> dict[str, Any]:
+    def local_state_dict(self, gather_if_shard: bool = False) -> dict[str, Any]:
         """This rank's optimizer state, keyed as the wrapped optimizer's own ``state_dict()``: ``"state"`` holds
         the entries of the parameters this rank steps, ``"param_groups"`` the hyperparameters. With sharded
         state those are the entries of this replica's shard, and the dict is marked ``ZERO_KEY`` and lists
         the shard's parameters (``SHARD_KEY``, :mod:`smp.checkpoint.state_dicts`), so it loads only into the same
-        shard. Under tensor parallelism (tp > 1) it is this tp rank's, marked ``TP_KEY``."""
+        shard; ``gather_if_shard=True`` gathers the shards of this rank's replicas instead (a collective over the
+        reduced-data-parallel group) into the state of its whole stage, which loads into any shard of it. SMP's
+        default is True; here it is False, so that ``smp.save`` writes each replica's shard without moving it.
+        Under tensor parallelism (tp > 1) it is this tp rank's, marked ``TP_KEY``."""
         wrapped = self.optimizer.state_dict()
         out = wrapped
-        if self._zero is not None:
+        if self._zero is not None and gather_if_shard:
+            st = state.get()
+            index = self._index()
+            parts: list[Any] = [None] * st.topology.rdp
+            shard = {index[id(p)]: v for p, v in self._zero.optim.state.items()}
+            dist.all_gather_object(parts, on_cpu(shard), group=st.enter("reduced-data-parallel",
+                                                                         "optimizer.local_state_dict()"))
+            out = {"state": dict(sorted((k, v) for part in parts for k, v in part.items())),
+                   "param_groups": wrapped["param_groups"]}
+        elif self._zero is not None:
             index = self._index()
             out = {"state": dict(sorted((index[id(p)], v) for p, v in self._zero.optim.state.items())),
                    "param_groups": wrapped["param_groups"], ZERO_KEY: True, SHARD_KEY: self._shard_keys()}

@@ -5,6 +5,7 @@ modules on pipeline stages (with ``auto_partition`` off, ``default_partition`` t
 """
 from __future__ import annotations
 
+import re
 from contextlib import contextmanager
 from typing import Any, Iterator
 
@@ -12,6 +13,7 @@ import numpy as np
 import torch
 
 from smp.runtime import state
+from smp.runtime.compat import warn_no_effect
 
 __all__ = ["partition", "set_partition", "set_activation_checkpointing", "manual_stages"]
 
@@ -45,8 +47,25 @@ def set_partition(module: torch.nn.Module, index: int) -> None:
     st.placement[module] = index
 
 
-def set_activation_checkpointing(module: torch.nn.Module) -> None:
-    """Recompute the activations of the stage(s) holding ``module`` in backward instead of keeping them."""
+def set_activation_checkpointing(module: torch.nn.Module, preserve_rng_state: bool = True,
+                                 pack_args_as_tuple: bool = False, strategy: str = "each") -> None:
+    """Recompute the activations of the stage(s) holding ``module`` in backward instead of keeping them.
+
+    SMP v1's keywords are accepted. Recomputation here is per pipeline stage and always replays the forward's
+    random numbers, and the engine traces whatever arguments a module takes: so ``preserve_rng_state=False``,
+    ``pack_args_as_tuple=True`` and a ``strategy`` other than ``"each"`` (``"contiguous"``, ``"group_N"``: how
+    SMP grouped an ``nn.Sequential``'s children into segments) change nothing, and say so."""
+    if strategy not in ("each", "contiguous") and not re.fullmatch(r"group_[1-9][0-9]*", str(strategy)):
+        raise ValueError(f"set_activation_checkpointing(strategy={strategy!r}): use 'each', 'contiguous' or "
+                         "'group_N' (N a positive integer), as SMP v1")
+    if strategy != "each" and not isinstance(module, torch.nn.Sequential):
+        raise ValueError(f"set_activation_checkpointing(strategy={strategy!r}) applies to an nn.Sequential, as in "
+                         f"SMP v1; {type(module).__name__} is not one")
+    for name, value, default in (("preserve_rng_state", preserve_rng_state, True),
+                                 ("pack_args_as_tuple", pack_args_as_tuple, False), ("strategy", strategy, "each")):
+        if value != default:
+            warn_no_effect(f"set_activation_checkpointing({name}={value!r})", "recomputation here is per pipeline "
+                           "stage, replays the forward's random numbers and traces any arguments", 3)
     state.get().checkpointed.add(module)
 
 

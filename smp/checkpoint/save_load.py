@@ -93,11 +93,14 @@ def _layout(topo: Topology, partial: bool, per_replica: bool) -> dict[str, Any]:
             "tensor_parallel_degree": topo.tp, "data_parallel_degree": topo.dp}
 
 
-def save(obj: Any, path: str | os.PathLike, partial: bool = True, **torch_save_kwargs: Any) -> None:
+def save(obj: Any, path: str | os.PathLike, partial: bool = True, v3: bool = False, **torch_save_kwargs: Any) -> None:
     """Save ``obj`` as SMP v1 does (see the module docstring for the names and for which ranks write).
 
     With ``partial=True`` every pipeline and tp rank of replica 0 must call it (every rank for sharded optimizer
-    state): the save is committed only when all of them have written their file.
+    state): the save is committed only when all of them have written their file. ``v3`` is SMP's switch to its
+    per-replica files for sharded optimizer state (Hugging Face's ``Trainer`` passes
+    ``v3=smp.state.cfg.shard_optimizer_state``); here the files follow what ``obj`` holds (sharded state always
+    goes to per-replica files), so it is accepted and changes nothing. Other keyword arguments go to ``torch.save``.
     """
     st = state.get()
     topo = st.topology
@@ -127,10 +130,12 @@ def save(obj: Any, path: str | os.PathLike, partial: bool = True, **torch_save_k
     agree(commit, group, what)
 
 
-def load(path: str | os.PathLike, partial: bool = True, **torch_load_kwargs: Any) -> Any:
+def load(path: str | os.PathLike, partial: bool = True, back_compat: bool = False, **torch_load_kwargs: Any) -> Any:
     """Load what :func:`save` wrote: this rank's file of a partial save, verified against the manifest.
 
     A file that has no manifest loads only with ``partial=False`` (a plain ``torch.save`` file, unverified).
+    ``back_compat`` is SMP's switch for optimizer state saved by SMP before 1.10; files written here have one
+    format, so it is accepted and changes nothing. Other keyword arguments go to ``torch.load``.
     """
     manifest_file = manifest_path(path)
     if not partial:

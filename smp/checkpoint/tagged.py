@@ -48,7 +48,7 @@ from smp.checkpoint.commit import (
     write_text,
 )
 from smp.checkpoint.save_load import check_degrees, rank_suffix
-from smp.checkpoint.state_dicts import ZERO_KEY, CheckpointModel, CheckpointOptimizer
+from smp.checkpoint.state_dicts import PARTIAL_KEY, ZERO_KEY, CheckpointModel, CheckpointOptimizer, to_hf_keys
 from smp.runtime import state
 
 __all__ = ["save_checkpoint", "resume_from_checkpoint"]
@@ -65,9 +65,11 @@ def save_checkpoint(path: str | os.PathLike, tag: str, partial: bool = True, mod
     ``partial=True``: each rank writes what it holds into ``<tag>_partial/``, and the checkpoint becomes the
     newest one. ``num_kept_partial_checkpoints=N`` then deletes the oldest partial checkpoints until N are
     left. ``partial=False``: the model and optimizer state are gathered, and rank 0 writes them as ``<tag>``
-    and ``optimizer_<tag>``; these load on any layout. ``translate_if_full`` is SMP's switch for renaming
-    full state dicts to Hugging Face names. The keys here are already the module's own names, so the switch
-    changes nothing. ``user_content`` is any picklable object, and ``resume_from_checkpoint`` returns it.
+    and ``optimizer_<tag>``; these load on any layout. ``translate_if_full`` (SMP's switch) writes a full model
+    under Hugging Face's keys, through the ``smp_to_hf`` translators of ``smp.state.module_manager.translate_functions``
+    (none without tensor parallelism: the module's own keys are Hugging Face's); False writes it under this
+    model's keys, marked so (SMP's ``_smp_is_partial: False``). ``user_content`` is any picklable object, and
+    ``resume_from_checkpoint`` returns it.
     """
     st = state.get()
     if model is None and optimizer is None:
@@ -89,7 +91,7 @@ def save_checkpoint(path: str | os.PathLike, tag: str, partial: bool = True, mod
     if partial:
         _save_partial(st, path, tag, model, optimizer, user_content, num_kept_partial_checkpoints, what)
     else:
-        _save_full(st, path, tag, model, optimizer, user_content, what)
+        _save_full(st, path, tag, model, optimizer, user_content, translate_if_full, what)
 
 
 def _layout(st: state.State) -> dict[str, Any]:
@@ -168,11 +170,13 @@ def _read_newest(path: str) -> list[str]:
 
 
 def _save_full(st: state.State, path: str, tag: str, model: CheckpointModel | None,
-               optimizer: CheckpointOptimizer | None, user_content: Any, what: str) -> None:
+               optimizer: CheckpointOptimizer | None, user_content: Any, translate: bool, what: str) -> None:
     rdp = st.topology.rdp_rank(st.rank)
     # Gathers: the model over each model-parallel group (replica 0's is enough), sharded optimizer state over all
     # ranks.
     model_sd = model.state_dict() if model is not None and rdp == 0 else None
+    if model_sd is not None:  # under Hugging Face's keys, or marked as under this model's (SMP v1)
+        model_sd = to_hf_keys(model_sd, st.translate_functions) if translate else {**model_sd, PARTIAL_KEY: False}
     sharded = optimizer is not None and optimizer.state_sharded
     opt_sd = optimizer.state_dict() if optimizer is not None and (sharded or rdp == 0) else None
     files = {os.path.join(path, tag): model_sd, os.path.join(path, f"optimizer_{tag}"): opt_sd,
@@ -204,7 +208,9 @@ def resume_from_checkpoint(path: str | os.PathLike, tag: str | None = None, part
     tag. ``strict`` is the model's ``load_state_dict(strict=...)``. ``load_optimizer=False`` leaves the optimizer
     as it is. ``load_sharded_optimizer_state=False`` skips sharded optimizer state, for example to resume with
     another data-parallel degree. ``translate_function`` maps a full checkpoint's state dict to this model's
-    keys before loading. Before the first step, the state is applied right after the model is partitioned.
+    keys before loading; without it, one not marked as under this model's keys goes through SMP's ``hf_to_smp``
+    translators, as in SMP v1 (a Hugging Face ``pytorch_model.bin`` loads as it is). Before the first step, the
+    state is applied right after the model is partitioned.
     """
     st = state.get()
     if st.model is None:
@@ -271,11 +277,9 @@ def _resume_full(st: state.State, path: str, tag: str, strict: bool, load_optimi
         return name in manifest["files"] if manifest is not None else os.path.exists(os.path.join(path, name))
     if listed(tag):  # mmap: each rank pages in only the tensors it keeps, not the other stages' weights
         model_sd = load_file(os.path.join(path, tag), manifest, mmap=True)
-        if translate_function is not None:
-            model_sd = translate_function(model_sd)
         if manifest is not None and manifest.get("plan"):
             st.model.use_saved_plan(manifest["plan"])
-        st.model.load_state_dict(model_sd, strict=strict)
+        st.model.load_state_dict(model_sd, strict=strict, translate_function=translate_function)
     if load_optimizer and listed(f"optimizer_{tag}"):
         _optimizer(st).load_state_dict(load_file(os.path.join(path, f"optimizer_{tag}"), manifest, mmap=True))
     uc = f"user_content_{tag}"

@@ -11,6 +11,8 @@ first on ``sys.path``, ``sys.argv`` its own), except:
   stderr, which ``smp launch`` sends to the rank's log file, except on the local rank whose stderr is the console
   (:data:`smp.runtime.rank_env.CONSOLE_RANK_ENV`): there ``smp launch`` reports the cause once, and the traceback
   is in ``error.json`` (``SMP_TRACEBACK=1`` prints it there too);
+- with ``smp launch --as-smdistributed`` (:data:`smp.smdistributed_alias.ALIAS_ENV`), ``import
+  smdistributed.modelparallel.torch`` imports smp: the alias is installed before the script runs;
 - a rank started after a training-health rule stopped the job (the file ``SMP_HEALTH_STOP_FILE`` names exists:
   torchrun restarting a job on several machines) exits at once with the stop status.
 """
@@ -24,6 +26,7 @@ from collections.abc import Sequence
 
 from smp.runtime.health_options import STOP_EXIT_STATUS, STOP_FILE_ENV
 from smp.runtime.rank_env import CONSOLE_RANK_ENV
+from smp.smdistributed_alias import alias_from_environment
 
 __all__ = ["run_script"]
 
@@ -37,6 +40,7 @@ def run_script(argv: Sequence[str]) -> int:
     stop = os.environ.get(STOP_FILE_ENV)
     if stop and os.path.exists(stop):  # torchrun restarted a job a training-health rule stopped: stop again
         return STOP_EXIT_STATUS
+    alias_from_environment()  # smp launch --as-smdistributed: before the script imports anything
     script, *args = argv
     sys.argv = [script, *args]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))

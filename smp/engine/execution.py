@@ -10,10 +10,13 @@ step's threads, explains a silent peer by the smp call that peer is in instead, 
 closes smp's process groups (:meth:`smp.runtime.state.State.report_failure`), so that every rank ends the step
 with an error naming the rank that failed first.
 
-Around a training step it hands the model and the step to the training-health checks (:mod:`smp.health.session`),
-which may end the job between steps. Between steps the step also owns two decisions a profile informs: it records
-the step when a profile window is open (:mod:`smp.profiling.session`), and with ``"auto_repartition"`` it moves the
-model to a better plan once the re-planner's window is complete (:mod:`smp.engine.repartition`).
+With the config's ``"tensorboard"`` key each step's loss, throughput and memory go to TensorBoard
+(:mod:`pipeline.tensorboard`). Around a training step it hands the model and the step to the training-health
+checks (:mod:`smp.health.session`), which may end the job between steps. Between steps the step also owns two
+decisions a profile informs: it records the step when a profile window is open (:mod:`smp.profiling.session`), and
+with ``"auto_repartition"`` it moves the model to a better plan once the re-planner's window is complete
+(:mod:`smp.engine.repartition`). A step whose microbatches have other shapes than the last one runs the stages of
+its shape class (:mod:`pipeline.shape_classes`).
 """
 from __future__ import annotations
 
@@ -60,7 +63,17 @@ def run_step(st: State, model: PipelineModel, run: StepRun) -> list[Any]:
         raise
     session.after(ok=True)
     checks.after(st, model, run, train, ok=True)
+    _log_tensorboard(model, run)
     return results
+
+
+def _log_tensorboard(model: PipelineModel, run: StepRun) -> None:
+    """With the config's ``"tensorboard"`` directory: this rank's scalars of the step (the mean loss handed to
+    ``model.backward`` on the last stage's rank, as scaled under fp16; the throughput and memory on every rank)."""
+    writer = model.runner.tensorboard if model.runner is not None else None
+    if writer is not None:
+        losses = run.losses()
+        writer.log(float(torch.stack(losses).mean()) if losses else None, run.throughput)
 
 
 def _guarded(st: State, model: PipelineModel, run: StepRun) -> list[Any]:
@@ -96,7 +109,6 @@ def _run(st: State, model: PipelineModel, run: StepRun, call: str) -> list[Any]:
         start = time.perf_counter()  # the first step's figures leave partitioning out
     runner = model.runner
     assert runner is not None  # partitioned
-    sm = runner.split_model
     runner.train(model.module.training)  # model.eval() turns dropout off and BatchNorm to running statistics
     train = model.module.training and run.call_of(0).grad_enabled
     if run.call_of(0).autocast != model.traced_autocast:
@@ -106,6 +118,8 @@ def _run(st: State, model: PipelineModel, run: StepRun, call: str) -> list[Any]:
                            f"under {name(run.call_of(0).autocast)}: the tensors that cross pipeline stages have "
                            "the dtypes of the first step, so call the model under the same autocast setting in "
                            "every step")
+    # Every rank of the pipeline has pp_rank 0's arguments: each picks the stages of the same shape class.
+    sm = runner.specialise(run.call_of(0).args, run.call_of(0).kwargs)
 
     def inputs_of(k: int) -> dict[str, Any]:
         mb = run.call_of(k)

@@ -8,7 +8,7 @@ runtime: :func:`pipeline_runner` is the one-call way from a model to a running :
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Collection
 
 import torch
 import torch.distributed as dist
@@ -30,15 +30,15 @@ __all__ = ["shared_plan", "pipeline_runner", "smp_runner", "own_tensors"]
 def shared_plan(model: torch.nn.Module, args: tuple, kwargs: dict, num_stages: int,
                 options: PartitionOptions | None = None, group: Any = None,
                 timeout_s: float | None = None, loss: tuple[Any, Any] | None = None,
-                tp: tuple[int, int] = (1, 0)) -> PartitionPlan:
+                tp: tuple[int, int] = (1, 0), shardable: Collection[str] | None = None) -> PartitionPlan:
     """Every rank traces ``model`` on one microbatch; global rank 0 partitions and sends the plan to all, over
     ``group`` (every rank; default: the default group), whose timeout bounds the other ranks' wait
     (``timeout_s`` names it in the error: raise it when partitioning takes longer). ``loss``: ``(loss_fn, one
     microbatch's target)``, the loss the last stage computes, priced in the plan (``partitioner.trace``). ``tp``:
     (tensor-parallel degree, this rank's tp rank): every rank binds the plan to its own tp rank's graph (global
-    rank 0, tp rank 0, partitions its own)."""
+    rank 0, tp rank 0, partitions its own); ``shardable``: the parameters tensor parallelism may split (None: all)."""
     loss_fn, target = loss if loss is not None else (None, None)
-    graph = tensor_parallel_graph(trace(model, args, kwargs, loss_fn=loss_fn, target=target), *tp)
+    graph = tensor_parallel_graph(trace(model, args, kwargs, loss_fn=loss_fn, target=target), *tp, shardable)
     text = [partition(graph, num_stages, options, example_inputs=args, example_kwargs=kwargs).to_json()
             if dist.get_rank() == 0 else None]
     with named_failures("receiving the partition plan from rank 0", [0], dist.get_rank(), timeout_s):
@@ -58,6 +58,7 @@ def pipeline_runner(model: torch.nn.Module, args: tuple = (), kwargs: dict | Non
     defaults to the pipeline's ranks times ``virtual_stages``; ``options`` default to
     ``PartitionOptions(microbatches=...)``. ``loss_fn`` and ``target``, the example microbatch's target: the loss
     ``step`` will compute, priced on the last stage by the plan.
+    Steps may change the batch size and sequence length from one to the next (:mod:`pipeline.shape_classes`).
     ``tp_groups`` (with ``pipelines``): tensor parallelism, each layer split over the ranks of a tp group
     (:mod:`partitioner.sharding`); the model's parameters become this rank's shards (:mod:`smp.engine.tp_shards`).
 
@@ -80,6 +81,7 @@ def pipeline_runner(model: torch.nn.Module, args: tuple = (), kwargs: dict | Non
     if weights is not None:  # of a tensor-parallel shard, only its slice is read
         load_local(model, weights, tensor_ids(model, local), cuts=weight_cuts(shard_specs(plan.traced_graph()), *tp))
     runner_kwargs.setdefault("autocast", precision.active_autocast())  # traced under it: the stages run under it
+    runner_kwargs.setdefault("model", model)  # batches of other shapes run stages traced again from it
     return PipelineRunner(plan, microbatches=microbatches, virtual_stages=virtual_stages, **runner_kwargs)
 
 
@@ -103,4 +105,6 @@ def smp_runner(st: State, model: PipelineModel, plan: PartitionPlan, checkpoint_
                           max_in_flight=cfg.active_microbatches if cfg.schedule == "1f1b" else None,
                           pipelines=st.topology.pipelines(), device=st.device, timeout_s=cfg.timeout_s,
                           checkpoint_modules=checkpoint_modules, autocast=model.traced_autocast,
-                          tp_groups=st.topology.tp_groups() if st.topology.tp > 1 else None)
+                          tp_groups=st.topology.tp_groups() if st.topology.tp > 1 else None,
+                          model=model.module, shape_cache_size=cfg.shape_cache_size,
+                          tensorboard=cfg.tensorboard)

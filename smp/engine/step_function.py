@@ -72,6 +72,11 @@ class StepOutput:
         """The microbatches' values stacked along a new dimension 0."""
         return torch.stack(self._tensors())
 
+    def detach(self) -> StepOutput:
+        """The same values with every tensor detached from its autograd graph, as a new StepOutput (SMP's
+        ``StepOutput.detach()``; Hugging Face's ``Trainer`` calls ``.detach().concat()`` on evaluation outputs)."""
+        return StepOutput(detach(self.outputs), self.throughput)
+
     def __len__(self) -> int:
         return len(self.outputs)
 

@@ -17,6 +17,10 @@ The measured bubble is the simulator's definition applied to the real run: ``1 -
 (ranks * makespan)`` over one pipeline's passes. The simulator (:func:`pipeline.simulate.simulate`) replays
 the same schedule twice: once with the plan's stage times (the *prediction*) and once with the measured
 ones (what the schedule alone explains).
+
+Throughput is what every step counted (the pipeline's ``throughput`` counter: seconds, samples, tokens, model
+FLOPs, devices) turned into rates by :func:`partitioner.throughput.from_counts`, the definition the run's own
+figures use, against the peak of the device profile the plan was priced for.
 """
 from __future__ import annotations
 
@@ -30,13 +34,14 @@ from typing import Any
 
 from partitioner import PartitionPlan
 from partitioner.errors import EngineError
+from partitioner.throughput import Throughput, from_counts, peak_flops_per_s
 from pipeline.profile_description import PROFILE_FILE, TRACE_FILE, predict, schedule_of
 from pipeline.schedule import Action, Schedule
 from pipeline.simulate import SimResult
 from pipeline.timeline import Counter, Event, load_trace
 from smp.profiling.system_samples import SystemSamples, step_memory, system_samples
 
-__all__ = ["Phases", "Measurements", "load_profile", "measure", "ProfileError"]
+__all__ = ["Phases", "Measurements", "load_profile", "measure", "recorded_throughput", "ProfileError"]
 
 
 class ProfileError(EngineError, FileNotFoundError):
@@ -92,6 +97,7 @@ class Measurements:
     memory: dict[int, dict[str, float]] = field(default_factory=dict)  # rank -> peak per counter value
     step_memory: dict[int, dict[str, list[float]]] = field(default_factory=dict)  # rank -> value -> per step
     system: dict[int, SystemSamples] = field(default_factory=dict)  # rank -> its system monitor's samples
+    throughput: list[Throughput] = field(default_factory=list)  # per profiled step, in order (the same on every rank)
 
     @property
     def stage_cost_s(self) -> list[float]:
@@ -226,7 +232,18 @@ def measure(events: list[Event], counters: list[Counter], info: dict[str, Any]) 
     return Measurements(info=info, plan=plan, schedule=schedule, events=events, steps=sorted({s for s, _ in phases}),
                         ranks=sorted(by_rank), phases=phases, stage_forward_s=fwd, stage_backward_s=bwd,
                         rank_stage_s=dict(rank_stage), bubble=bubble, predicted=predicted, replayed=replayed,
-                        memory=memory, step_memory=per_step, system=system_samples(counters, info))
+                        memory=memory, step_memory=per_step, system=system_samples(counters, info),
+                        throughput=recorded_throughput(counters, plan))
+
+
+def recorded_throughput(counters: list[Counter], plan: PartitionPlan) -> list[Throughput]:
+    """The figures of every step that recorded a ``throughput`` counter, in step order, from one rank (the lowest:
+    every rank of a pipeline records the same counts); empty for a profile without them."""
+    mine = sorted((c for c in counters if c.name == "throughput"), key=lambda c: (c.rank, c.time))
+    peak = peak_flops_per_s(plan)
+    return [from_counts(c.values["seconds"], int(c.values["samples"]),
+                        int(c.values["tokens"]) if "tokens" in c.values else None, c.values["model_flops"],
+                        int(c.values["devices"]), peak) for c in mine if c.rank == mine[0].rank]
 
 
 def _by_step(events: list[Event]) -> list[tuple[int, Event]]:

@@ -212,7 +212,28 @@ def _markdown(m: Measurements, findings: list[Finding], directory: str) -> list[
                       f"{m.info['ranks'][str(r)]['overhead']['fraction']:.2%}"] for r in m.ranks])
     lines += ["", "Overhead: the rank's recorded spans and memory samples, each timed on that rank after the window, "
               "and its system monitor's samples, as a share of the profiled time."]
-    return lines + _system_markdown(m)
+    return lines + _throughput_markdown(m) + _system_markdown(m)
+
+
+def _throughput_markdown(m: Measurements) -> list[str]:
+    """The throughput section: the median step's rates (the step of median time), then every step's
+    (partitioner.throughput's figures)."""
+    figures = m.throughput
+    if not figures:
+        return ["", "## Throughput", "", "No throughput recorded (a profile written before throughput was)."]
+    median = sorted(figures, key=lambda t: t.seconds)[(len(figures) - 1) // 2]
+    lines = ["", "## Throughput", "", f"Median step: {median}.", ""]
+    steps = m.steps if len(m.steps) == len(figures) else list(range(len(figures)))
+    lines += _table(["step", "step ms", "samples/s", "tokens/s", "model GFLOP/s per device", "MFU"],
+                    [[str(s), _ms(t.seconds), f"{t.samples_per_s:.1f}",
+                      f"{t.tokens_per_s:.1f}" if t.tokens_per_s is not None else "-",
+                      f"{t.flops_per_s_per_device / 1e9:.2f}", f"{t.mfu:.2%}" if t.mfu is not None else "-"]
+                     for s, t in zip(steps, figures)])
+    peak = figures[0].peak_flops_per_s
+    return lines + ["", f"Model FLOPs: the plan's forward FLOPs x 3 for a training step (x 1 forward only), over the "
+                    f"step's wall time (the slowest rank) and the pipeline's {figures[0].devices} device(s); MFU "
+                    "against the peak of the plan's device profile" + (f" ({peak / 1e12:.3g} TFLOP/s)." if peak else
+                    " (none recorded).") + " See partitioner.throughput."]
 
 
 def _median_of(m: Measurements, rank: int, name: str, key: str, scale: float = 1.0) -> str:

@@ -1,6 +1,7 @@
 """The ``smp.init`` configuration: SageMaker model parallelism's keys, defaults and checks.
 
-A config comes as a dict, a path to a JSON file, or JSON in the ``SMP_CONFIG`` environment variable.
+A config comes as a dict, a path to a JSON file, or JSON in the ``SMP_CONFIG`` environment variable; in a
+SageMaker job, SMP v1's ``SM_HP_MP_PARAMETERS`` is merged in (:mod:`smp.runtime.sagemaker_env`).
 Unknown keys and bad values are errors that list what is valid, because a typo in a training config
 should not silently fall back to a default. Keys of SMP v1 that tune that library's own runtime are
 accepted; given a value other than their default they warn once that they have no effect here
@@ -21,6 +22,8 @@ from typing import Any, TypeGuard
 from partitioner.errors import EngineError
 from partitioner.pipelines import PIPELINE_NAMES, pipeline_of
 from pipeline.profiler import ProfileOptions
+from pipeline.shape_classes import DEFAULT_SHAPE_CACHE_SIZE
+from smp.runtime import sagemaker_env
 from smp.runtime.compat import warn_no_effect
 from smp.runtime.health_options import DebugOptions, debug_options
 from smp.runtime.topology import axis_order
@@ -77,6 +80,8 @@ class Config:
     partition_file: str | None = None     # partition by this plan (smp replan -o FILE, PartitionPlan.to_json)
     auto_repartition: dict | None = None  # {"after_steps": N, "min_gain": 0.05, "dir": None}: re-plan in flight
     debug: dict | None = None  # {"rules": [...], "every_n_steps": N, "action": "warn"}: smp.health's rules
+    shape_cache_size: int = DEFAULT_SHAPE_CACHE_SIZE  # shape classes whose stages are kept (pipeline.shape_classes)
+    tensorboard: str | None = None  # a directory: every step's loss, throughput and memory (pipeline.tensorboard)
 
     @property
     def schedule(self) -> str:
@@ -162,13 +167,18 @@ def _check(cond: bool, key: str, value: Any, allowed: str) -> None:
 
 
 def load_config(config: dict | str | os.PathLike | None = None) -> Config:
-    """Read and check a config (dict, JSON file path, or ``SMP_CONFIG`` when None)."""
+    """Read and check a config (dict, JSON file path, or ``SMP_CONFIG`` when None). In a SageMaker job the keys
+    of ``SM_HP_MP_PARAMETERS`` are merged in, winning, as SMP v1 does (:mod:`smp.runtime.sagemaker_env`); with it,
+    no config at all is needed."""
+    sagemaker = sagemaker_env.mp_parameters()
     if config is None:
         text = os.environ.get("SMP_CONFIG")
-        if not text:
+        if not text and sagemaker is None:
             raise ConfigError("smp.init() needs a config: pass a dict or a JSON file path, or set SMP_CONFIG "
-                              "to JSON such as '{\"pipeline_parallel_degree\": 2, \"microbatches\": 4}'")
-        config = _parse_json(text, "SMP_CONFIG")
+                              "to JSON such as '{\"pipeline_parallel_degree\": 2, \"microbatches\": 4}' (or, as "
+                              f"in a SageMaker job, {sagemaker_env.MP_PARAMETERS_ENV} to SMP's keys such as "
+                              "'{\"partitions\": 2, \"microbatches\": 4}')")
+        config = _parse_json(text, "SMP_CONFIG") if text else {}
     elif isinstance(config, (str, os.PathLike)):
         if not os.path.exists(config):
             raise ConfigError(f"smp config file {os.fspath(config)!r} does not exist")
@@ -176,7 +186,7 @@ def load_config(config: dict | str | os.PathLike | None = None) -> Config:
             config = _parse_json(fh.read(), os.fspath(config))
     if not isinstance(config, dict):
         raise ConfigError(f"smp config must be a dict, got {type(config).__name__}")
-    cfg = dict(config)
+    cfg = dict(config) if sagemaker is None else sagemaker_env.merged(config, sagemaker)
     if "partitions" in cfg:  # SMP's alias
         if "pipeline_parallel_degree" in cfg and cfg["pipeline_parallel_degree"] != cfg["partitions"]:
             raise ConfigError(f"'partitions'={cfg['partitions']} and 'pipeline_parallel_degree'="
@@ -262,6 +272,10 @@ def _validate(c: Config) -> None:
     _check(not (c.fp16 and c.bf16), "fp16", c.fp16, "not together with 'bf16': True; choose one of them")
     _check(_is_int(c.activation_loading_horizon) and c.activation_loading_horizon >= 1,
            "activation_loading_horizon", c.activation_loading_horizon, "a positive integer")
+    _check(_is_int(c.shape_cache_size) and c.shape_cache_size >= 1, "shape_cache_size", c.shape_cache_size,
+           "a positive integer: how many input shape classes (batch size, sequence length) keep their stages")
+    _check(c.tensorboard is None or (isinstance(c.tensorboard, str) and bool(c.tensorboard)), "tensorboard",
+           c.tensorboard, "the directory to write TensorBoard logs to (needs the tensorboard package), or None")
     _validate_profiling(c)
     try:
         _ = c.debug_options  # built (and checked) by smp.runtime.health_options

@@ -10,6 +10,8 @@ from __future__ import annotations
 import atexit
 import datetime
 import os
+import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from pipeline.p2p import PeerError, close_groups, default_store, report_failure
+from smp.runtime import sagemaker_env
 from smp.runtime.call_log import CallLog, CollectiveError
 from smp.runtime.config import Config, load_config
 from smp.runtime.rank_env import free_port
@@ -72,9 +75,14 @@ class State:
     placement: dict = field(default_factory=dict)    # module -> partition, from smp.partition / set_partition
     partition_blocks: list = field(default_factory=list)  # open smp.partition(i) blocks, innermost last
     checkpointed: set = field(default_factory=set)   # modules marked by smp.set_activation_checkpointing
+    tp_marks: Any = field(default_factory=weakref.WeakKeyDictionary)  # module -> TPMark (smp.tensor_parallelism)
+    tp_context: list = field(default_factory=list)  # open smp.tensor_parallelism() contexts' marks, innermost last
     messages: dict = field(default_factory=dict)     # (src, dst) -> objects sent so far (smp.send/recv_from)
     profiling: Any = None      # the profiling session (smp.profile), once a step or smp.profile needed it
     health: Any = None         # the training-health session (smp.debug, smp.health), once a step needed it
+    # SMP's module_manager.translate_functions: (smp_to_hf, hf_to_smp) state-dict key translators, one pair per
+    # kind of distributed module substituted (tensor parallelism appends them); full checkpoints pass through them.
+    translate_functions: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.aliases:
@@ -181,11 +189,19 @@ def get() -> State:
 
 def init(config: dict | str | None = None) -> State:
     """Read the config, join the process group torchrun set up (or a world of one), build the grid and
-    smp's process groups, all with the config's ``timeout_s``."""
+    smp's process groups, all with the config's ``timeout_s``. In a SageMaker job (``SM_HP_MP_PARAMETERS`` set) the
+    config may be left out, and a second call is ignored with a warning, as in SMP v1
+    (:mod:`smp.runtime.sagemaker_env`); elsewhere a second call is an error."""
     global _state
+    if _state is not None and sagemaker_env.in_sagemaker_job():
+        warnings.warn("smp.init() was already called in this process: this call is ignored, as SMP v1 ignores it in "
+                      f"a SageMaker job ({sagemaker_env.MP_PARAMETERS_ENV} is set)", UserWarning, stacklevel=2)
+        return _state
     cfg = load_config(config)
     if _state is not None:
         raise RuntimeError("smp.init() was already called in this process; call it once, before anything else")
+    local_world = os.environ.get("LOCAL_WORLD_SIZE")
+    sagemaker_env.check_processes_per_host(int(local_world) if local_world else None)
     timeout = datetime.timedelta(seconds=cfg.timeout_s)
     made_default = not dist.is_initialized()
     if made_default:

@@ -107,3 +107,25 @@ def assert_exact(r: dict) -> None:
     for got, want in zip(r["losses"], r["ref_losses"]):
         assert abs(got - want) <= 1e-5 * abs(want) + 1e-6, (r["losses"], r["ref_losses"])
     assert r["param_err"] < PARAM_TOL, r["param_err"]
+
+
+def shard_grad_error(model, grads: dict) -> tuple[float, int]:
+    """The largest gradient difference (relative to the largest gradient) between a partitioned
+    ``smp.DistributedModel`` and the single-process ``grads`` (by parameter name), each tensor-parallel shard
+    against its slice of the whole gradient; and how many of this rank's parameters are shards."""
+    import smp
+    from partitioner.program import tensor_aliases
+    from partitioner.shard_program import shard_tensor
+    graph = model.partition_plan().traced_graph()
+    alias = tensor_aliases(graph.fx.module)
+    shards = {alias.get(t, t): s for t, s in graph.fx.sharding.params.items()} if smp.tp_size() > 1 else {}
+    scale = max(float(g.abs().max()) for g in grads.values())
+    worst, split = 0.0, 0
+    for name, p in model.module.named_parameters():
+        if p.is_meta:
+            continue
+        spec = shards.get(alias.get(name, name))
+        split += spec is not None
+        expected = grads[name] if spec is None else shard_tensor(grads[name], spec, smp.tp_size(), smp.tp_rank())
+        worst = max(worst, float((p.grad - expected).abs().max()) / scale)
+    return worst, split

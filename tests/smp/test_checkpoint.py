@@ -237,6 +237,7 @@ def _replicas(rank: int, world: int, tmp: str):
             "wrong_shard": _error(lambda: opt.load_state_dict(wrong_shard))}
 
 
+@pytest.mark.slow  # 4 ranks; test_save_load_pp2 is the default run's
 def test_save_load_pp2_dp2(tmp_path):
     results = run_ranks(_replicas, 4, str(tmp_path), timeout=300)
     assert results[0]["files"] == ["model.manifest.json", "model_0", "model_1", "opt.manifest.json",

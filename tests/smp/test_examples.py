@@ -95,15 +95,18 @@ def fast_train_gpt2(tmp_path: Path) -> None:
 
 
 def fast_smp_v1_mnist(tmp_path: Path) -> None:
-    """Data on pp_rank 0 only, ``sum(loss_batch)`` of ``loss.item()`` returns, ``smp.save`` on rdp_rank 0."""
-    _, files = _resume_reproduces("smp_v1_mnist.py", 2, 4, tmp_path)
-    assert files == MNIST_FILES, files
+    """Data on pp_rank 0 only, ``sum(loss_batch)`` of ``loss.item()`` returns, ``smp.save`` on rdp_rank 0 (the
+    resume to the same losses: slow)."""
+    assert_falls(losses(smp_launch("smp_v1_mnist.py", "--steps", "3", "--ckpt", str(tmp_path), "--stop-after", "3",
+                                     nproc=2), 3))
+    assert " ".join(sorted(p.name for p in tmp_path.iterdir())) == MNIST_FILES
 
 
 def fast_smp_v1_gpt2(tmp_path: Path) -> None:
-    """bf16, the optimizer and ``args`` as step arguments, ``smp.save_checkpoint`` / ``resume_from_checkpoint``."""
-    _, files = _resume_reproduces("smp_v1_gpt2.py", 2, 2, tmp_path)
-    assert files == "newest step1_partial", files
+    """bf16, the optimizer and ``args`` as step arguments, ``smp.save_checkpoint`` (the resume: slow)."""
+    assert_falls(losses(smp_launch("smp_v1_gpt2.py", "--steps", "2", "--ckpt", str(tmp_path), "--stop-after", "2",
+                                     nproc=2), 2))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["newest", "step2_partial"]
 
 
 def fast_train_restart(tmp_path: Path) -> None:
@@ -114,9 +117,67 @@ def fast_train_restart(tmp_path: Path) -> None:
     assert (tmp_path / "newest").is_file(), sorted(p.name for p in tmp_path.iterdir())
 
 
+EXACT = ("--same_seed", "1", "--resid_pdrop", "0", "--embd_pdrop", "0", "--attn_pdrop", "0", "--weight_decay", "0")
+
+
+def gpt2_reference(steps: int, batch: int, report: int) -> list[float]:
+    """The losses of the Hugging Face GPT-2 that ``smp_v1_gpt2_tp.py`` builds (its init, data, weight-decay groups
+    and learning rate), trained in this process with torch alone on ``batch`` rows a step (every replica's); the
+    loss printed is that of the first ``report`` rows (rank 0's replica), as the script prints it."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, set_seed
+    from transformers.modeling_utils import PreTrainedModel
+
+    from examples.smp_v1_gpt2_tp import annealing, batches, param_groups_by_weight_decay, parse_args
+    sys.argv = ["smp_v1_gpt2_tp.py", "--max_steps", str(steps), "--train_batch_size", str(batch), *EXACT]
+    args = parse_args()
+    init = PreTrainedModel.init_weights
+    PreTrainedModel.init_weights = lambda self: None  # as the script does for SMP's distributed transformer
+    try:
+        set_seed(args.seed)
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=args.vocab_size, n_positions=args.max_context_width,
+                                           n_embd=args.hidden_width, n_layer=args.num_layers, n_head=args.num_heads,
+                                           resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
+                                           bos_token_id=0, eos_token_id=0))
+    finally:
+        PreTrainedModel.init_weights = init
+    model.lm_head.weight = model.transformer.wte.weight  # SMP ties the head as the config says (init was skipped)
+    optimizer = torch.optim.Adam(param_groups_by_weight_decay(model), betas=(args.beta1, args.beta2), lr=args.lr,
+                                 weight_decay=args.weight_decay)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, annealing(args))
+    out = []
+    for _, ids, mask in batches(args, 0, 1, 0):
+        optimizer.zero_grad()
+        with torch.no_grad():
+            out.append(model(input_ids=ids[:report], attention_mask=mask[:report], labels=ids[:report]).loss.item())
+        model(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()
+        optimizer.step()
+        schedule.step()
+    return out
+
+
+def gpt2_tp_matches_reference(nproc: int, *layout: str, replicas: int = 1) -> list[float]:
+    """The published-recipe example on ``nproc`` ranks in ``layout`` (4 rows a replica): its losses are the
+    single-process ones."""
+    out = smp_launch("smp_v1_gpt2_tp.py", "--max_steps", "4", *EXACT, *layout, nproc=nproc)
+    values = losses(out, 4)
+    want = gpt2_reference(4, 4 * replicas, 4)
+    assert all(abs(a - b) < 1e-5 * abs(b) for a, b in zip(values, want)), (values, want)
+    return values
+
+
+def fast_smp_v1_gpt2_tp(tmp_path: Path) -> None:
+    """SMP's distributed transformer at tensor degree 2 (the published recipe's calls): the single-process losses
+    of the same Hugging Face model, and a full model saved and translated back to Hugging Face's format."""
+    assert_falls(gpt2_tp_matches_reference(2, "--tensor_parallel_degree", "2", "--save_final_full_model", "1",
+                                           "--model-dir", str(tmp_path)))
+    assert (tmp_path / "hf" / "config.json").is_file()
+
+
 FAST: dict[str, Callable[[Path], None]] = {
     "train_cnn.py": fast_train_cnn, "train_vit.py": fast_train_vit, "train_gpt2.py": fast_train_gpt2,
     "smp_v1_mnist.py": fast_smp_v1_mnist, "smp_v1_gpt2.py": fast_smp_v1_gpt2, "train_restart.py": fast_train_restart,
+    "smp_v1_gpt2_tp.py": fast_smp_v1_gpt2_tp,
 }
 
 
@@ -159,8 +220,9 @@ def test_train_gpt2_demo_through_smp_launch(tmp_path):
 
 
 @pytest.mark.slow
-def test_smp_v1_mnist_resumes_exactly_on_4_ranks(tmp_path):
-    _, files = _resume_reproduces("smp_v1_mnist.py", 4, 4, tmp_path)
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_smp_v1_mnist_resumes_exactly(nproc, tmp_path):
+    _, files = _resume_reproduces("smp_v1_mnist.py", nproc, 4, tmp_path)
     assert files == MNIST_FILES, files
 
 
@@ -169,3 +231,36 @@ def test_smp_v1_mnist_resumes_exactly_on_4_ranks(tmp_path):
 def test_smp_v1_gpt2_resumes_exactly(nproc, tmp_path):
     _, files = _resume_reproduces("smp_v1_gpt2.py", nproc, 4, tmp_path)
     assert files == "newest step2_partial", files
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout,replicas", [(("--pipeline_parallel_degree", "2", "--microbatches", "2"), 1),
+                                             ((), 2), (("--prescaled_batch", "0"), 2)])
+def test_smp_v1_gpt2_tp_on_4_ranks_is_exact(layout, replicas):
+    """tp2 x pp2 and tp2 x dp2 (prescaled or not: the tp ranks read one batch, or each its own)."""
+    gpt2_tp_matches_reference(4, "--tensor_parallel_degree", "2", *layout,
+                              *(("--train_batch_size", "2") if "0" in layout else ()),
+                              replicas=replicas)
+
+
+@pytest.mark.slow
+def test_smp_v1_gpt2_tp_published_defaults_train(tmp_path):
+    """The published defaults (dropout 0.1, a seed per tp rank, activation checkpointing) on tp2 x pp2: it trains."""
+    out = smp_launch("smp_v1_gpt2_tp.py", "--tensor_parallel_degree", "2", "--pipeline_parallel_degree", "2",
+                     "--microbatches", "2", "--max_steps", "6", "--checkpoint-dir", str(tmp_path), nproc=4)
+    assert_falls(losses(out, 6))
+
+
+@pytest.mark.slow
+def test_smp_v1_gpt2_tp_resumes_exactly(tmp_path):
+    """tp2 x pp2, activation checkpointing, a seed per tp rank: a run saved at step 3 (``--max_steps 3``, the
+    schedule fixed by ``--lr_decay_iters``) and resumed with ``--load_partial 1`` prints the uninterrupted run's
+    losses (dropout off: its masks come from random streams a checkpoint does not hold)."""
+    common = ("--tensor_parallel_degree", "2", "--pipeline_parallel_degree", "2", "--microbatches", "2",
+              "--lr_decay_iters", "6", "--same_seed", "0", *EXACT[2:], "--checkpoint-dir")
+    whole = losses(smp_launch("smp_v1_gpt2_tp.py", "--max_steps", "6", *common, str(tmp_path / "whole"), nproc=4), 6)
+    smp_launch("smp_v1_gpt2_tp.py", "--max_steps", "3", "--checkpoint_freq", "3", *common, str(tmp_path / "cut"),
+               nproc=4)
+    rest = smp_launch("smp_v1_gpt2_tp.py", "--max_steps", "6", "--load_partial", "1", *common, str(tmp_path / "cut"),
+                      nproc=4)
+    assert [float(v) for _, _, v in STEP.findall(rest)] == whole[3:], (whole, rest)

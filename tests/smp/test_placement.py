@@ -89,3 +89,27 @@ def test_placement_that_is_not_a_pipeline_is_an_error():
         err = r.get("error", "")
         assert "this placement is not a pipeline" in err, r
         assert "block2" in err and "head" in err and "partition 1" in err and "partition 0" in err, err
+
+
+def test_smp_v1_checkpointing_keywords_are_accepted_checked_and_said_to_change_nothing(monkeypatch):
+    import torch
+
+    import smp
+    from smp.runtime import state
+    from smp.runtime.compat import NoEffectWarning
+    from smp.runtime.config import load_config
+    from smp.runtime.topology import Topology
+    st = state.State(config=load_config({"partitions": 1}), topology=Topology(1, 1, placement="cluster"), rank=0,
+                     mp_group=None, dp_group=None, device=torch.device("cpu"))
+    monkeypatch.setattr(state, "_state", st)
+    layers = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    smp.set_activation_checkpointing(layers[0], preserve_rng_state=True, strategy="each")
+    with pytest.warns(NoEffectWarning, match="pack_args_as_tuple=True"):
+        smp.set_activation_checkpointing(layers[1], pack_args_as_tuple=True)
+    with pytest.warns(NoEffectWarning, match="strategy='group_2'"):
+        smp.set_activation_checkpointing(layers, strategy="group_2")
+    assert st.checkpointed == {layers, layers[0], layers[1]}
+    with pytest.raises(ValueError, match="use 'each', 'contiguous' or 'group_N'"):
+        smp.set_activation_checkpointing(layers, strategy="group_x")
+    with pytest.raises(ValueError, match="applies to an nn.Sequential"):
+        smp.set_activation_checkpointing(layers[0], strategy="contiguous")

@@ -220,23 +220,28 @@ def test_delayed_initialisation_draws_each_shard_from_a_stream_of_its_own():
     assert abs(float(a["c_fc"].std()) - 0.02) < 0.005  # GPT-2's own initialiser ran (normal, std 0.02)
 
 
-def _checkpointed(rank: int, world: int) -> str:
+def _recomputed(rank: int, world: int) -> list[dict]:
     import transformers as T
 
     from smp.engine.planning import pipeline_runner
-    model = T.GPT2LMHeadModel(T.GPT2Config(n_layer=1, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=32,
-                                           bos_token_id=0, eos_token_id=0)).train()  # dropout 0.1
     ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(1))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        try:
-            pipeline_runner(model, (ids,), {"labels": ids}, pipelines=[[0], [1]], tp_groups=[[0, 1]], timeout_s=60,
-                            checkpoint_modules=["transformer.h.0"])
-        except ValueError as exc:
-            return str(exc)
-    return "built"
+    out = []
+    for checkpointed in ([], ["transformer.h.0"]):
+        torch.manual_seed(0)
+        model = T.GPT2LMHeadModel(T.GPT2Config(n_layer=1, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=32,
+                                               bos_token_id=0, eos_token_id=0)).train()  # dropout 0.1
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            runner = pipeline_runner(model, (ids,), {"labels": ids}, pipelines=[[0], [1]], tp_groups=[[0, 1]],
+                                     timeout_s=60, checkpoint_modules=checkpointed)
+        loss = runner.step((ids,), {"labels": ids}, loss_fn=_loss).loss
+        out.append({"loss": loss, "grads": {n: p.grad.clone() for n, p in model.named_parameters()}})
+        runner.close()
+    return out
 
 
-def test_activation_checkpointing_with_tensor_parallel_dropout_is_refused():
-    for message in run_ranks(_checkpointed, 2, timeout=240):
-        assert "recomputation would draw other masks" in message, message
+def test_activation_checkpointing_replays_tensor_parallel_dropout_masks():
+    for plain, recomputed in run_ranks(_recomputed, 2, timeout=240):
+        assert plain["loss"] == recomputed["loss"]
+        for name, grad in plain["grads"].items():  # other masks in the recomputation would change these
+            torch.testing.assert_close(recomputed["grads"][name], grad, rtol=0, atol=1e-7, msg=name)

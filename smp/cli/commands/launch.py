@@ -3,6 +3,8 @@
 ``smp launch -n N script.py args`` runs ``torchrun --nproc-per-node N --standalone ... script.py args`` in this
 process (``torch.distributed.run``); torchrun's multi-node options pass through (and drop ``--standalone``).
 ``--dry-run`` prints that command exactly as it runs: the environment variables added, and every torchrun option.
+``--as-smdistributed`` makes ``import smdistributed.modelparallel.torch`` import smp in every rank, for libraries
+written for SMP v1 (:mod:`smp.smdistributed_alias`; the ranks' worker installs it before the script runs).
 
 - Each rank runs the script through :mod:`smp.cli.worker`: Ctrl-C ends every rank quietly (the command says
   ``interrupted`` once and exits with 130), and an exception is recorded in the rank's ``error.json`` by torchrun's
@@ -46,8 +48,9 @@ from smp.cli.options import Parser
 from smp.cli.text import PROG
 from smp.runtime.health_options import STOP_EXIT_STATUS, STOP_FILE_ENV
 from smp.runtime.rank_env import CONSOLE_RANK_ENV, RANK_ENV, added_environment
+from smp.smdistributed_alias import ALIAS_ENV, SmdistributedAliasError, check_no_real_smdistributed
 
-__all__ = ["register", "run", "launch", "torchrun_args", "launch_environment", "command_line", "WORKER",
+__all__ = ["register", "run", "launch", "torchrun_args", "launch_environment", "alias_mode", "command_line", "WORKER",
            "EXIT_FAILED", "EXIT_STATUS"]
 
 WORKER = "smp.cli.worker"  # the module each rank runs: the script as __main__, Ctrl-C without a traceback
@@ -76,6 +79,11 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-dir", "--log_dir", dest="log_dir",
                    help="folder of the per-rank logs; each launch adds a folder (default $TMPDIR/smp-launch-$USER)")
     p.add_argument("--dry-run", action="store_true", help="print the command it would run and exit")
+    p.add_argument("--as-smdistributed", action="store_true",
+                   help="`import smdistributed.modelparallel.torch` imports smp in every rank (for libraries written "
+                        "for SMP v1, such as Hugging Face's Trainer); refused where a real smdistributed is installed")
+    p.add_argument("--shadow-smdistributed", action="store_true",
+                   help="as --as-smdistributed, also where a real smdistributed is installed (hidden for the job)")
     p.add_argument("script", help="training script")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
     p.set_defaults(func=run)
@@ -146,18 +154,37 @@ def torchrun_args(ns: argparse.Namespace, log_dir: str, local_world: int) -> lis
     return args + ["--module", WORKER, ns.script, *script_args]
 
 
-def launch_environment(log_dir: str, local_world: int) -> dict[str, str]:
-    """The variables the launch adds to the ranks' environment (those the user set are kept as they are)."""
+def launch_environment(log_dir: str, local_world: int, alias: str | None = None) -> dict[str, str]:
+    """The variables the launch adds to the ranks' environment (those the user set are kept as they are);
+    ``alias`` (:func:`alias_mode`) asks :mod:`smp.cli.worker` to alias ``smdistributed`` to smp in each rank."""
     env = {"OMP_NUM_THREADS": "1"} if local_world > 1 else {}  # torchrun's default, without its banner
     env.update(RANK_ENV)
     env[STOP_FILE_ENV] = os.path.join(log_dir, "health-stop")
     env[CONSOLE_RANK_ENV] = "0"
-    return {k: v for k, v in env.items() if k not in os.environ}
+    added = {k: v for k, v in env.items() if k not in os.environ}
+    if alias is not None:  # the command line's choice, over a value inherited from the environment
+        added[ALIAS_ENV] = alias
+    return added
+
+
+def alias_mode(ns: argparse.Namespace) -> str | None:
+    """The value of :data:`~smp.smdistributed_alias.ALIAS_ENV` the ranks get: ``"force"`` for
+    ``--shadow-smdistributed``, ``"1"`` for ``--as-smdistributed``, None without either. A plain
+    ``--as-smdistributed`` where a real ``smdistributed`` is importable is refused here, before any rank starts."""
+    if ns.shadow_smdistributed:
+        return "force"
+    if not ns.as_smdistributed:
+        return None
+    try:
+        check_no_real_smdistributed(fix="launch with --shadow-smdistributed to use smp in its place anyway")
+    except SmdistributedAliasError as exc:
+        raise CLIError(f"--as-smdistributed: {exc}") from None
+    return "1"
 
 
 def command_line(ns: argparse.Namespace, log_dir: str, local_world: int) -> str:
     """The command ``--dry-run`` prints: what runs, as a shell line (and a comment when this command restarts it)."""
-    env = " ".join(f"{k}={shlex.quote(v)}" for k, v in launch_environment(log_dir, local_world).items())
+    env = " ".join(f"{k}={shlex.quote(v)}" for k, v in launch_environment(log_dir, local_world, alias_mode(ns)).items())
     line = f"{env} torchrun {shlex.join(torchrun_args(ns, log_dir, local_world))}".strip()
     if ns.max_restarts and _standalone(ns):
         line += f"\n# if it fails, {PROG} launch runs it again, up to {ns.max_restarts} more time(s) (--max-restarts)"
@@ -184,7 +211,7 @@ def run(ns: argparse.Namespace) -> int:
 
 def _attempts(ns: argparse.Namespace, log_dir: str, local_world: int, restarts: int) -> int:
     """Run the job, and again after a failure up to ``restarts`` times, unless a training-health rule stopped it."""
-    added = launch_environment(log_dir, local_world)
+    added = launch_environment(log_dir, local_world, alias_mode(ns))
     with added_environment(added):
         stop_file = os.environ[STOP_FILE_ENV]
         for attempt in range(restarts + 1):

@@ -1,4 +1,4 @@
-"""``smp.nn``: the modules SMP v1 scripts import from ``smdistributed.modelparallel.torch.nn``.
+"""``smp.nn.FusedLayerNorm``: apex's layer-norm module.
 
 ``FusedLayerNorm`` stands in for apex's ``FusedLayerNorm`` (SMP's replacement for it takes the same
 arguments). apex fuses layer normalisation (Ba et al. 2016, "Layer Normalization", arXiv:1607.06450) into

@@ -1,0 +1,137 @@
+"""``smp.alias_smdistributed()``: make ``import smdistributed.modelparallel.torch`` import this ``smp``, for code
+that cannot be edited (a library such as Hugging Face's ``Trainer``).
+
+The alias is opt-in: call it before the library is imported, or launch with ``smp launch --as-smdistributed``,
+which sets :data:`ALIAS_ENV` so that every rank calls it before the script runs (:mod:`smp.cli.worker`,
+:func:`alias_from_environment`). It puts a finder first on
+``sys.meta_path`` that answers for three names and everything under the last:
+
+- ``smdistributed`` and ``smdistributed.modelparallel``: empty packages; the latter's ``__version__`` is
+  :data:`SMP_V1_VERSION`, the SMP v1 release whose behaviour this engine matches (libraries gate their SMP code
+  paths on it, as ``transformers`` does on ``>= 1.10``);
+- ``smdistributed.modelparallel.torch`` and ``smdistributed.modelparallel.torch.<x>``: the very modules ``smp``
+  and ``smp.<x>`` (one module object under two names, so there is one state), so that
+  ``import smdistributed.modelparallel.torch as smp`` and ``from smdistributed.modelparallel.torch.nn import ...``
+  work, and ``importlib.util.find_spec("smdistributed")`` finds it.
+
+Where a real ``smdistributed`` is importable the alias would hide it, so it is refused unless ``force=True``
+(``smp launch --shadow-smdistributed``).
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import os
+import sys
+import types
+from typing import Any, Sequence
+
+__all__ = ["alias_smdistributed", "alias_from_environment", "check_no_real_smdistributed", "SMP_V1_VERSION",
+           "ALIAS_ENV", "SmdistributedAliasError"]
+
+# transformers' SMP branch needs >= 1.10 (tagged checkpoints, fp16 from the config); 1.11 added sharded data
+# parallelism, which this engine refuses (sharded_data_parallel_degree > 1): 1.10 is the newest release whose
+# behaviour a library may rely on here.
+SMP_V1_VERSION = "1.10.0"
+ALIAS_ENV = "SMP_AS_SMDISTRIBUTED"  # set by smp launch for its ranks (smp.cli.worker reads it)
+_ROOT, _PARENT, _TORCH = "smdistributed", "smdistributed.modelparallel", "smdistributed.modelparallel.torch"
+
+
+class SmdistributedAliasError(RuntimeError):
+    """A real ``smdistributed`` is installed, which the alias would hide."""
+
+
+class _Loader(importlib.abc.Loader):
+    """Makes the two empty parent packages, or hands back the ``smp`` module an aliased name stands for."""
+
+    def __init__(self) -> None:
+        self._specs: dict[str, importlib.machinery.ModuleSpec | None] = {}  # smp module name -> its own spec
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
+        if spec.name == _ROOT or spec.name == _PARENT:
+            module = types.ModuleType(spec.name, f"stands for SageMaker's {spec.name}: the alias of "
+                                                 "smp.alias_smdistributed()")
+            module.__path__ = []
+            if spec.name == _PARENT:
+                module.__version__ = SMP_V1_VERSION  # type: ignore[attr-defined]
+            return module
+        module = importlib.import_module("smp" + spec.name[len(_TORCH):])
+        self._specs[module.__name__] = module.__spec__
+        return module
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        """Nothing to run: the module is complete (an empty package, or an ``smp`` module already imported). An
+        ``smp`` module gets back its own ``__spec__``, which the import system has just set to the alias's."""
+        if module.__name__ in self._specs:
+            module.__spec__ = self._specs[module.__name__]
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    """Answers for ``smdistributed``, ``smdistributed.modelparallel`` and ``smdistributed.modelparallel.torch[.x]``."""
+
+    def find_spec(self, fullname: str, path: Sequence[str] | None = None,
+                  target: types.ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
+        if fullname in (_ROOT, _PARENT):
+            return importlib.machinery.ModuleSpec(fullname, _LOADER, is_package=True)
+        if fullname != _TORCH and not fullname.startswith(_TORCH + "."):
+            return None
+        real = importlib.util.find_spec("smp" + fullname[len(_TORCH):])
+        if real is None:
+            return None
+        return importlib.machinery.ModuleSpec(fullname, _LOADER, is_package=real.submodule_search_locations is not None)
+
+
+_LOADER = _Loader()
+
+
+def _installed() -> _Finder | None:
+    return next((f for f in sys.meta_path if isinstance(f, _Finder)), None)
+
+
+def _real_smdistributed() -> Any:
+    """Where a real ``smdistributed`` would be imported from (None when there is none)."""
+    try:
+        return importlib.util.find_spec(_ROOT)
+    except (ImportError, ValueError):
+        return None
+
+
+def check_no_real_smdistributed(fix: str = "pass force=True to use smp in its place anyway") -> None:
+    """Raise :class:`SmdistributedAliasError`, whose message ends with ``fix``, when a real ``smdistributed`` is
+    importable (or imported) in this process."""
+    if _installed() is not None:
+        return
+    real = _real_smdistributed()
+    if real is not None:
+        where = real.origin or ", ".join(real.submodule_search_locations or []) or "sys.modules"
+        raise SmdistributedAliasError(f"a real smdistributed is installed ({where}); aliasing "
+                                      "smdistributed.modelparallel.torch to smp would hide it in this process: "
+                                      f"uninstall it or use another environment, or {fix}")
+
+
+def alias_smdistributed(force: bool = False) -> None:
+    """Make ``import smdistributed.modelparallel.torch`` import ``smp`` in this process (see the module docstring).
+    Call it before importing the library that imports ``smdistributed``; calling it again changes nothing.
+
+    Raises :class:`SmdistributedAliasError` when a real ``smdistributed`` is importable (or already imported),
+    unless ``force`` (then this process uses ``smp`` in its place)."""
+    if _installed() is not None:
+        return
+    if not force:
+        check_no_real_smdistributed()
+    for name in [n for n in sys.modules if n == _ROOT or n.startswith(_ROOT + ".")]:
+        del sys.modules[name]  # force: the real one was imported already; it is replaced from here on
+    sys.meta_path.insert(0, _Finder())
+
+
+def alias_from_environment() -> None:
+    """Install the alias when :data:`ALIAS_ENV` asks for it (``smp launch --as-smdistributed`` sets it to ``1``,
+    ``--shadow-smdistributed`` to ``force``); anything else but unset or empty is an error naming the values."""
+    mode = os.environ.get(ALIAS_ENV, "")
+    if mode not in ("", "0", "1", "force"):
+        raise SmdistributedAliasError(f"{ALIAS_ENV}={mode!r} is not valid: 1 (alias smdistributed to smp), force "
+                                      "(also over a real smdistributed), or 0 / unset (no alias)")
+    if mode in ("1", "force"):
+        alias_smdistributed(force=mode == "force")

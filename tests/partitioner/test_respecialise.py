@@ -1,0 +1,48 @@
+"""A plan re-bound to a trace at other input shapes (partitioner.respecialise): the same stages by op names, this
+class's FLOPs, and a clear error when the shapes take another code path that moves weights between stages."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from partitioner import DeviceRates, partition, trace
+from partitioner.respecialise import ShapeClassError, respecialise
+
+
+class Branchy(nn.Module):
+    """Runs ``b`` only on batches of more than two samples: a shape-dependent code path."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x).relu()
+        if x.shape[0] > 2:
+            h = self.b(h).relu()
+        return self.c(h)
+
+
+def _plan(model: nn.Module, x: torch.Tensor):
+    return partition(trace(model, (x,)), 2, rates=DeviceRates(), microbatches=1)
+
+
+def test_same_stages_and_this_class_flops():
+    model = Branchy()
+    plan = _plan(model, torch.randn(8, 8))
+    other = respecialise(plan, trace(model, (torch.randn(4, 8),)), "x (4, 8)")
+    assert other.assignment == plan.assignment
+    assert [s.flops for s in other.stages] == pytest.approx([s.flops / 2 for s in plan.stages])
+    assert other.inputs["x"]["shape"] == [4, 8]
+    assert plan.inputs["x"]["shape"] == [8, 8]  # the plan itself is untouched
+    assert torch.allclose(other.as_module()(torch.ones(4, 8)), model(torch.ones(4, 8)))
+
+
+def test_another_code_path_that_moves_weights_is_a_clear_error():
+    model = Branchy()
+    plan = _plan(model, torch.randn(8, 8))
+    assert plan.stage_tensors([1]) & {"b.weight", "c.weight"}  # b or c runs on stage 1
+    with pytest.raises(ShapeClassError, match=r"at input shapes x \(2, 8\).*other weights on stage.*Fix: keep"):
+        respecialise(plan, trace(model, (torch.randn(2, 8),)), "x (2, 8)")
