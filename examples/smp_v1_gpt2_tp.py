@@ -15,8 +15,10 @@ tp ranks of a replica read the same batch), ``PreTrainedModel.init_weights`` ski
 the fused-kernel keywords, ``set_seed(seed + smp.tp_rank())`` unless ``--same_seed``, ``model.get_module().
 transformer.seq_layers``, weight-decay groups that leave ``FusedLayerNorm`` out, activation checkpointing of the
 layers (``strategy``), ``smp.DistributedOptimizer`` with dynamic loss-scale arguments, an annealing learning rate,
-``@smp.step`` train and test steps, partial checkpoints with ``user_content`` and ``num_kept_partial_checkpoints``,
-and at the end a full model saved and translated to Hugging Face's format (``translate_state_dict_to_hf_gpt2``).
+``@smp.step`` train and test steps, partial checkpoints with ``user_content`` and ``num_kept_partial_checkpoints``
+(``--load_partial 1`` resumes), and at the end a full model saved (in Hugging Face's keys: SMP translates full
+checkpoints) and exported as a Hugging Face model (``translate_state_dict_to_hf_gpt2``); ``--load_full 1`` starts
+from that full model.
 """
 from __future__ import annotations
 
@@ -63,7 +65,7 @@ def param_groups_by_weight_decay(module: torch.nn.Module) -> tuple[dict, dict]:
 def annealing(args: argparse.Namespace):
     """The published ``AnnealingLR``'s shape: linear warmup over ``warmup`` of the iterations, then linear decay to
     zero at ``lr_decay_iters`` (default ``max_steps``)."""
-    total = args.lr_decay_iters or args.max_steps
+    total = max(1, args.lr_decay_iters or args.max_steps)
     warmup = max(1, int(args.warmup * total))
     return lambda s: min((s + 1) / warmup, max(0.0, (total - s) / total))
 
@@ -94,9 +96,9 @@ def parse_args() -> argparse.Namespace:
             ("placement_strategy", str, "cluster"), ("attention_in_fp32", int, 0),
             ("query_key_layer_scaling", int, 1), ("fused_softmax", int, 1), ("fused_bias_gelu", int, 1),
             ("delayed_param", int, 0), ("checkpoint_freq", int, 10000), ("num_kept_checkpoints", int, 5),
-            ("load_partial", int, 0), ("validation_freq", int, 0), ("validation_batches", int, 2),
-            ("save_final_full_model", int, 0), ("lr", float, 2e-2), ("lr_decay_iters", int, None),
-            ("warmup", float, 0.01)]:
+            ("load_partial", int, 0), ("load_full", int, 0), ("validation_freq", int, 0),
+            ("validation_batches", int, 2), ("save_final_full_model", int, 0), ("lr", float, 5e-3),
+            ("lr_decay_iters", int, None), ("warmup", float, 0.01)]:
         p.add_argument(f"--{name}", type=kind, default=default)
     p.add_argument("--checkpoint-dir", default="/tmp/smp_gpt2_tp/checkpoints")
     p.add_argument("--model-dir", default="/tmp/smp_gpt2_tp/model")
@@ -142,10 +144,13 @@ def main() -> None:
                                          dynamic_loss_args={"scale_window": 1000, "min_scale": 1, "delayed_shift": 2})
     lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer.optimizer, annealing(args))
     total_steps = 0
-    if args.load_partial:
-        user_content = smp.resume_from_checkpoint(args.checkpoint_dir, tag=None, partial=True)
-        total_steps = user_content["total_steps"]
-        lr_scheduler.load_state_dict(user_content["lr_scheduler"])
+    if args.load_partial or args.load_full:  # partial: model, optimizer and step; full: the model's weights only
+        partial = not args.load_full
+        user_content = smp.resume_from_checkpoint(args.checkpoint_dir if partial else args.model_dir,
+                                                  tag=None if partial else "fullmodel.pt", partial=partial)
+        total_steps = user_content["total_steps"] if partial else 0
+        if "lr_scheduler" in user_content:
+            lr_scheduler.load_state_dict(user_content["lr_scheduler"])
     dp_rank = smp.dp_rank() if not args.prescaled_batch else smp.rdp_rank()
     dp_size = smp.dp_size() if not args.prescaled_batch else smp.rdp_size()
     model.train()

@@ -26,11 +26,13 @@ import inspect
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
+import torch.distributed
 
 from smp.delayed_init import delay_param_initialization
+from smp.nn.config import TransformerConfig
 from smp.nn.dist_module import DistributedModule
 from smp.nn.lm_head import DistributedTransformerLMHead
 from smp.runtime import state
@@ -127,6 +129,12 @@ def distribute(root: torch.nn.Module) -> tuple[torch.nn.Module, set[str] | None]
         return root, None
     split: list[torch.nn.Module] = []
     unused: set[str] = set()
+    shared: list[int] = []
+
+    def seed() -> int:
+        if not shared:  # one collective, on every rank alike (they substitute the same modules)
+            shared.append(_shared_seed(st.world_group))
+        return shared[0]
 
     def walk(module: torch.nn.Module, path: str, inherited: TPMark | None) -> torch.nn.Module:
         mark = marks.get(module, inherited)
@@ -136,7 +144,7 @@ def distribute(root: torch.nn.Module) -> tuple[torch.nn.Module, set[str] | None]
         if mark is not None and mark.enabled:
             sub = substitution_for(module)
             if sub is not None:
-                dist = _substitute(module, path, sub, mark.kwargs, unused)
+                dist = _substitute(module, path, sub, mark.kwargs, unused, seed)
                 split.append(dist)
                 return dist
             if isinstance(module, _LEAVES):
@@ -167,14 +175,17 @@ def _splittable(module: torch.nn.Module) -> list[torch.nn.Parameter]:
     return params
 
 
-def _substitute(module: torch.nn.Module, path: str, sub: Substitution, kwargs: dict[str, Any],
-                unused: set[str]) -> torch.nn.Module:
-    """``module`` (at ``path``) replaced by ``sub``'s distributed module, with ``module``'s weights."""
-    keys = set(inspect.signature(sub.dist_class).parameters) | _config_keys(sub.dist_class)
+def _substitute(module: torch.nn.Module, path: str, sub: Substitution, kwargs: dict[str, Any], unused: set[str],
+                seed: Callable[[], int]) -> torch.nn.Module:
+    """``module`` (at ``path``) replaced by ``sub``'s distributed module: with ``module``'s weights when they were
+    initialised (:func:`_initialised`), else with SMP's initialisation, drawn from ``seed()`` (the same on every
+    rank) in a forked random state (the user's stream is not advanced)."""
+    keys = set(inspect.signature(sub.dist_class).parameters) | set(TransformerConfig.__dataclass_fields__)
     taken = {k: v for k, v in kwargs.items() if k in keys}
     unused.update(set(kwargs) - set(taken))
     ref = next(iter(module.parameters()), None)
-    with delay_param_initialization(ref is not None and ref.is_meta):
+    with delay_param_initialization(ref is not None and ref.is_meta), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed())
         dist = sub.build(module, taken)
     if ref is not None:
         dist.to(dtype=ref.dtype) if ref.is_meta else dist.to(device=ref.device, dtype=ref.dtype)
@@ -183,15 +194,26 @@ def _substitute(module: torch.nn.Module, path: str, sub: Substitution, kwargs: d
         st = state.get()
         if sub.translate not in st.translate_functions:
             st.translate_functions.append(sub.translate)
-        if ref is not None and not ref.is_meta:
+        if ref is not None and not ref.is_meta and _initialised(module, sub):
             _carry_weights(module, dist, path, sub)
     return dist
 
 
-def _config_keys(cls: type) -> set[str]:
-    from smp.nn.config import TransformerConfig
+def _initialised(module: torch.nn.Module, sub: Substitution) -> bool:
+    """Whether ``module``'s weights are worth carrying over: a ``transformers`` module's when ``transformers``
+    initialised or loaded them (its ``_is_hf_initialized`` bookkeeping; SMP's published GPT-2 recipe skips that
+    initialisation, because SMP initialises the distributed module itself); any other module's always."""
+    if not sub.name.startswith("huggingface-"):
+        return True
+    return any(getattr(m, "_is_hf_initialized", False) for m in module.modules())
 
-    return set(TransformerConfig.__dataclass_fields__) if issubclass(cls, DistributedModule) else set()
+
+def _shared_seed(world_group: Any) -> int:
+    """Global rank 0's torch seed, on every rank (tp ranks may have seeded their streams apart)."""
+    value = [torch.initial_seed()]
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.broadcast_object_list(value, src=0, group=world_group)
+    return int(value[0]) % 2**63
 
 
 def _carry_weights(module: torch.nn.Module, dist: torch.nn.Module, path: str, sub: Substitution) -> None:

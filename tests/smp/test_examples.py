@@ -120,28 +120,17 @@ def fast_train_restart(tmp_path: Path) -> None:
 EXACT = ("--same_seed", "1", "--resid_pdrop", "0", "--embd_pdrop", "0", "--attn_pdrop", "0", "--weight_decay", "0")
 
 
-def gpt2_reference(steps: int, batch: int, report: int) -> list[float]:
-    """The losses of the Hugging Face GPT-2 that ``smp_v1_gpt2_tp.py`` builds (its init, data, weight-decay groups
-    and learning rate), trained in this process with torch alone on ``batch`` rows a step (every replica's); the
-    loss printed is that of the first ``report`` rows (rank 0's replica), as the script prints it."""
+def gpt2_reference(start: Path, steps: int, batch: int, report: int) -> list[float]:
+    """The losses of the Hugging Face GPT-2 saved in ``start`` (``save_pretrained``) trained in this process with
+    torch alone as ``smp_v1_gpt2_tp.py`` trains (its data, weight-decay groups and learning rate), on ``batch`` rows
+    a step (every replica's); the loss of the first ``report`` rows (rank 0's replica) as the script prints it."""
     import torch
-    from transformers import GPT2Config, GPT2LMHeadModel, set_seed
-    from transformers.modeling_utils import PreTrainedModel
+    from transformers import GPT2LMHeadModel
 
     from examples.smp_v1_gpt2_tp import annealing, batches, param_groups_by_weight_decay, parse_args
     sys.argv = ["smp_v1_gpt2_tp.py", "--max_steps", str(steps), "--train_batch_size", str(batch), *EXACT]
     args = parse_args()
-    init = PreTrainedModel.init_weights
-    PreTrainedModel.init_weights = lambda self: None  # as the script does for SMP's distributed transformer
-    try:
-        set_seed(args.seed)
-        model = GPT2LMHeadModel(GPT2Config(vocab_size=args.vocab_size, n_positions=args.max_context_width,
-                                           n_embd=args.hidden_width, n_layer=args.num_layers, n_head=args.num_heads,
-                                           resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
-                                           bos_token_id=0, eos_token_id=0))
-    finally:
-        PreTrainedModel.init_weights = init
-    model.lm_head.weight = model.transformer.wte.weight  # SMP ties the head as the config says (init was skipped)
+    model = GPT2LMHeadModel.from_pretrained(start)
     optimizer = torch.optim.Adam(param_groups_by_weight_decay(model), betas=(args.beta1, args.beta2), lr=args.lr,
                                  weight_decay=args.weight_decay)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, annealing(args))
@@ -156,22 +145,25 @@ def gpt2_reference(steps: int, batch: int, report: int) -> list[float]:
     return out
 
 
-def gpt2_tp_matches_reference(nproc: int, *layout: str, replicas: int = 1) -> list[float]:
-    """The published-recipe example on ``nproc`` ranks in ``layout`` (4 rows a replica): its losses are the
-    single-process ones."""
-    out = smp_launch("smp_v1_gpt2_tp.py", "--max_steps", "4", *EXACT, *layout, nproc=nproc)
-    values = losses(out, 4)
-    want = gpt2_reference(4, 4 * replicas, 4)
+def gpt2_tp_matches_reference(tmp_path: Path, nproc: int, *layout: str, replicas: int = 1) -> list[float]:
+    """The published-recipe example on ``nproc`` ranks in ``layout`` (6 steps, 4 rows a replica), started from the
+    model an initial run saved (SMP's initialisation; ``--max_steps 0 --save_final_full_model 1``, exported to Hugging
+    Face's format) with ``--load_full 1``: its losses are those of that Hugging Face model trained in one process."""
+    model_dir = ("--model-dir", str(tmp_path))
+    smp_launch("smp_v1_gpt2_tp.py", "--max_steps", "0", "--save_final_full_model", "1", *model_dir, *EXACT, *layout,
+               nproc=nproc)
+    out = smp_launch("smp_v1_gpt2_tp.py", "--max_steps", "6", "--load_full", "1", *model_dir, *EXACT, *layout,
+                     nproc=nproc)
+    values = losses(out, 6)
+    want = gpt2_reference(tmp_path / "hf", 6, 4 * replicas, 4)
     assert all(abs(a - b) < 1e-5 * abs(b) for a, b in zip(values, want)), (values, want)
     return values
 
 
 def fast_smp_v1_gpt2_tp(tmp_path: Path) -> None:
-    """SMP's distributed transformer at tensor degree 2 (the published recipe's calls): the single-process losses
-    of the same Hugging Face model, and a full model saved and translated back to Hugging Face's format."""
-    assert_falls(gpt2_tp_matches_reference(2, "--tensor_parallel_degree", "2", "--save_final_full_model", "1",
-                                           "--model-dir", str(tmp_path)))
-    assert (tmp_path / "hf" / "config.json").is_file()
+    """SMP's distributed transformer at tensor degree 2 (the published recipe's calls): a full model saved, exported
+    to Hugging Face's format and loaded back (``--load_full``) trains to the single-process losses of that model."""
+    assert_falls(gpt2_tp_matches_reference(tmp_path, 2, "--tensor_parallel_degree", "2"))
 
 
 FAST: dict[str, Callable[[Path], None]] = {
@@ -236,9 +228,9 @@ def test_smp_v1_gpt2_resumes_exactly(nproc, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("layout,replicas", [(("--pipeline_parallel_degree", "2", "--microbatches", "2"), 1),
                                              ((), 2), (("--prescaled_batch", "0"), 2)])
-def test_smp_v1_gpt2_tp_on_4_ranks_is_exact(layout, replicas):
+def test_smp_v1_gpt2_tp_on_4_ranks_is_exact(layout, replicas, tmp_path):
     """tp2 x pp2 and tp2 x dp2 (prescaled or not: the tp ranks read one batch, or each its own)."""
-    gpt2_tp_matches_reference(4, "--tensor_parallel_degree", "2", *layout,
+    gpt2_tp_matches_reference(tmp_path, 4, "--tensor_parallel_degree", "2", *layout,
                               *(("--train_batch_size", "2") if "0" in layout else ()),
                               replicas=replicas)
 

@@ -84,15 +84,20 @@ def test_set_tensor_parallelism_marks_a_built_model_and_its_blocks(initialised):
     torch.testing.assert_close(new(ids).last_hidden_state, want, rtol=1e-5, atol=1e-5)
 
 
-def test_the_head_is_tied_as_the_config_says_with_the_embeddings_weights(initialised, monkeypatch):
+def test_a_model_transformers_did_not_initialise_gets_smps_initialisation(initialised, monkeypatch):
     from transformers.modeling_utils import PreTrainedModel
     monkeypatch.setattr(PreTrainedModel, "init_weights", lambda self: None)  # SMP's published start-up shortcut
     with smp.tensor_parallelism():
         model = build("gpt2")
-    assert model.lm_head.weight is not model.transformer.wte.weight  # left untied by the shortcut
+    assert model.lm_head.weight is not model.transformer.wte.weight  # neither initialised nor tied
+    state = torch.get_rng_state()
     new, _ = distribute(model)
-    assert new.lm_head.weight is new.word_embedding.weight
-    assert torch.equal(new.word_embedding.weight, model.transformer.wte.weight)
+    assert torch.equal(state, torch.get_rng_state())  # drawn from a forked stream
+    assert new.lm_head.weight is new.word_embedding.weight  # tied, as the config says
+    assert abs(float(new.word_embedding.weight.std()) - 0.02) < 0.005  # SMP's normal(0, initializer_range)
+    with smp.tensor_parallelism():
+        again, _ = distribute(build("gpt2"))
+    assert torch.equal(again.word_embedding.weight, new.word_embedding.weight)  # from the shared seed
 
 
 def test_nothing_marked_leaves_the_model_and_lets_everything_split(initialised):
