@@ -6,8 +6,10 @@ other op (BatchNorm's ``num_batches_tracked += 1``) joins the next op of the sam
 state stays on one stage. Ops that must share a stage because of in-place mutations
 (:mod:`partitioner.mutation`) are then contracted into one, and the ops renumbered in a topological order.
 
-Every byte count (activations, memory traffic, values, parameters) also records its floating-point part,
-the part a 16-bit training precision halves (:mod:`partitioner.precision`); token ids and masks keep theirs.
+An op's activations are the storages autograd saves for its backward (:mod:`partitioner.autograd_saves`), each
+counted once, on the first op that saves it. Every byte count (activations, memory traffic, values, parameters)
+also records its floating-point part, the part a 16-bit training precision halves
+(:mod:`partitioner.precision`); token ids and masks keep theirs.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
+from .autograd_saves import saved_bytes
 from .flops import float_bytes, op_flops_and_bytes, tensor_bytes
 from .graph import OpGraph
 from .mutation import colocated_groups
@@ -64,9 +67,11 @@ class _Op:
 
 
 def build_graph(gm: torch.fx.GraphModule, in_spec: pytree.TreeSpec, out_spec: pytree.TreeSpec,
-           training: bool) -> OpGraph:
+                training: bool, inputs_require_grad: bool = False) -> OpGraph:
     """The op graph of an exported, unlifted program ``gm`` (see the module docstring); its ``fx`` field keeps
-    what :mod:`partitioner.stage_modules` needs to cut executable stages from ``gm``."""
+    what :mod:`partitioner.stage_modules` needs to cut executable stages from ``gm``. ``inputs_require_grad``:
+    whether the program's floating-point inputs need gradients (a loss on a model's output), which decides
+    what its ops save for backward."""
     alias = tensor_aliases(gm)
     param_names = list(dict.fromkeys(alias.values()))
     key = {name: i for i, name in enumerate(param_names)}
@@ -86,10 +91,8 @@ def build_graph(gm: torch.fx.GraphModule, in_spec: pytree.TreeSpec, out_spec: py
         return {attr_param[n.target] for n in _input_nodes(node) if n.op == "get_attr" and n.target in attr_param}
 
     def new_op(node: torch.fx.Node, kind: str, f: float, moved: int, moved_float: int, is_view: bool) -> int:
-        ob = tensor_bytes(node.meta.get("val"))
-        fb = 0 if is_view else float_bytes(node.meta.get("val"))
-        ops.append(_Op(node.name, kind, _module_path(node), f, ob, 0 if is_view else ob, moved, fb, moved_float,
-                       [node.name], set()))
+        ops.append(_Op(node.name, kind, _module_path(node), f, tensor_bytes(node.meta.get("val")), 0, moved, 0,
+                       moved_float, [node.name], set()))
         op_of[node.name] = len(ops) - 1
         return len(ops) - 1
 
@@ -124,6 +127,10 @@ def build_graph(gm: torch.fx.GraphModule, in_spec: pytree.TreeSpec, out_spec: py
 
     for waiting in {n.name: n for ns in pending_buffer_ops.values() for n in ns}.values():
         ops[new_op(waiting, _kind(waiting), 0.0, 0, 0, True)].uses.update(params_of(waiting))
+
+    for name, (saved, saved_float) in saved_bytes(gm, inputs_require_grad).by_node.items():
+        ops[op_of[name]].act_bytes += saved
+        ops[op_of[name]].act_float_bytes += saved_float
 
     nodes = list(gm.graph.nodes)
     succ = _op_successors(nodes, op_of, len(ops))

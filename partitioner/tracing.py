@@ -192,7 +192,7 @@ def _price_loss(graph: OpGraph, loss_fn: Callable[[Any, Any], torch.Tensor], tar
         fakes = pytree.tree_map_only(torch.Tensor, lambda t: torch.empty(t.shape, dtype=t.dtype, device=device),
                                      (pytree.tree_unflatten(leaves, graph.fx.out_spec), target))
     ep = _export(_Loss(loss_fn), fakes, {})
-    loss = build_graph(ep.module(), ep.call_spec.in_spec, ep.call_spec.out_spec, True)
+    loss = build_graph(ep.module(), ep.call_spec.in_spec, ep.call_spec.out_spec, True, inputs_require_grad=True)
     graph.add_output_work({name: float(getattr(loss, name).sum()) for name in WORK_FIELDS})
 
 

@@ -15,8 +15,9 @@ The executor walks the rank's ordered action list (:mod:`pipeline.schedule`, low
 
 Activations are held from ``F`` to ``B`` (to ``W`` when the backward is split), so the number held at once
 is exactly what the schedule implies (GPipe: m, 1F1B: p - s, ZB-H1: p + 1, all capped at m);
-``peak_held`` counts it. Values that cross stages are detached at the boundary, also between two stages
-on one rank, so each ``B`` runs autograd through its own stage only. Gradients accumulate in the
+``peak_held`` counts it; with an ``offload`` (:mod:`pipeline.offload`) what checkpointed stages hold waits in
+host memory, loaded ahead of the backward. Values that cross stages are detached at the boundary, also between two
+stages on one rank, so each ``B`` runs autograd through its own stage only. Gradients accumulate in the
 parameters' ``.grad`` across microbatches, as ``loss.backward()`` per microbatch would.
 
 With a :class:`pipeline.timeline.Recorder` every pass is a span; a detailed one (profiling,
@@ -33,6 +34,7 @@ import torch
 import torch.utils.checkpoint
 
 from partitioner.stage_modules import MODEL_INPUT, SplitModel
+from pipeline.offload import ActivationOffload
 from pipeline.p2p import Transport
 from pipeline.schedule import Action, Schedule
 from pipeline.timeline import Recorder
@@ -70,6 +72,7 @@ class Executor:
     recorder: Recorder | None = None
     checkpointed: set[int] = field(default_factory=set)  # stages that recompute activations in backward
     peak_held: dict[int, int] = field(default_factory=dict)
+    offload: ActivationOffload | None = None  # checkpointed stages' inputs to host memory and back (pipeline.offload)
 
     def __post_init__(self) -> None:
         if not self.schedule.lowered:
@@ -128,10 +131,15 @@ class Executor:
         self._outbox: dict[tuple[str, int, int], tuple[dict[str, torch.Tensor], list[int]]] = {}
         self.peak_held = {s: 0 for s in self._stages}
         results: dict[int, tuple] = {}
-        for action in self.schedule.actions[self.rank]:
+        offload = self.offload if train else None
+        if offload is not None:
+            offload.start(self.schedule.actions[self.rank], self.checkpointed)
+        for index, action in enumerate(self.schedule.actions[self.rank]):
             kind = action.kind
             if not train and kind not in _FORWARD_ONLY:
                 continue
+            if offload is not None:
+                offload.advance(index)
             if action.is_comm:
                 with self._detail(action, "comm"):
                     (self._post if kind.startswith("RECV") else self._send)(action)
@@ -229,9 +237,11 @@ class Executor:
             # Keep only the stage inputs; backward re-runs the forward (same RNG states, tensor parallelism's
             # dropout streams included) to rebuild the rest.
             comm = self.split_model.program.tp_comm
-            outs = torch.utils.checkpoint.checkpoint(
-                stage.module, *args, use_reentrant=False,
-                context_fn=comm.replay if comm is not None else torch.utils.checkpoint.noop_context_fn)
+            with (self.offload.saving(a.stage, k, stage.module, boundary.values())
+                  if self.offload is not None else _NULL):
+                outs = torch.utils.checkpoint.checkpoint(
+                    stage.module, *args, use_reentrant=False,
+                    context_fn=comm.replay if comm is not None else torch.utils.checkpoint.noop_context_fn)
         else:
             outs = stage.module(*args)
         last = not stage.consumers and a.stage == len(self.split_model.stages) - 1

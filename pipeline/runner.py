@@ -35,6 +35,7 @@ from partitioner.tracing import trace
 from pipeline import microbatch, shape_classes
 from pipeline.executor import Executor
 from pipeline.lowering import lower
+from pipeline.offload import DEFAULT_HORIZON, activation_offload
 from pipeline.p2p import Transport, close_groups, named_failures
 from pipeline.profile_description import run_description
 from pipeline.profiler import ProfileOptions, Profiler
@@ -84,7 +85,8 @@ class PipelineRunner:
                  average_grads_across_microbatches: bool = True, checkpoint_modules: Sequence[str] = (),
                  autocast: tuple[str, torch.dtype] | None = None, tp_groups: list[list[int]] | None = None,
                  tp_seed: int = 0, tensorboard: str | os.PathLike[str] | None = None,
-                 model: torch.nn.Module | None = None, shape_cache_size: int = shape_classes.DEFAULT_SHAPE_CACHE_SIZE):
+                 model: torch.nn.Module | None = None, shape_cache_size: int = shape_classes.DEFAULT_SHAPE_CACHE_SIZE,
+                 offload_activations: bool = False, activation_loading_horizon: int = DEFAULT_HORIZON):
         """``ranks``: the global ranks of this pipeline, stage order (default: all ranks). With several
         pipelines side by side (data parallelism), pass them all as ``pipelines`` instead: process groups
         are created collectively, so every rank must name every pipeline in the same order. ``timeout_s``
@@ -98,7 +100,9 @@ class PipelineRunner:
         every step's loss, throughput and memory to (:class:`pipeline.tensorboard.TensorBoardWriter`). ``model``: the
         model the plan cuts (tensor degree 1): a step whose microbatches have other shapes (another sequence length,
         a smaller last batch) runs the same plan on stages traced for them, up to ``shape_cache_size`` shape
-        classes kept (:mod:`pipeline.shape_classes`); without it, every step has the traced shapes."""
+        classes kept (:mod:`pipeline.shape_classes`); without it, every step has the traced shapes.
+        ``offload_activations``: the inputs checkpointed stages keep go to host memory after their forward and come
+        back ``activation_loading_horizon`` backward passes ahead (:mod:`pipeline.offload`; ``offload``)."""
         if not dist.is_initialized():
             raise RuntimeError("PipelineRunner needs torch.distributed: call dist.init_process_group (torchrun or "
                                "`smp launch` sets up the environment) before creating it")
@@ -126,6 +130,9 @@ class PipelineRunner:
         validate(self.schedule, deps)
         self.rank = self.ranks.index(me)
         self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self._checkpointed = _stages_running(plan, checkpoint_modules)
+        self.offload = activation_offload(offload_activations, activation_loading_horizon, self.device,
+                                          self._checkpointed)
         self.timeout_s = timeout_s
         self.tensorboard = TensorBoardWriter(tensorboard, me, self.device) if tensorboard is not None else None
         group, _ = dist.new_subgroups_by_enumeration(pipelines, timeout=self._timeout)  # ours: a failure closes it
@@ -136,7 +143,6 @@ class PipelineRunner:
         self.recorder = self.profiler.recorder if self.profiler is not None else None
         self._own_profiler = self.profiler  # record=: this runner's to stop (smp hands runners profilers of its own)
         self.tp_group = _bind_tp(home, tp_groups, self._timeout, self.device, tp_seed)
-        self._checkpointed = _stages_running(plan, checkpoint_modules)
         self.current = self._stage_set(plan, home)
         self._shared = self._shared_groups()
 
@@ -149,7 +155,7 @@ class PipelineRunner:
             set_device(st.module, self.device)
         executor = Executor(sm, self.schedule, self.rank, self.ranks, self.transport,
                             shape_classes.boundary_requires_grad(sm, self.autocast), self.device, self.recorder,
-                            checkpointed=self._checkpointed)
+                            checkpointed=self._checkpointed, offload=self.offload)
         key = shape_classes.shape_key(sm.program, list(sm.program.input_meta))
         return self.shapes.put(shape_classes.StageSet(key, plan, sm, local, executor))
 

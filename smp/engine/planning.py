@@ -107,4 +107,5 @@ def smp_runner(st: State, model: PipelineModel, plan: PartitionPlan, checkpoint_
                           checkpoint_modules=checkpoint_modules, autocast=model.traced_autocast,
                           tp_groups=st.topology.tp_groups() if st.topology.tp > 1 else None,
                           model=model.module, shape_cache_size=cfg.shape_cache_size,
-                          tensorboard=cfg.tensorboard)
+                          tensorboard=cfg.tensorboard, offload_activations=cfg.offload_activations,
+                          activation_loading_horizon=cfg.activation_loading_horizon)

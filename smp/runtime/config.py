@@ -21,6 +21,7 @@ from typing import Any, TypeGuard
 
 from partitioner.errors import EngineError
 from partitioner.pipelines import PIPELINE_NAMES, pipeline_of
+from pipeline.offload import DEFAULT_HORIZON
 from pipeline.profiler import ProfileOptions
 from pipeline.shape_classes import DEFAULT_SHAPE_CACHE_SIZE
 from smp.runtime import sagemaker_env
@@ -57,7 +58,7 @@ class Config:
     memory_weight: float | None = None
     active_microbatches: int | None = None
     shard_optimizer_state: bool = False
-    offload_activations: bool = False
+    offload_activations: bool = False  # with smp.set_activation_checkpointing: what it keeps waits in host memory
     tensor_parallel_degree: int = 1   # carved out of the data-parallel ranks; > 1 needs "ddp": True
     fp16: bool = False                # steps run under float16 autocast, with loss scaling (smp.engine.mixed_precision)
     bf16: bool = False                # steps run under bfloat16 autocast
@@ -65,9 +66,9 @@ class Config:
     sharded_data_parallel_degree: int = 1
     timeout_s: float = DEFAULT_TIMEOUT_S  # per wait/collective; from SMP_TIMEOUT_S when the config has none
     prescaled_batch: bool = False     # with tp > 1: a tp group reads one batch (True) or one each (smp.engine.tp_batch)
+    activation_loading_horizon: int = DEFAULT_HORIZON  # offloaded activations load this many backwards ahead
     # SMP v1 keys accepted for compatibility; they have no effect here (see _NO_EFFECT).
     checkpoint_attentions: bool = False
-    activation_loading_horizon: int = 4
     skip_tracing: bool = False
     static_mode: bool = False
     fast_mode: bool = False
@@ -147,7 +148,6 @@ class AutoRepartition:
 _NO_EFFECT = {
     "prescaled_batch": "without tensor parallelism every data-parallel rank reads its own batch already",
     "checkpoint_attentions": "it checkpoints SMP's tensor-parallel attention; use smp.set_activation_checkpointing",
-    "activation_loading_horizon": "it tunes activation offloading, which this engine does not do",
     "skip_tracing": "the engine always traces the model at the first step, to partition it",
     "static_mode": "every step runs the stage graph traced at the first step",
     "fast_mode": "stages always exchange exactly the tensors that cross them",
@@ -252,8 +252,6 @@ def _validate(c: Config) -> None:
            "active_microbatches", c.active_microbatches, "a positive integer")
     _check(isinstance(c.shard_optimizer_state, bool), "shard_optimizer_state", c.shard_optimizer_state, "True or False")
     _check(isinstance(c.offload_activations, bool), "offload_activations", c.offload_activations, "True or False")
-    _check(c.offload_activations is False, "offload_activations", c.offload_activations,
-           "activation offloading is not supported by this engine; use smp.set_activation_checkpointing")
     _check(isinstance(c.timeout_s, (int, float)) and not isinstance(c.timeout_s, bool) and 0 < c.timeout_s < 1e9,
            "timeout_s", c.timeout_s, "a positive number of seconds: how long any one wait or collective of smp "
            "may take before the job stops with an error")

@@ -41,8 +41,8 @@ def _op(g, kind):
 
 def test_trace_records_the_floating_point_part_of_every_byte_count(graph):
     g = graph
-    rem = _op(g, "aten.remainder")
-    assert g.act_bytes[rem] == 4 * 8 * 8 and g.act_float_bytes[rem] == 0       # int64 ids
+    rem, emb = _op(g, "aten.remainder"), _op(g, "aten.embedding")
+    assert g.act_bytes[emb] == 4 * 8 * 8 and g.act_float_bytes[emb] == 0       # the int64 ids it keeps
     relu = _op(g, "aten.relu")
     assert g.act_float_bytes[relu] == g.act_bytes[relu] == 4 * 8 * 32 * 4      # fp32 activations
     int_values = [v for v in set(g.value.tolist()) if g.value_float_bytes[v] == 0]
@@ -56,8 +56,8 @@ def test_bf16_halves_float_activations_and_crossings_not_integer_ones(graph):
     fp32, bf16 = (make_problem(g, 2, rates=DeviceRates(), dtype=d) for d in ("fp32", "bf16"))
     float_part = g.act_float_bytes
     assert np.array_equal(bf16.act_bytes, g.act_bytes - float_part / 2)
-    rem = _op(g, "aten.remainder")
-    assert bf16.act_bytes[rem] == fp32.act_bytes[rem] > 0
+    rem, emb = _op(g, "aten.remainder"), _op(g, "aten.embedding")
+    assert bf16.act_bytes[emb] == fp32.act_bytes[emb] > 0
     # Cut right after the integer op: its int64 value crosses at full width either way.
     stage = (np.arange(g.num_nodes) > rem).astype(np.int64)
     a, b = (fixed_plan(g, 2, stage, rates=DeviceRates(), dtype=d) for d in ("fp32", "bf16"))

@@ -21,9 +21,9 @@ def _load_recording(config: dict) -> tuple[object, list[str]]:
 
 
 @pytest.mark.parametrize("key,value", [
-    ("prescaled_batch", True), ("checkpoint_attentions", True), ("activation_loading_horizon", 8),
-    ("skip_tracing", True), ("static_mode", True), ("fast_mode", True), ("fp16_params", True),
-    ("_fp32_grad_accumulation", True), ("_match_weights", True), ("overlapping_allreduce", False),
+    ("prescaled_batch", True), ("checkpoint_attentions", True), ("skip_tracing", True), ("static_mode", True),
+    ("fast_mode", True), ("fp16_params", True), ("_fp32_grad_accumulation", True), ("_match_weights", True),
+    ("overlapping_allreduce", False),
 ])
 def test_keys_without_effect_are_accepted_with_a_warning(key, value):
     cfg, warned = _load_recording({**BASE, key: value})
@@ -34,7 +34,7 @@ def test_keys_without_effect_are_accepted_with_a_warning(key, value):
 @pytest.mark.parametrize("key,value", [
     ("fp16", True), ("bf16", True), ("delayed_parameter_initialization", True),
     ("sharded_data_parallel_degree", 1), ("activation_loading_horizon", 4), ("overlapping_allreduce", True),
-    ("skip_tracing", False),
+    ("skip_tracing", False), ("offload_activations", True), ("activation_loading_horizon", 8),
 ])
 def test_real_keys_and_default_values_do_not_warn(key, value):
     cfg, warned = _load_recording({**BASE, key: value})
@@ -70,6 +70,8 @@ def test_smp_gpt2_example_config_loads():
     ({**BASE, "fast_mode": "yes"}, "'fast_mode'='yes' is not valid: True or False"),
     ({**BASE, "fp16": 1}, "'fp16'=1 is not valid: True or False"),
     ({**BASE, "activation_loading_horizon": 0}, "a positive integer"),
+    ({**BASE, "activation_loading_horizon": 2.5}, "'activation_loading_horizon'=2.5 is not valid: a positive integer"),
+    ({**BASE, "offload_activations": "yes"}, "'offload_activations'='yes' is not valid: True or False"),
     ({**BASE, "fast_mod": True}, "unknown smp config key(s) ['fast_mod'] ('fast_mod': did you mean 'fast_mode'?)"),
     ({**BASE, "zero_stage": 3}, "unknown smp config key(s) ['zero_stage']"),
 ])

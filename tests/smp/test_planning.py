@@ -1,6 +1,7 @@
 """smp.engine.planning.pipeline_runner: trace, partition on rank 0, share the plan, keep this rank's tensors, run."""
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -36,3 +37,71 @@ def test_pipeline_runner_prices_the_loss_it_is_given_and_trains_this_ranks_share
         assert abs(r["loss"] - r["want"]) < 1e-5 * abs(r["want"]), r
         assert r["priced"] >= 5 * 2 * 1024 and r["plain"] == 0, r
     assert got[0]["held"] and got[1]["held"] and not set(got[0]["held"]) & set(got[1]["held"])
+
+
+
+def _smp_offload(rank: int, world: int) -> dict:
+    import smp
+    from tests.smp.features import make_net, train
+
+    smp.init({"pipeline_parallel_degree": 2, "microbatches": 4, "pipeline": "simple", "offload_activations": True,
+              "activation_loading_horizon": 2})
+    model, out = train(make_net(), 2, checkpoint="block1")
+    offload = model.runner.offload
+    out.update(horizon=offload.horizon, checkpointed=sorted(model.runner.executor.checkpointed),
+               local=[st.index for st in model.runner.local_stages],
+               packed=sorted({(e.stage, e.microbatch) for e in offload.events if e.kind == "pack"}))
+    return out
+
+
+def test_smp_config_offloads_the_checkpointed_activations_and_stays_exact():
+    """``offload_activations`` with ``smp.set_activation_checkpointing``: the checkpointed stages' inputs of every
+    microbatch go through host memory, and training equals a single process without either."""
+    from tests.smp.features import assert_exact
+
+    for r in run_ranks(_smp_offload, 2, timeout=180):
+        assert_exact(r)
+        assert r["horizon"] == 2 and r["checkpointed"], r
+        assert r["packed"] == [(s, k) for s in r["local"] if s in r["checkpointed"] for k in range(4)], r
+
+
+def _smp_training(rank: int, world: int, offload: bool) -> dict:
+    import smp
+    from tests.smp.features import make_batch, make_net
+
+    smp.init({"pipeline_parallel_degree": 2, "microbatches": 4, "pipeline": "simple",
+              "offload_activations": offload, "activation_loading_horizon": 2})
+    net = make_net(dropout=0.1)
+    smp.set_activation_checkpointing(net.block1)
+    smp.set_activation_checkpointing(net.block2)
+    model = smp.DistributedModel(net)
+    opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+
+    @smp.step
+    def train_step(model, x, y):
+        loss = F.cross_entropy(model(x), y)
+        model.backward(loss)
+        return loss
+
+    losses = []
+    for step in range(2):
+        losses.append(float(train_step(model, *make_batch(step)).reduce_mean()))
+        opt.step()
+        opt.zero_grad()
+    offloaded = model.runner.offload
+    return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.local_named_parameters()},
+            "horizon": offloaded.horizon if offloaded else None,
+            "packed": sum(e.kind == "pack" for e in offloaded.events) if offloaded else 0}
+
+
+@pytest.mark.slow
+def test_smp_config_offloading_trains_bit_for_bit_as_without_it():
+    """``offload_activations`` with ``smp.set_activation_checkpointing`` (dropout on): the same losses and weights
+    as without, bit for bit, and the checkpointed stages' inputs went through host memory."""
+    plain, offloaded = (run_ranks(_smp_training, 2, offload, timeout=180) for offload in (False, True))
+    for want, got in zip(plain, offloaded):
+        assert got["losses"] == want["losses"] and want["packed"] == 0 and want["horizon"] is None
+        assert got["horizon"] == 2 and got["packed"] >= 4, got  # each of 4 microbatches, last step
+        assert got["params"].keys() == want["params"].keys() and got["params"]
+        for name, p in want["params"].items():
+            torch.testing.assert_close(got["params"][name], p, rtol=0, atol=0, msg=name)
