@@ -10,8 +10,8 @@ from tests.cli.helpers import REPO, smp_env
 
 
 def test_a_tiny_run_prints_the_table() -> None:
-    done = subprocess.run([sys.executable, "benchmarks/shape_change.py", "--size", "small", "--rounds", "2",
-                           "--steps", "2", "--batch", "4", "--no-pin"], cwd=REPO,
+    done = subprocess.run([sys.executable, "benchmarks/shape_change.py", "--size", "small", "--rounds", "1",
+                           "--steps", "1", "--batch", "4", "--no-pin"], cwd=REPO,
                           env=dict(smp_env(), OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout}\n{done.stderr[-4000:]}"
     out = done.stdout

@@ -26,8 +26,10 @@ def test_packages_import_without_torch() -> None:
             "assert {'partition', 'PartitionPlan'} <= set(dir(partitioner)) and 'DistributedModel' in dir(smp)")
 
 
-@pytest.mark.parametrize("first", ["import partitioner.portfolio", "from partitioner.portfolio import make_problem",
-                                   "import partitioner.timing, partitioner.tracing, partitioner.stage_modules", ""])
+@pytest.mark.parametrize("first", [pytest.param("import partitioner.portfolio", marks=pytest.mark.slow),
+                                   "from partitioner.portfolio import make_problem",
+                                   "import partitioner.timing, partitioner.tracing, partitioner.stage_modules",
+                                   pytest.param("", marks=pytest.mark.slow)])
 def test_exported_functions_win_over_their_submodules(first: str) -> None:
     _python(f"{first}\nimport inspect, partitioner\n"
             "for name in ('partition', 'trace', 'measure', 'split', 'calibrate'):\n"
@@ -38,8 +40,9 @@ def test_exported_functions_win_over_their_submodules(first: str) -> None:
             "    getattr(partitioner, name)")
 
 
-@pytest.mark.parametrize("first", ["from smp.engine.step_function import StepOutput", "import smp.distributed_model",
-                                   "import smp.engine.step_function", ""])
+@pytest.mark.parametrize("first", ["from smp.engine.step_function import StepOutput",
+                                   pytest.param("import smp.distributed_model", marks=pytest.mark.slow),
+                                   pytest.param("import smp.engine.step_function", marks=pytest.mark.slow), ""])
 def test_smp_step_is_the_decorator_whatever_is_imported_first(first: str) -> None:
     _python(f"{first}\nimport inspect, smp, smp.distributed_model\n"
             "assert inspect.isfunction(smp.step) and smp.step.__module__ == 'smp.engine.step_function'\n"

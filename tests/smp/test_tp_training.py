@@ -77,7 +77,7 @@ def _run(rank: int, world: int, kind: str, pp: int, schedule: str) -> dict:
             "sharded": len(shards)}
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama", "bert"])
+@pytest.mark.parametrize("kind", ["gpt2", "llama", pytest.param("bert", marks=pytest.mark.slow)])
 def test_tp2_reproduces_the_single_process_losses_and_gradients(kind):
     got = run_ranks(_run, 2, kind, 1, "1f1b", timeout=240)
     for r in got:
@@ -145,7 +145,7 @@ def _smp_run(rank: int, world: int, kind: str, pp: int, tp: int, prescaled: bool
     return {"loss": float(loss), "want": float(want) * rdp, "worst": worst, "tp_rank": smp.tp_rank()}
 
 
-@pytest.mark.parametrize("prescaled", [True, False])
+@pytest.mark.parametrize("prescaled", [pytest.param(True, marks=pytest.mark.slow), False])  # True: the GPT-2 example's
 def test_smp_tensor_parallel_degree_2_trains_exactly(prescaled):
     got = run_ranks(_smp_run, 2, "gpt2", 1, 2, prescaled, timeout=240)
     assert [r["tp_rank"] for r in got] == [0, 1]
