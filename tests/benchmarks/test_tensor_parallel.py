@@ -20,7 +20,7 @@ def test_a_tiny_run_prints_every_layout_and_the_memory_per_rank() -> None:
     assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout}\n{done.stderr[-4000:]}"
     out = done.stdout
     for layout in ("pp2", "tp2", "dp2"):
-        row = rf"^{layout}(\s+\d+){{2}}\s+\d\.\d{{3}}(\s+\d+){{3}}\s+\d+\.\d\s+\d+\.\d\d\s+\d+\.\d{{6}}$"
+        row = rf"^{layout}(\s+\d+){{2}}\s+\d+\.\d{{3}}(\s+\d+){{3}}\s+\d+\.\d\s+\d+\.\d\d\s+\d+\.\d{{6}}$"
         assert re.search(row, out, re.M), out
         for rank in (0, 1):
             assert re.search(rf"^{layout}\s+{rank}\s+\d+\s+\d+\s+\d+\.\d\s+\d+\.\d\s+\S", out, re.M), out
