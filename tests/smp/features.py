@@ -70,14 +70,15 @@ def module_stages(plan) -> dict[str, list[int]]:
     return {k: sorted(v) for k, v in out.items()}
 
 
-def train(net: Net, steps: int, *, checkpoint: str | None = None, hook=None, batch: int = 8):
-    """Train ``net`` with smp (already initialised) and a copy in one process (SGD + momentum)."""
+def train(net: Net, steps: int, *, checkpoint: str | tuple[str, ...] = (), hook=None, batch: int = 8):
+    """Train ``net`` with smp (already initialised) and a copy in one process (SGD + momentum); ``checkpoint``:
+    the top-level module(s) whose activations are recomputed."""
     import smp
 
     reference = copy.deepcopy(net)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
-    if checkpoint:
-        smp.set_activation_checkpointing(getattr(net, checkpoint))
+    for name in (checkpoint,) if isinstance(checkpoint, str) else checkpoint:
+        smp.set_activation_checkpointing(getattr(net, name))
     model = smp.DistributedModel(net)
     if hook:
         model.register_post_partition_hook(hook)

@@ -67,29 +67,13 @@ def test_smp_config_offloads_the_checkpointed_activations_and_stays_exact():
 
 def _smp_training(rank: int, world: int, offload: bool) -> dict:
     import smp
-    from tests.smp.features import make_batch, make_net
+    from tests.smp.features import make_net, train
 
     smp.init({"pipeline_parallel_degree": 2, "microbatches": 4, "pipeline": "simple",
               "offload_activations": offload, "activation_loading_horizon": 2})
-    net = make_net(dropout=0.1)
-    smp.set_activation_checkpointing(net.block1)
-    smp.set_activation_checkpointing(net.block2)
-    model = smp.DistributedModel(net)
-    opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
-
-    @smp.step
-    def train_step(model, x, y):
-        loss = F.cross_entropy(model(x), y)
-        model.backward(loss)
-        return loss
-
-    losses = []
-    for step in range(2):
-        losses.append(float(train_step(model, *make_batch(step)).reduce_mean()))
-        opt.step()
-        opt.zero_grad()
+    model, out = train(make_net(dropout=0.1), 2, checkpoint=("block1", "block2"))
     offloaded = model.runner.offload
-    return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.local_named_parameters()},
+    return {"losses": out["losses"], "params": {n: p.detach().clone() for n, p in model.local_named_parameters()},
             "horizon": offloaded.horizon if offloaded else None,
             "packed": sum(e.kind == "pack" for e in offloaded.events) if offloaded else 0}
 
