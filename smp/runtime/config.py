@@ -186,12 +186,9 @@ def load_config(config: dict | str | os.PathLike | None = None) -> Config:
             config = _parse_json(fh.read(), os.fspath(config))
     if not isinstance(config, dict):
         raise ConfigError(f"smp config must be a dict, got {type(config).__name__}")
-    cfg = dict(config) if sagemaker is None else sagemaker_env.merged(config, sagemaker)
-    if "partitions" in cfg:  # SMP's alias
-        if "pipeline_parallel_degree" in cfg and cfg["pipeline_parallel_degree"] != cfg["partitions"]:
-            raise ConfigError(f"'partitions'={cfg['partitions']} and 'pipeline_parallel_degree'="
-                              f"{cfg['pipeline_parallel_degree']} disagree; give one of them")
-        cfg["pipeline_parallel_degree"] = cfg.pop("partitions")
+    cfg = _unaliased(config)
+    if sagemaker is not None:
+        cfg = sagemaker_env.merged(cfg, _unaliased(sagemaker))
     known = {f.name for f in fields(Config)}
     unknown = sorted(set(cfg) - known)
     if unknown:
@@ -218,6 +215,17 @@ def load_config(config: dict | str | os.PathLike | None = None) -> Config:
         if getattr(c, key) != defaults[key]:  # through smp.init, stacklevel 3 is the user's smp.init line
             warn_no_effect(f"smp config {key!r}={getattr(c, key)!r}", why, stacklevel=3)
     return c
+
+
+def _unaliased(config: dict[str, Any]) -> dict[str, Any]:
+    """``config`` with SMP's alias ``partitions`` under its name ``pipeline_parallel_degree``."""
+    cfg = dict(config)
+    if "partitions" in cfg:
+        if "pipeline_parallel_degree" in cfg and cfg["pipeline_parallel_degree"] != cfg["partitions"]:
+            raise ConfigError(f"'partitions'={cfg['partitions']} and 'pipeline_parallel_degree'="
+                              f"{cfg['pipeline_parallel_degree']} disagree; give one of them")
+        cfg["pipeline_parallel_degree"] = cfg.pop("partitions")
+    return cfg
 
 
 def _parse_json(text: str, where: str) -> Any:

@@ -55,25 +55,16 @@ def mp_parameters() -> dict[str, Any] | None:
     return _json_object(MP_PARAMETERS_ENV)
 
 
-def _canonical(config: dict[str, Any]) -> dict[str, Any]:
-    """``config`` with SMP's alias ``partitions`` under its name ``pipeline_parallel_degree`` (when only the alias
-    is given), so that the same key given both ways is compared."""
-    out = dict(config)
-    if "partitions" in out and "pipeline_parallel_degree" not in out:
-        out["pipeline_parallel_degree"] = out.pop("partitions")
-    return out
-
-
 def merged(config: dict[str, Any], env: dict[str, Any]) -> dict[str, Any]:
     """``config`` with ``env`` (``SM_HP_MP_PARAMETERS``) merged in, the environment winning as in SMP v1; a key both
-    give with different values is warned about (``UserWarning``), naming both values."""
-    given, sm = _canonical(config), _canonical(env)
-    for key in sorted(set(given) & set(sm)):
-        if given[key] != sm[key]:
-            warnings.warn(f"smp config {key!r}={given[key]!r} is overridden by {MP_PARAMETERS_ENV}'s {key!r}="
-                          f"{sm[key]!r}: in a SageMaker job the estimator's parameters win, as in SMP v1; unset "
+    give with different values is warned about (``UserWarning``), naming both values. Both come with SMP's alias
+    ``partitions`` already under its name (:func:`smp.runtime.config.load_config`)."""
+    for key in sorted(set(config) & set(env)):
+        if config[key] != env[key]:
+            warnings.warn(f"smp config {key!r}={config[key]!r} is overridden by {MP_PARAMETERS_ENV}'s {key!r}="
+                          f"{env[key]!r}: in a SageMaker job the estimator's parameters win, as in SMP v1; unset "
                           f"{MP_PARAMETERS_ENV} to use the config passed to smp.init", UserWarning, stacklevel=4)
-    return {**given, **sm}
+    return {**config, **env}
 
 
 def check_processes_per_host(local_world_size: int | None) -> None:
