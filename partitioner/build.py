@@ -90,7 +90,7 @@ def build_graph(gm: torch.fx.GraphModule, in_spec: pytree.TreeSpec, out_spec: py
     def params_of(node: torch.fx.Node) -> set[int]:
         return {attr_param[n.target] for n in _input_nodes(node) if n.op == "get_attr" and n.target in attr_param}
 
-    def new_op(node: torch.fx.Node, kind: str, f: float, moved: int, moved_float: int, is_view: bool) -> int:
+    def new_op(node: torch.fx.Node, kind: str, f: float, moved: int, moved_float: int) -> int:
         ops.append(_Op(node.name, kind, _module_path(node), f, tensor_bytes(node.meta.get("val")), 0, moved, 0,
                        moved_float, [node.name], set()))
         op_of[node.name] = len(ops) - 1
@@ -103,7 +103,7 @@ def build_graph(gm: torch.fx.GraphModule, in_spec: pytree.TreeSpec, out_spec: py
         if node.op in ("get_attr", "call_module"):  # call_module: export's input guard, not part of the model
             continue
         if node.op == "output":
-            new_op(node, "output", 0.0, 0, 0, True)
+            new_op(node, "output", 0.0, 0, 0)
             continue
         op_ins = [n for n in _input_nodes(node) if n.name in op_of]
         params_used = params_of(node)
@@ -126,7 +126,7 @@ def build_graph(gm: torch.fx.GraphModule, in_spec: pytree.TreeSpec, out_spec: py
         ops[idx].uses.update(params_used)
 
     for waiting in {n.name: n for ns in pending_buffer_ops.values() for n in ns}.values():
-        ops[new_op(waiting, _kind(waiting), 0.0, 0, 0, True)].uses.update(params_of(waiting))
+        ops[new_op(waiting, _kind(waiting), 0.0, 0, 0)].uses.update(params_of(waiting))
 
     for name, (saved, saved_float) in saved_bytes(gm, inputs_require_grad).by_node.items():
         ops[op_of[name]].act_bytes += saved

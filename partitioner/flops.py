@@ -87,12 +87,12 @@ def _is_attention(name: str) -> bool:
     return name.startswith("scaled_dot_product") or "flash_attention" in name or "efficient_attention" in name
 
 
-def op_flops_and_bytes(node: torch.fx.Node) -> tuple[float, int, int, bool]:
-    """Forward FLOPs, bytes moved, the floating-point part of those bytes and whether the op is a free
-    view, from the traced shapes."""
+def op_flops_and_bytes(node: torch.fx.Node) -> tuple[float, int, int]:
+    """Forward FLOPs, bytes moved and the floating-point part of those bytes, from the traced shapes (a free
+    view: none)."""
     name = TP_EQUIVALENT.get(op_name(node), op_name(node))
     if name in VIEW_OPS:
-        return 0.0, 0, 0, True
+        return 0.0, 0, 0
     vals = [a.meta.get("val") if isinstance(a, torch.fx.Node) else a for a in node.args]
     out = node.meta.get("val")
     out_numel = _numel(out)
@@ -102,21 +102,21 @@ def op_flops_and_bytes(node: torch.fx.Node) -> tuple[float, int, int, bool]:
     if name in _MATMULS and len(t) >= 2:
         a = t[1] if name in ("addmm", "baddbmm") and len(t) >= 3 else t[0]
         k = a.shape[-1] if a.dim() else 1
-        return 2.0 * out_numel * k, moved, moved_float, False
+        return 2.0 * out_numel * k, moved, moved_float
     if name in _CONVS and len(t) >= 2:
         w = t[1]
         if "transpose" in name:  # each input element scatters into Cout/groups * kernel outputs
-            return 2.0 * t[0].numel() * w.shape[1] * math.prod(w.shape[2:]), moved, moved_float, False
-        return 2.0 * out_numel * w.shape[1] * math.prod(w.shape[2:]), moved, moved_float, False
+            return 2.0 * t[0].numel() * w.shape[1] * math.prod(w.shape[2:]), moved, moved_float
+        return 2.0 * out_numel * w.shape[1] * math.prod(w.shape[2:]), moved, moved_float
     if _is_attention(name):
         q, key = t[0], t[1]
         batch = q.numel() // (q.shape[-2] * q.shape[-1])
         scores = batch * q.shape[-2] * key.shape[-2]
-        return 4.0 * scores * q.shape[-1] + 5.0 * scores, moved, moved_float, False
+        return 4.0 * scores * q.shape[-1] + 5.0 * scores, moved, moved_float
     if name == "embedding":  # reads the looked-up rows, writes them out
-        return 0.0, 2 * tensor_bytes(out), 2 * float_bytes(out), False
+        return 0.0, 2 * tensor_bytes(out), 2 * float_bytes(out)
     if name in NORM_OPS:
-        return 5.0 * out_numel, moved, moved_float, False
+        return 5.0 * out_numel, moved, moved_float
     if name in LOSS_OPS and t:
-        return 5.0 * t[0].numel(), moved, moved_float, False
-    return float(out_numel), moved, moved_float, False
+        return 5.0 * t[0].numel(), moved, moved_float
+    return float(out_numel), moved, moved_float
