@@ -31,6 +31,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed
 
+from partitioner.program import tensor_aliases
 from smp.delayed_init import delay_param_initialization
 from smp.nn.config import TransformerConfig
 from smp.nn.dist_module import DistributedModule
@@ -223,10 +224,7 @@ def _carry_weights(module: torch.nn.Module, dist: torch.nn.Module, path: str, su
     translated = sub.translate[1]({path + k: v for k, v in module.state_dict().items()})
     # A tied weight loads through its first name only: SMP ties the head to the embedding as the config says, and
     # a model built with ``init_weights`` skipped (SMP's published recipe) has an untied head whose values would win.
-    first: dict[int, str] = {}
-    for name, p in dist.named_parameters(remove_duplicate=False):
-        first.setdefault(id(p), name)
-    aliases = {name for name, p in dist.named_parameters(remove_duplicate=False) if first[id(p)] != name}
+    aliases = {name for name, first in tensor_aliases(dist).items() if name != first}
     own = {k[len(path):]: v for k, v in translated.items() if k.startswith(path) and k[len(path):] not in aliases}
     result = dist.load_state_dict(own, strict=False)
     missing = [k for k in result.missing_keys if k not in aliases]
