@@ -15,6 +15,13 @@ big stage were different stages.) Among plans whose objective is within :data:`N
 the one with the fewest bytes crossing stages wins, then the fewest activation bytes in flight
 (:func:`choose`); a plan that another is as good as in bottleneck, cut bytes and largest-stage memory and
 better in one is never chosen (:func:`dominates`).
+
+Under a device memory budget the estimate is not the whole story (allocator fragmentation, an optimizer's
+temporaries, communication buffers), so a plan should leave :data:`HEADROOM` (10%) of the budget free. While
+some candidate does (:meth:`Evaluation.roomy`), the rule above picks among those only; when none does --
+memory is tight -- the plan whose largest stage needs the least memory wins, the lowest objective among
+those within :data:`NEAR` of it (:func:`choose`). Without a budget nothing changes; ``memory_weight=1``
+asks for the same preference at any budget.
 """
 from __future__ import annotations
 
@@ -31,9 +38,10 @@ from .precision import activation_bytes, param_memory, value_bytes, weight_bytes
 from .units import format_bytes
 
 __all__ = ["Problem", "Evaluation", "evaluate", "crossings", "stage_crossings", "stage_params", "check_acyclic",
-           "budget_error", "MemoryBudgetError", "dominates", "choose", "NEAR"]
+           "budget_error", "MemoryBudgetError", "dominates", "choose", "NEAR", "HEADROOM", "roomy_budget"]
 
 NEAR = 0.01  # objectives within 1% of the best count as the same: fewer bytes cut and in flight decide
+HEADROOM = 0.1  # the share of a device's memory budget a plan leaves free when it can: the estimate is not exact
 _REL = 1e-9  # float noise when comparing seconds and bytes summed in different orders
 
 
@@ -126,6 +134,11 @@ class Evaluation:
         """Every stage fits ``budget`` and has an op to run."""
         return not self.empty and (budget is None or bool(np.all(self.memory <= budget)))
 
+    def roomy(self, budget: float | None) -> bool:
+        """Every stage fits ``budget`` with :data:`HEADROOM` to spare (always, without a budget)."""
+        line = roomy_budget(budget)
+        return line is None or float(self.memory.max()) <= line
+
     def key(self, budget: float | None) -> tuple[int, float, int, float]:
         """Sort key: usable plans first, then the lowest objective, then cut bytes, then activations in flight."""
         return (0 if self.usable(budget) else 1, round(self.objective, 12), self.cut_bytes, self.act_in_flight)
@@ -138,14 +151,29 @@ def dominates(a: tuple[float, float, float], b: tuple[float, float, float]) -> b
     return no_worse and any(x < y * (1 - _REL) for x, y in zip(a, b))
 
 
+def roomy_budget(budget: float | None) -> float | None:
+    """The memory a stage may take and still leave :data:`HEADROOM` of ``budget`` free (None: no budget)."""
+    return None if budget is None else (1 - HEADROOM) * budget
+
+
 def choose(candidates: list[tuple[str, Evaluation]], budget: float | None) -> tuple[str, Evaluation]:
-    """The plan to keep among named candidates: usable ones first; among those whose objective is within
-    :data:`NEAR` of the lowest, the fewest cut bytes, then the fewest activation bytes in flight; then, while
-    other candidates dominate it (:func:`dominates`), the one of those with the lowest objective."""
+    """The plan to keep among named candidates: usable ones first, and of those the ones with headroom
+    (:meth:`Evaluation.roomy`) if any. Among those, the objective decides: of the plans within :data:`NEAR`
+    of the lowest, the fewest cut bytes, then the fewest activation bytes in flight. When no usable plan has
+    headroom (memory is tight), the largest stage's memory decides instead: of the plans within :data:`NEAR`
+    of the least, the lowest objective. Then, while other candidates of the same pool dominate the pick
+    (:func:`dominates`), the one of those with the lowest objective."""
     usable = [c for c in candidates if c[1].usable(budget)] or candidates
-    best = min(ev.objective for _, ev in usable)
-    near = [c for c in usable if c[1].objective <= best * (1 + NEAR) + 1e-15]
-    name, pick = min(near, key=lambda c: (c[1].cut_bytes, c[1].act_in_flight, c[1].objective))
+    roomy = [c for c in usable if c[1].roomy(budget)]
+    if roomy:
+        usable = roomy
+        best = min(ev.objective for _, ev in usable)
+        near = [c for c in usable if c[1].objective <= best * (1 + NEAR) + 1e-15]
+        name, pick = min(near, key=lambda c: (c[1].cut_bytes, c[1].act_in_flight, c[1].objective))
+    else:  # tight: the smallest largest stage, as fast as it can be
+        least = min(float(ev.memory.max()) for _, ev in usable)
+        near = [c for c in usable if float(c[1].memory.max()) <= least * (1 + NEAR)]
+        name, pick = min(near, key=lambda c: c[1].key(budget))
     for _ in usable:  # each step strictly improves an axis, so this ends; the bound guards float ties
         better = [c for c in usable if dominates(c[1].axes, pick.axes)]
         if not better:

@@ -12,6 +12,11 @@ also kept as it was. Under ``"auto"`` the baselines' plans (:mod:`partitioner.ba
 too, so the plan is never worse than a baseline printed beside it: no baseline is as good in bottleneck,
 cut bytes and largest-stage memory and better in one.
 
+When the plan kept would leave less than the budget's headroom free (memory is tight,
+:func:`partitioner.objective.choose`), two more candidates join: the DP's plan (refined) under the headroom
+line, and the plan whose largest stage needs the least memory; every candidate is scored by the same
+:func:`partitioner.objective.evaluate` as the rest.
+
 A model whose forward calls ``torch.distributed.pipelining.pipe_split()`` has chosen its stages itself: those
 markers are honoured (:mod:`partitioner.split_points`), not searched over.
 """
@@ -29,7 +34,7 @@ from .cost import NodeCosts, estimate
 from .dp import dp_partition
 from .graph import OpGraph
 from .metis import metis_partition
-from .objective import Evaluation, Problem, budget_error, choose, evaluate
+from .objective import Evaluation, Problem, budget_error, choose, evaluate, roomy_budget
 from .options import UNLIMITED, PartitionOptions
 from .plan import PartitionPlan, make_plan
 from .refine import refine
@@ -110,6 +115,9 @@ def partition(graph_or_model: Any, num_stages: int, options: PartitionOptions | 
     # The split graph's plan is kept only if it is better: its chunks' outputs cost bytes on the link.
     found = [(q, name, ev) for q in problems for name, ev in _candidates(q)]
     name, best = choose([(name, ev) for _, name, ev in found], p.budget)
+    if best.usable(p.budget) and not best.roomy(p.budget):  # tight: plans with headroom, and the smallest one
+        found += [(q, name, ev) for q in problems for name, ev in _tight_candidates(q)]
+        name, best = choose([(name, ev) for _, name, ev in found], p.budget)
     q = next(q for q, _, ev in found if ev is best)
     if q.budget is not None and np.any(best.memory > q.budget):
         raise budget_error(q, _least_memory(q))
@@ -131,6 +139,14 @@ def _candidates(p: Problem) -> list[tuple[str, Evaluation]]:
     if method == "auto":
         candidates += [(name, evaluate(p, baseline_stage(p, name))) for name in BASELINES]
     return candidates
+
+
+def _tight_candidates(p: Problem) -> list[tuple[str, Evaluation]]:
+    """For a tight budget: the DP's plans, refined, with every stage under the headroom line, and the plan
+    with the smallest largest stage; all scored under ``p`` itself, so their numbers are the plan's own."""
+    line = dataclasses.replace(p, options=dataclasses.replace(p.options, device_memory=roomy_budget(p.budget)))
+    stages = [refine(line, stage).stage for stage in dp_partition(line)] + [_least_memory(p).stage]
+    return [("dp", evaluate(p, stage)) for stage in stages]
 
 
 def _least_memory(p: Problem) -> Evaluation:

@@ -36,6 +36,7 @@ import torch.utils.checkpoint
 from partitioner.stage_modules import MODEL_INPUT, SplitModel
 from pipeline.offload import ActivationOffload
 from pipeline.p2p import Transport
+from pipeline.param_gather import GatheredParams
 from pipeline.schedule import Action, Schedule
 from pipeline.timeline import Recorder
 from pipeline.zero_bubble import backward_input
@@ -73,6 +74,7 @@ class Executor:
     checkpointed: set[int] = field(default_factory=set)  # stages that recompute activations in backward
     peak_held: dict[int, int] = field(default_factory=dict)
     offload: ActivationOffload | None = None  # checkpointed stages' inputs to host memory and back (pipeline.offload)
+    gather: GatheredParams | None = None  # sharded parameters' saved whole copies dropped, gathered again in backward
 
     def __post_init__(self) -> None:
         if not self.schedule.lowered:
@@ -243,7 +245,8 @@ class Executor:
                     stage.module, *args, use_reentrant=False,
                     context_fn=comm.replay if comm is not None else torch.utils.checkpoint.noop_context_fn)
         else:
-            outs = stage.module(*args)
+            with self.gather.saving() if self.gather is not None and grad_mode else _NULL:
+                outs = stage.module(*args)
         last = not stage.consumers and a.stage == len(self.split_model.stages) - 1
         held = _Held(outputs={}, inputs=boundary)
         if not last:
@@ -273,6 +276,9 @@ class Executor:
     def _backward(self, a: Action) -> None:
         stage = self._stages[a.stage]
         k = a.microbatch
+        if self.gather is not None:  # the stage's last backward of the step reduces sharded gradients as it goes
+            self.gather.final = k == max(b.microbatch for b in self.schedule.actions[self.rank]
+                                         if b.kind == "B" and b.stage == a.stage)
         split = self.schedule.split_backward
         held = self._held.get((a.stage, k)) if split else self._held.pop((a.stage, k), None)
         if held is None:

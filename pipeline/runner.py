@@ -37,6 +37,7 @@ from pipeline.executor import Executor
 from pipeline.lowering import lower
 from pipeline.offload import DEFAULT_HORIZON, activation_offload
 from pipeline.p2p import Transport, close_groups, named_failures
+from pipeline.param_gather import GatheredParams
 from pipeline.profile_description import run_description
 from pipeline.profiler import ProfileOptions, Profiler
 from pipeline.schedule import make_schedule
@@ -86,7 +87,8 @@ class PipelineRunner:
                  autocast: tuple[str, torch.dtype] | None = None, tp_groups: list[list[int]] | None = None,
                  tp_seed: int = 0, tensorboard: str | os.PathLike[str] | None = None,
                  model: torch.nn.Module | None = None, shape_cache_size: int = shape_classes.DEFAULT_SHAPE_CACHE_SIZE,
-                 offload_activations: bool = False, activation_loading_horizon: int = DEFAULT_HORIZON):
+                 offload_activations: bool = False, activation_loading_horizon: int = DEFAULT_HORIZON,
+                 gather: GatheredParams | None = None):
         """``ranks``: the global ranks of this pipeline, stage order (default: all ranks). With several
         pipelines side by side (data parallelism), pass them all as ``pipelines`` instead: process groups
         are created collectively, so every rank must name every pipeline in the same order. ``timeout_s``
@@ -102,7 +104,9 @@ class PipelineRunner:
         a smaller last batch) runs the same plan on stages traced for them, up to ``shape_cache_size`` shape
         classes kept (:mod:`pipeline.shape_classes`); without it, every step has the traced shapes.
         ``offload_activations``: the inputs checkpointed stages keep go to host memory after their forward and come
-        back ``activation_loading_horizon`` backward passes ahead (:mod:`pipeline.offload`; ``offload``)."""
+        back ``activation_loading_horizon`` backward passes ahead (:mod:`pipeline.offload`; ``offload``). ``gather``:
+        the model's parameters that are DTensor shards are gathered where each stage reads them
+        (:mod:`pipeline.param_gather`; their gradients wait in it for ``gather.reduce_gradients``)."""
         if not dist.is_initialized():
             raise RuntimeError("PipelineRunner needs torch.distributed: call dist.init_process_group (torchrun or "
                                "`smp launch` sets up the environment) before creating it")
@@ -131,6 +135,7 @@ class PipelineRunner:
         self.rank = self.ranks.index(me)
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self._checkpointed = _stages_running(plan, checkpoint_modules)
+        self.gather = gather
         self.offload = activation_offload(offload_activations, activation_loading_horizon, self.device,
                                           self._checkpointed)
         self.timeout_s = timeout_s
@@ -153,9 +158,11 @@ class PipelineRunner:
         for st in local:
             st.module.to(self.device).train(self.training)
             set_device(st.module, self.device)
+            if self.gather is not None:
+                self.gather.insert(st.module)
         executor = Executor(sm, self.schedule, self.rank, self.ranks, self.transport,
                             shape_classes.boundary_requires_grad(sm, self.autocast), self.device, self.recorder,
-                            checkpointed=self._checkpointed, offload=self.offload)
+                            checkpointed=self._checkpointed, offload=self.offload, gather=self.gather)
         key = shape_classes.shape_key(sm.program, list(sm.program.input_meta))
         return self.shapes.put(shape_classes.StageSet(key, plan, sm, local, executor))
 

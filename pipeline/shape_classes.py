@@ -32,6 +32,7 @@ from partitioner.respecialise import respecialise
 from partitioner.stage_modules import SplitModel, Stage
 from partitioner.tracing import trace
 from pipeline.executor import Executor
+from pipeline.param_gather import is_sharded
 
 __all__ = ["ShapeKey", "StageSet", "ShapeCache", "ShapeChangeError", "shape_key", "describe", "check_retraceable",
            "retrace", "boundary_requires_grad", "DEFAULT_SHAPE_CACHE_SIZE"]
@@ -104,12 +105,14 @@ class ShapeCache:
 def check_retraceable(program: TracedProgram, key: ShapeKey, current: ShapeKey,
                       model: torch.nn.Module | None) -> torch.nn.Module:
     """``model``, to trace stages for the shape class ``key`` with; :class:`ShapeChangeError` when they cannot be
-    traced (``current``: the shapes the stages have): without the model, or under tensor parallelism (its ranks
-    hold shards)."""
+    traced (``current``: the shapes the stages have): without the model, or under tensor parallelism or sharded
+    data parallelism (its ranks hold shards)."""
     why = ("the runner was made without the model (pass PipelineRunner(model=...), as "
            "smp.engine.planning.pipeline_runner does)" if model is None else
            f"tensor parallelism (degree {program.tp_comm.size}) holds shards, which cannot be traced again "
-           "(variable shapes need tensor_parallel_degree 1)" if program.tp_comm is not None else None)
+           "(variable shapes need tensor_parallel_degree 1)" if program.tp_comm is not None else
+           "sharded data parallelism holds shards of the parameters, which cannot be traced again (variable shapes "
+           "need sharded_data_parallel_degree 1)" if any(is_sharded(p) for p in model.parameters()) else None)
     if model is None or why is not None:
         raise ShapeChangeError(f"a microbatch of shapes {describe(program, key)} differs from the traced shapes "
                                f"{describe(program, current)}, and {why}: keep the shapes fixed (pad to one length; "

@@ -24,7 +24,8 @@ from partitioner.portfolio import fixed_plan
 from partitioner.shard_program import tensor_parallel_graph
 from pipeline import PipelineRunner
 from smp.checkpoint.commit import CheckpointError
-from smp.checkpoint.state_dicts import PARTIAL_KEY, PLAN_KEY, TP_KEY, key_error, on_cpu, unmarked
+from smp.checkpoint.sdp_state import check_shards, load_into, local_shards, marker, whole_values
+from smp.checkpoint.state_dicts import PARTIAL_KEY, PLAN_KEY, SDP_KEY, TP_KEY, key_error, on_cpu, unmarked
 from smp.checkpoint.tp_state import TPLayout, check_partial, cut_model_state, whole_model_state
 from smp.engine import mixed_precision as precision
 from smp.engine import step_run
@@ -246,12 +247,14 @@ class DistributedModel(torch.nn.Module):
     def local_state_dict(self) -> dict[str, Any]:
         """This rank's parameters and buffers, marked partial (``smp.save(..., partial=True)``). Once the model
         is partitioned it carries the plan, so that a restart cuts the model the same way."""
-        out: dict[str, Any] = {k: v.detach() for k, v in self._local_state().items()}
+        out: dict[str, Any] = {k: v.detach() for k, v in local_shards(self._local_state()).items()}
         out[PARTIAL_KEY] = True
         if self.partitioned:
             out[PLAN_KEY] = self._pipeline().plan.to_json()
             if state.get().topology.tp > 1:  # this tp rank's shards: they load into this tp rank only
                 out[TP_KEY] = self.tensor_parallel_layout().marker()
+            if state.get().sdp_mesh is not None:  # this rank's sdp shards: likewise
+                out[SDP_KEY] = marker(state.get().sdp_mesh)
         return out
 
     def tensor_parallel_layout(self) -> TPLayout:
@@ -273,7 +276,7 @@ class DistributedModel(torch.nn.Module):
         pg = st.enter("model-parallel", "model.state_dict()")  # collective: every rank of the replica calls it
         layout = self.tensor_parallel_layout()
         parts: list[Any] = [None] * st.topology.mp
-        dist.all_gather_object(parts, (layout.rank, on_cpu(self._local_state())), group=pg)
+        dist.all_gather_object(parts, (layout.rank, on_cpu(whole_values(self._local_state()))), group=pg)
         gathered = whole_model_state(parts, layout)
         keys_of: dict[int, list[str]] = {}  # the module's tensors (by id) -> their keys, in state_dict order
         own = self.module.state_dict(keep_vars=True)
@@ -310,8 +313,7 @@ class DistributedModel(torch.nn.Module):
         """
         st = state.get()
         sd, partial = unmarked(state_dict, translate_function, st.translate_functions)
-        plan = sd.pop(PLAN_KEY, None)
-        saved_tp = sd.pop(TP_KEY, None)
+        plan, saved_tp, saved_sdp = (sd.pop(k, None) for k in (PLAN_KEY, TP_KEY, SDP_KEY))
         if not partial or plan is None:  # full, or partial but saved before partitioning: the whole model
             if self.partitioned:
                 return self._load_held(sd, strict, part=False, whole=True)
@@ -322,6 +324,7 @@ class DistributedModel(torch.nn.Module):
         saved = PartitionPlan.from_json(plan)
         check_partial(int(saved.tensor_parallel.get("degree", 1)), None if saved_tp is None else int(saved_tp["rank"]),
                       TPLayout(st.topology.tp, st.topology.tp_rank(st.rank)), "this partial state dict")
+        check_shards(saved_sdp, st.sdp_mesh, "this partial state dict")
         pp = st.topology.pp
         if not self.partitioned:
             if saved.num_stages != pp:
@@ -354,8 +357,8 @@ class DistributedModel(torch.nn.Module):
         if strict and (missing or unexpected):
             raise CheckpointError(key_error(missing, unexpected, *self._where()))
         mine = {k: v for k, v in sd.items() if k in held}
-        self.module.load_state_dict(cut_model_state(mine, self.tensor_parallel_layout()) if whole else mine,
-                                    strict=False)
+        mine = cut_model_state(mine, self.tensor_parallel_layout()) if whole else mine
+        self.module.load_state_dict(load_into(self.module, mine, whole), strict=False)  # sdp shards, then the rest
         return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
 
     def partition_plan(self) -> PartitionPlan | None:

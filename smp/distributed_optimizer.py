@@ -25,10 +25,12 @@ import torch
 import torch.distributed as dist
 
 from smp.checkpoint.commit import CheckpointError
-from smp.checkpoint.state_dicts import SHARD_KEY, TP_KEY, ZERO_KEY, on_cpu
+from smp.checkpoint.sdp_state import check_shards, marker, optimizer_shards, optimizer_whole, shard_state
+from smp.checkpoint.state_dicts import SDP_KEY, SHARD_KEY, TP_KEY, ZERO_KEY, on_cpu
 from smp.checkpoint.tp_state import ShardedParam, TPLayout, check_partial, cut_optimizer_state, whole_optimizer_state
 from smp.engine import gradnorm
 from smp.engine import mixed_precision as precision
+from smp.engine.optimizer_step import step_in_chunks
 from smp.health import session as health
 from smp.profiling import session as profiling
 from smp.runtime import state
@@ -94,9 +96,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return getattr(self.__dict__["optimizer"], name)
 
     def step(self, closure: Any = None) -> Any:
-        """The wrapped optimizer's step; under fp16 loss scaling, unscaled and skipped on overflow. After a
+        """The wrapped optimizer's step; under fp16 loss scaling, unscaled and skipped on overflow; under sharded data
+        parallelism, after clipping the global gradient norm to ``sdp_gradient_clipping`` (SMP's). After a
         training-health check step, ||update|| / ||weight|| is measured per layer (:mod:`smp.health`)."""
         st = state.get()
+        if st.sdp_mesh is not None and st.config.sdp_gradient_clipping > 0:  # SMP clips under sdp, 1.0 by default
+            self.clip_master_grads(st.config.sdp_gradient_clipping)
         with profiling.span("optimizer.step", "optimizer"), health.session_of(st).around_update(st.model, st.device):
             if self.loss_scaler is not None:
                 return self.loss_scaler.scaled_step(self, self._step, closure)
@@ -106,7 +111,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self._zero is not None:
             self._sync_zero_hyperparameters()
             return self._zero.step(closure)
-        return self.optimizer.step(closure)
+        return step_in_chunks(self.optimizer, closure)  # exact, without a whole-group foreach temporary
 
     def clip_master_grads(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradients (unscaled first under fp16) to a global norm of at most ``max_norm`` over the
@@ -134,6 +139,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         default is True; here it is False, so that ``smp.save`` writes each replica's shard without moving it.
         Under tensor parallelism (tp > 1) it is this tp rank's, marked ``TP_KEY``."""
         wrapped = self.optimizer.state_dict()
+        mesh = state.get().sdp_mesh
+        if mesh is not None:  # sharded data parallelism: this rank's shards, which load into the same place only
+            wrapped = {**wrapped, "state": optimizer_shards(wrapped["state"]), SDP_KEY: marker(mesh)}
         out = wrapped
         if self._zero is not None and gather_if_shard:
             st = state.get()
@@ -160,6 +168,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         whole world instead. The state of a tensor-parallel shard is put together from every tp rank's."""
         st = state.get()
         local = self.local_state_dict()
+        if st.sdp_mesh is not None:  # sharded state gathered whole over each sharding group first
+            local["state"] = optimizer_whole(self.optimizer.state_dict()["state"])
         layout, params = self._tensor_parallel()
         group, size = (None, dist.get_world_size()) if self._zero is not None else \
             (st.group("model-parallel"), st.topology.mp)
@@ -176,6 +186,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         when those are known."""
         st = state.get()
         saved_tp = state_dict.get(TP_KEY)
+        if state_dict.get(SDP_KEY) is not None:
+            check_shards(state_dict[SDP_KEY], st.sdp_mesh, "this optimizer state")
         if saved_tp is not None:
             check_partial(int(saved_tp["degree"]), int(saved_tp["rank"]),
                           TPLayout(st.topology.tp, st.topology.tp_rank(st.rank)), "this optimizer state")
@@ -199,6 +211,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             mine = {k: v for k, v in state_dict["state"].items() if held is None or k in held}
             self.optimizer.load_state_dict({"state": cut_optimizer_state(mine, sharded, layout),  # tp: this shard
                                             "param_groups": state_dict["param_groups"]})
+            shard_state(self.optimizer, whole=SDP_KEY not in state_dict)  # sdp: the state laid out as its parameter
             return
         if state_dict.get(ZERO_KEY) and state_dict[SHARD_KEY] != self._shard_keys():
             raise CheckpointError("this sharded optimizer state belongs to another shard (the data-parallel replica "

@@ -31,9 +31,9 @@ from typing import Any, Sequence
 __all__ = ["alias_smdistributed", "alias_from_environment", "check_no_real_smdistributed", "SMP_V1_VERSION",
            "ALIAS_ENV", "SmdistributedAliasError"]
 
-# transformers' SMP branch needs >= 1.10 (tagged checkpoints, fp16 from the config); 1.11 added sharded data
-# parallelism, which this engine refuses (sharded_data_parallel_degree > 1): 1.10 is the newest release whose
-# behaviour a library may rely on here.
+# transformers' SMP branch needs >= 1.10 (tagged checkpoints, fp16 from the config) and gates nothing on later
+# releases; the sharded data parallelism of 1.11 is here too (sharded_data_parallel_degree), but the version a library
+# reads stays the one whose behaviour that library was tested against here.
 SMP_V1_VERSION = "1.10.0"
 ALIAS_ENV = "SMP_AS_SMDISTRIBUTED"  # set by smp launch for its ranks (smp.cli.worker reads it)
 _ROOT, _PARENT, _TORCH = "smdistributed", "smdistributed.modelparallel", "smdistributed.modelparallel.torch"

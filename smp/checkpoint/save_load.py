@@ -6,9 +6,10 @@ or a dict holding them) goes to ``PATH_<pp_rank>``, one file per pipeline rank, 
 on every reduced-data-parallel replica. The replicas hold the same state, so replica 0 (``rdp_rank() == 0``)
 writes the file and the other replicas' calls write nothing. A script that saves only on ``rdp_rank() == 0``
 and loads on every replica therefore works. State that differs between replicas (optimizer state sharded with
-``shard_optimizer_state``) goes to ``PATH_<pp_rank>_<rdp_rank>`` (``PATH_<pp_rank>_<tp_rank>_<rdp_rank>``), which
-every rank writes. ``partial=False`` writes ``PATH`` from global rank 0; other ranks' calls write nothing, as in
-SMP v1. A partial save loads only under the pipeline and tensor-parallel degrees it was saved with.
+``shard_optimizer_state``, the shards of sharded data parallelism) goes to ``PATH_<pp_rank>_<rdp_rank>``
+(``PATH_<pp_rank>_<tp_rank>_<rdp_rank>``), which every rank writes. ``partial=False`` writes ``PATH`` from global
+rank 0; other ranks' calls write nothing, as in SMP v1. A partial save loads only under the pipeline and
+tensor-parallel degrees it was saved with.
 
 The files form a unit (see :mod:`smp.checkpoint.commit`). ``PATH.manifest.json`` beside them lists every file with its
 size and SHA-256. The ranks that write stage their files under hidden temporary names. They agree that all
@@ -36,7 +37,7 @@ from smp.checkpoint.commit import (
     stage,
     write_manifest,
 )
-from smp.checkpoint.state_dicts import ZERO_KEY
+from smp.checkpoint.state_dicts import SDP_KEY, ZERO_KEY
 from smp.runtime import state
 from smp.runtime.topology import Topology
 
@@ -79,10 +80,11 @@ def check_degrees(manifest: dict[str, Any], topology: Topology, what: str, per_r
 
 
 def _per_replica(obj: Any) -> bool:
-    """Does ``obj`` hold sharded optimizer state (a ``local_state_dict`` of a sharded DistributedOptimizer),
-    at the top level or inside the dicts and lists of a user's checkpoint dict?"""
+    """Does ``obj`` hold sharded state (a ``local_state_dict`` of a sharded DistributedOptimizer, or of a model or
+    optimizer under sharded data parallelism), at the top level or inside the dicts and lists of a user's
+    checkpoint dict?"""
     if isinstance(obj, dict):
-        return bool(obj.get(ZERO_KEY)) or _per_replica(list(obj.values()))
+        return bool(obj.get(ZERO_KEY) or obj.get(SDP_KEY)) or _per_replica(list(obj.values()))
     if isinstance(obj, (list, tuple)):
         return any(_per_replica(v) for v in obj if isinstance(v, (dict, list, tuple)))
     return False

@@ -7,8 +7,9 @@ The marker keys live here and nowhere else: :data:`PARTIAL_KEY` (SMP v1's ``_smp
 part of a model, False on a full dict already under this engine's keys; :func:`unmarked` reads it, and
 :data:`OLD_PARTIAL_KEY`, which this engine wrote before),
 :data:`PLAN_KEY` (the partition that part was cut by, as plan JSON), :data:`ZERO_KEY` (optimizer state of one
-data-parallel shard, ZeRO-1), :data:`SHARD_KEY` (the parameters of that shard) and :data:`TP_KEY` (the
-tensor-parallel degree and tp rank whose shards a partial dict holds, :mod:`~smp.checkpoint.tp_state`).
+data-parallel shard, ZeRO-1), :data:`SHARD_KEY` (the parameters of that shard), :data:`TP_KEY` (the
+tensor-parallel degree and tp rank whose shards a partial dict holds, :mod:`~smp.checkpoint.tp_state`) and
+:data:`SDP_KEY` (the sharded-data-parallel layout whose shards a partial dict holds, :mod:`~smp.checkpoint.sdp_state`).
 """
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from typing import Any, Callable, Protocol, runtime_checkable
 import torch
 
 __all__ = ["on_cpu", "key_error", "unmarked", "to_hf_keys", "PARTIAL_KEY",
-           "OLD_PARTIAL_KEY", "PLAN_KEY", "ZERO_KEY", "SHARD_KEY", "TP_KEY", "CheckpointModel", "CheckpointOptimizer"]
+           "OLD_PARTIAL_KEY", "PLAN_KEY", "ZERO_KEY", "SHARD_KEY", "TP_KEY", "SDP_KEY",
+           "CheckpointModel", "CheckpointOptimizer"]
 
 PARTIAL_KEY = "_smp_is_partial"
 OLD_PARTIAL_KEY = "_smp_partial"  # this engine's marker before it took SMP's; still read
@@ -26,6 +28,7 @@ PLAN_KEY = "_smp_plan"
 ZERO_KEY = "_smp_zero"
 SHARD_KEY = "_smp_shard"
 TP_KEY = "_smp_tp"
+SDP_KEY = "_smp_sdp"
 
 
 @runtime_checkable

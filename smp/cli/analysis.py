@@ -6,7 +6,8 @@ priced for the plan's device and training precision (``--device``, ``--dtype``):
 microbatch from the bytes :func:`partitioner.objective.stage_crossings` counts at that precision, over the
 plan's link rates. What each stage's rank holds (:func:`partitioner.stage_memory`) counts the activations of
 the microbatches the simulated schedule keeps in flight at its peak (:func:`pipeline.schedule.peak_in_flight`).
-``--measure`` times every stage for real (:func:`partitioner.measure_stages`).
+``--measure`` times every stage for real (:func:`partitioner.measure_stages`). Under ``--sdp`` the stages are cut
+without the memory budget (:attr:`smp.cli.options.Options.stage_options`).
 """
 from __future__ import annotations
 
@@ -63,7 +64,7 @@ def analyse(graph: Any, opts: Options, *, target: Target | None = None,
     from pipeline.schedule import peak_in_flight
 
     progress(f"partitioning into {opts.partitions} stages (method {opts.partition.method})")
-    plan = partition(graph, opts.partitions, opts.partition)
+    plan = partition(graph, opts.partitions, opts.stage_options)
     progress(f"scoring baselines and simulating {opts.microbatches} microbatches, {opts.pipeline} pipeline")
     baselines = {}
     for name, other in all_baselines(make_problem(graph, opts.partitions, opts.partition)).items():

@@ -24,7 +24,9 @@ from smp.cli.errors import CLIError
 from smp.cli.limits import DEFAULT_MAX_ACTIONS
 
 __all__ = ["Options", "Parser", "add_target_args", "add_plan_args", "positive_int", "size", "duration", "budget",
-           "check_output"]
+           "check_output", "RANKS_PER_NODE"]
+
+RANKS_PER_NODE = 8  # devices per node unless told (`smp simulate --ranks-per-node`): a p4d/p5 instance's GPUs
 
 
 class Parser(argparse.ArgumentParser):
@@ -172,6 +174,15 @@ def add_plan_args(p: argparse.ArgumentParser, *, microbatches_required: bool = F
                    help="tensor-parallel degree: split each transformer block's matmuls, the embedding and the LM "
                         "head over T ranks of a node (Megatron's pattern; what cannot be split stays whole, with a "
                         "warning), plan tp rank 0's shards and price the tp all-reduces on --link (default 1)")
+    p.add_argument("--sdp", "--sharded-data-parallel-degree", dest="sdp", metavar="D", type=positive_int, default=1,
+                   help="sharded data-parallel degree: each stage's parameters sharded over D replicas (ZeRO-3, "
+                        "SMP's sharded_data_parallel_degree): memory per rank with weights, gradients at rest and "
+                        "optimizer state / D plus the gathered layers, and the all-gathers and reduce-scatters "
+                        "priced (default 1: no sharding)")
+    p.add_argument("--sdp-threshold", "--sdp-param-persistence-threshold", dest="sdp_threshold", metavar="N",
+                   type=positive_int, default=keep,
+                   help="with --sdp: parameters of fewer than N elements stay whole on every replica (SMP's "
+                        "sdp_param_persistence_threshold, default 1000000)")
     p.add_argument("--max-actions", type=positive_int, default=DEFAULT_MAX_ACTIONS,
                    help=f"refuse to simulate more schedule actions (stages x microbatches x passes, all schedules "
                         f"together) than this (default {DEFAULT_MAX_ACTIONS:.0e}, a few minutes and GB)")
@@ -194,7 +205,9 @@ class Options:
     """A plan request: ``partitions`` stages under ``partition``, the :class:`partitioner.PartitionOptions`
     (microbatches and schedule included), for the pipeline SMP calls ``pipeline``; ``measure_stages`` also
     times each stage for real; ``max_actions`` bounds the simulation; ``tp``: the tensor-parallel degree
-    (:mod:`smp.cli.tensor_parallel`).
+    (:mod:`smp.cli.tensor_parallel`); ``sdp``: the sharded data-parallel degree, ``sdp_threshold`` the elements
+    below which a parameter stays whole (None: :data:`partitioner.sharded_dp.PERSISTENCE_THRESHOLD`;
+    :mod:`smp.cli.sharded_dp`).
 
     ``Options(4, microbatches=8, memory_weight=0)``: keywords other than these go to PartitionOptions."""
 
@@ -204,23 +217,32 @@ class Options:
     measure_stages: bool
     max_actions: int
     tp: int
+    sdp: int
+    sdp_threshold: int | None
 
     def __init__(self, partitions: int, pipeline: str = "interleaved", *, measure_stages: bool = False,
-                 max_actions: int = DEFAULT_MAX_ACTIONS, tp: int = 1, **partition: Any) -> None:
+                 max_actions: int = DEFAULT_MAX_ACTIONS, tp: int = 1, sdp: int = 1, sdp_threshold: int | None = None,
+                 **partition: Any) -> None:
         from partitioner.options import PartitionOptions
 
-        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-            raise CLIError(f"--tp {tp!r}: the tensor-parallel degree must be a positive integer (1: no tensor "
-                           "parallelism)")
-        if tp > 1 and measure_stages:
-            raise CLIError(f"--measure times the stages in this process, but --tp {tp} stages run collectives "
-                           "between tp ranks; measure with --tp 1, or run the job and use smp report")
+        for flag, degree, what in (("--tp", tp, "tensor"), ("--sdp", sdp, "sharded data")):
+            if isinstance(degree, bool) or not isinstance(degree, int) or degree < 1:
+                raise CLIError(f"{flag} {degree!r}: the {what}-parallel degree must be a positive integer (1: no "
+                               f"{what} parallelism)")
+        for flag, degree in (("--tp", tp), ("--sdp", sdp)):
+            if degree > 1 and measure_stages:
+                raise CLIError(f"--measure times the stages in this process, but {flag} {degree} stages run "
+                               f"collectives between ranks; measure with {flag} 1, or run the job and use smp report")
+        if sdp_threshold is not None and (isinstance(sdp_threshold, bool) or not isinstance(sdp_threshold, int)
+                                          or sdp_threshold < 1):
+            raise CLIError(f"--sdp-threshold {sdp_threshold!r}: give a positive number of elements")
         try:
             options = PartitionOptions.of(pipeline=pipeline, **partition)
         except (TypeError, ValueError) as exc:
             raise CLIError(str(exc)) from None
         for name, value in (("partitions", partitions), ("partition", options), ("pipeline", pipeline),
-                            ("measure_stages", measure_stages), ("max_actions", max_actions), ("tp", tp)):
+                            ("measure_stages", measure_stages), ("max_actions", max_actions), ("tp", tp),
+                            ("sdp", sdp), ("sdp_threshold", sdp_threshold)):
             object.__setattr__(self, name, value)
 
     @classmethod
@@ -230,7 +252,17 @@ class Options:
 
         given = {f.name: getattr(ns, f.name) for f in fields(PartitionOptions) if hasattr(ns, f.name)}
         return cls(ns.partitions, ns.smp_pipeline, measure_stages=getattr(ns, "measure_stages", False),
-                   max_actions=getattr(ns, "max_actions", DEFAULT_MAX_ACTIONS), tp=getattr(ns, "tp", 1), **given)
+                   max_actions=getattr(ns, "max_actions", DEFAULT_MAX_ACTIONS), tp=getattr(ns, "tp", 1),
+                   sdp=getattr(ns, "sdp", 1), sdp_threshold=getattr(ns, "sdp_threshold", None), **given)
+
+    @property
+    def stage_options(self) -> Any:
+        """The options the stages are cut with: :attr:`partition`, without its memory budget under ``--sdp`` above 1
+        (the partitioner counts every parameter whole; :func:`smp.cli.sharded_dp.check_budget` holds the sharded
+        ranks to the budget instead)."""
+        from partitioner.options import UNLIMITED, PartitionOptions
+
+        return self.partition if self.sdp == 1 else PartitionOptions.of(self.partition, device_memory=UNLIMITED)
 
     @property
     def microbatches(self) -> int:

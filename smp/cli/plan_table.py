@@ -2,7 +2,8 @@
 
 First the device, precision and links the plan is priced for; then the stage table (for a tensor-parallel plan with a
 ``tp ms`` column: the tp collectives per microbatch, part of fwd and bwd), and the bytes the rank running each stage
-holds by kind (:func:`partitioner.stage_memory`; per tp rank). After the tables: the lower bound and the balance
+holds by kind (:func:`partitioner.stage_memory`; per tp rank; with ``--sdp`` the sharded figures of
+:func:`smp.cli.sharded_dp.memory_table`). After the tables: the lower bound and the balance
 (bottleneck / lower bound), the cut and the largest stage's memory, shared parameters, the simulated schedule (and
 the one with measured stage times), and the baselines scored by the same cost model and schedule.
 """
@@ -13,6 +14,7 @@ from typing import Any
 
 from partitioner.units import format_bytes, format_seconds
 from smp.cli.graph import is_ancestor
+from smp.cli.sharded_dp import memory_table
 from smp.cli.text import format_flops, ms, table
 
 __all__ = ["format_report", "module_range", "pipeline_title", "priced_for"]
@@ -96,10 +98,13 @@ def format_report(plan: Any, graph: Any = None) -> str:
     if memory:
         lines.append("")
         tp = plan.tensor_parallel.get("degree", 1)
+        sdp = plan.extra.get("sharded_data_parallel")
         lines.append(f"memory per rank ({plan.options.get('dtype', 'fp32')}, {plan.options.get('optimizer', 'adam')}"
                      "; what the rank running each stage holds at its peak, activations in flight by the "
-                     "simulated schedule" + (f"; tp rank 0 of {tp} ranks per stage" if tp > 1 else "") + "):")
-        lines += _memory_table(memory)
+                     "simulated schedule" + (f"; tp rank 0 of {tp} ranks per stage" if tp > 1 else "")
+                     + (f"; parameters sharded over {sdp['degree']} replicas: weights, gradients at rest and optimizer "
+                        "state / D, gradients whole during the step, gathered layers whole" if sdp else "") + "):")
+        lines += memory_table(sdp) if sdp else _memory_table(memory)
     worst = max(plan.stages, key=lambda s: s.cost_s).index
     lines.append("")
     lines.append(f"lower bound {ms(plan.lower_bound)} ms per microbatch (max of total compute/{plan.num_stages} and "

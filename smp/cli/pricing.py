@@ -6,7 +6,9 @@ the model were proportionally deeper, and every boundary carries the mean bounda
 stages. Bytes are at the training precision (``--dtype``). A boundary costs nothing between stages on one rank,
 the plan's link within a node, and the inter-node link between nodes (ranks fill nodes in order, SMP's
 "cluster" placement). A graph sharded for tensor parallelism (``--tp``) is priced per rank, its tp collectives inside
-the stage costs and also kept apart (``tp_comm_s``).
+the stage costs and also kept apart (``tp_comm_s``). With ``--sdp`` each stage's all-gathers per microbatch are
+inside its forward and backward (kept apart in ``sdp_gather_s``), and its reduce-scatter and all-reduce run once per
+step after its rank's last backward (``sdp_end_s``; :mod:`smp.cli.sharded_dp`).
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from typing import Any
 from partitioner.units import format_bytes
 from smp.cli.analysis import simulate_stages
 from smp.cli.options import Options
+from smp.cli.sharded_dp import with_end_of_step
 from smp.cli.text import ms
 
 __all__ = ["EXACT_MAX_STAGES", "PipelineCosts", "pipeline_costs", "sim_row"]
@@ -39,16 +42,23 @@ class PipelineCosts:
     act_bytes: list[float] = field(default_factory=list)  # activations one microbatch leaves on each stage
     tp_comm_s: list[float] = field(default_factory=list)  # tp collectives per microbatch, inside forward/backward
     param_state: list[dict[str, float]] = field(default_factory=list)  # per stage: weights, gradients, ... bytes
+    sdp_gather_s: list[float] = field(default_factory=list)  # sdp all-gathers per microbatch, inside forward/backward
+    sdp_end_s: list[float] = field(default_factory=list)  # sdp reduce-scatter and all-reduce, once per step
+    sdp: list[Any] = field(default_factory=list)  # per stage: partitioner.sharded_dp.ShardedRank
 
 
-def pipeline_costs(graph: Any, opts: Options, stages: int, *, exact: bool = True) -> PipelineCosts:
+def pipeline_costs(graph: Any, opts: Options, stages: int, *, exact: bool = True,
+                   sdp_link: Any = None) -> PipelineCosts:
     """A real plan for ``stages`` stages when ``exact`` and ``stages <= min(ops, EXACT_MAX_STAGES)``; otherwise
-    the model's totals scaled to total / P per stage, with the mean boundary of a real plan of up to 16 stages."""
+    the model's totals scaled to total / P per stage, with the mean boundary of a real plan of up to 16 stages.
+    With ``opts.sdp`` above 1 the stages' parameters are sharded, their collectives on ``sdp_link``
+    (:func:`smp.cli.sharded_dp.group_link`)."""
     import numpy as np
 
     from partitioner import UNLIMITED, partition
     from partitioner.objective import stage_crossings, stage_params
     from partitioner.precision import activation_bytes, param_memory_parts
+    from partitioner.sharded_dp import PERSISTENCE_THRESHOLD, sharded_dp
 
     ops = sum(k != "output" for k in graph.kinds)
     dtype = opts.partition.dtype
@@ -70,13 +80,27 @@ def pipeline_costs(graph: Any, opts: Options, stages: int, *, exact: bool = True
         comm = plan.tensor_parallel.get("comm_s") or []
         return list(comm) if k == plan.num_stages else [sum(comm) / k] * k
 
+    def sharded(plan: Any, costs: PipelineCosts) -> PipelineCosts:
+        if opts.sdp == 1:
+            return costs
+        ranks = sharded_dp(plan, graph, opts.sdp, threshold=opts.sdp_threshold or PERSISTENCE_THRESHOLD,
+                           link=sdp_link)
+        gather = [r.gather_forward_s for r in ranks]  # as long in the backward
+        end = [r.end_of_step_s for r in ranks]
+        if not costs.exact:  # the model spread evenly over the stages
+            ranks, gather, end = [], [sum(gather) / stages] * stages, [sum(end) / stages] * stages
+        costs.forward_s = [f + g for f, g in zip(costs.forward_s, gather)]
+        costs.backward_s = [b + g for b, g in zip(costs.backward_s, gather)]
+        costs.sdp_gather_s, costs.sdp_end_s, costs.sdp = [2 * g for g in gather], end, ranks
+        return costs
+
     if exact and stages <= min(ops, EXACT_MAX_STAGES):
-        plan = partition(graph, stages, opts.partition)
+        plan = partition(graph, stages, opts.stage_options)
         crossing = stage_crossings(graph, plan.stage_of_ops(graph), stages, dtype)
-        return PipelineCosts([s.forward_s for s in plan.stages], [s.backward_s for s in plan.stages],
-                             sorted(crossing), crossing, True,
-                             f"a real {stages}-stage plan ({plan.method}, balance {plan.balance:.3f})", plan.rates,
-                             acts(plan), tp(plan, stages), state(plan, stages))
+        return sharded(plan, PipelineCosts(
+            [s.forward_s for s in plan.stages], [s.backward_s for s in plan.stages], sorted(crossing), crossing, True,
+            f"a real {stages}-stage plan ({plan.method}, balance {plan.balance:.3f})", plan.rates, acts(plan),
+            tp(plan, stages), state(plan, stages)))
     k0 = max(1, min(ops, 16, stages))
     plan = partition(graph, k0, opts.partition, device_memory=UNLIMITED)  # a stage of many: no budget applies
     fwd = sum(s.forward_s for s in plan.stages)
@@ -91,9 +115,9 @@ def pipeline_costs(graph: Any, opts: Options, stages: int, *, exact: bool = True
             f"each boundary carries {format_bytes(per_boundary)}, the mean boundary of a real {k0}-stage plan")
     chain = [(s, s + 1) for s in range(stages - 1)]
     total_act = float(act_bytes.sum())
-    return PipelineCosts([fwd / stages] * stages, [bwd / stages] * stages, chain,
-                         {e: (int(per_boundary), tensors) for e in chain}, False, note, plan.rates,
-                         [total_act / stages] * stages, tp(plan, stages), state(plan, stages))
+    return sharded(plan, PipelineCosts([fwd / stages] * stages, [bwd / stages] * stages, chain,
+                                       {e: (int(per_boundary), tensors) for e in chain}, False, note, plan.rates,
+                                       [total_act / stages] * stages, tp(plan, stages), state(plan, stages)))
 
 
 def _link_comm(costs: PipelineCosts, stage_rank: Sequence[int], ranks_per_node: int,
@@ -128,13 +152,20 @@ def _peak_activation_bytes(schedule: Any, act_bytes: Sequence[float]) -> float:
 def sim_row(name: str, costs: PipelineCosts, microbatches: int, ranks: int, ranks_per_node: int,
             inter: tuple[float, float], virtual: int = 1) -> dict[str, Any]:
     """Simulate one schedule (zero-bubble splits each backward into equal B and W halves): step, bubble,
-    throughput and peak activations per rank, as the JSON row of that schedule."""
+    throughput and peak activations per rank, as the JSON row of that schedule; with ``--sdp`` each rank's
+    reduce-scatter and all-reduce after its last backward are in the step."""
     fwd, bwd = costs.forward_s, costs.backward_s
     stage_rank = [s % ranks for s in range(len(fwd))]
     comm = _link_comm(costs, stage_rank, ranks_per_node, *inter)
     sim = simulate_stages(name, microbatches, fwd, bwd, deps=costs.deps, comm=comm, num_ranks=ranks,
                           virtual_stages=virtual)
     peak = _peak_activation_bytes(sim.schedule, costs.act_bytes) if costs.act_bytes else None
-    return {"schedule": name, "virtual_stages": virtual, "predicted_step_s": sim.step_s, "bubble": sim.bubble,
-            "throughput_microbatches_per_s": microbatches / sim.step_s if sim.step_s > 0 else 0.0,
+    step, bubble = sim.step_s, sim.bubble
+    if costs.sdp_end_s:
+        end = [0.0] * ranks
+        for s, x in enumerate(costs.sdp_end_s):
+            end[stage_rank[s]] += x
+        step, bubble = with_end_of_step(sim, end)
+    return {"schedule": name, "virtual_stages": virtual, "predicted_step_s": step, "bubble": bubble,
+            "throughput_microbatches_per_s": microbatches / step if step > 0 else 0.0,
             "peak_activation_bytes": peak}

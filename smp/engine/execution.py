@@ -29,6 +29,7 @@ import torch.distributed as dist
 from partitioner.program import flatten_inputs
 from pipeline import PeerError
 from pipeline.p2p import named_failures
+from pipeline.param_gather import is_sharded
 from smp.engine.materialize import tensor_ids
 from smp.engine.pipeline_model import PipelineModel
 from smp.engine.repartition import repartition_in_flight
@@ -137,6 +138,12 @@ def _run(st: State, model: PipelineModel, run: StepRun, call: str) -> list[Any]:
         tp = st.topology.tp > 1
         sharded = tensor_ids(model.module, sharded_names(runner.plan.traced_graph())) if tp else set()
         params = [p for p in model.local_parameters() if p.requires_grad]
+        if runner.gather is not None:  # sharded parameters: their whole gradients reduce-scattered, once per step
+            with named_failures("reducing the sharded gradients over the sharded-data-parallel replicas",
+                                [r for r in st.ranks("reduced-data-parallel") if r != st.rank], st.rank,
+                                st.config.timeout_s):
+                runner.gather.reduce_gradients(params)
+            params = [p for p in params if not is_sharded(p)]
         # A tp rank's shards average over the replicas of that shard only; whole parameters over every replica.
         _reduce_data_parallel(st, [p for p in params if id(p) not in sharded], call, "data-parallel")
         if tp and st.topology.rdp > 1:

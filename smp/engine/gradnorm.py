@@ -10,7 +10,9 @@ So every rank writes the norm of each gradient it holds into a vector indexed by
 the model, zero elsewhere, and one all-reduce with MAX over the world fills in every entry: copies agree,
 and a rank that does not hold a parameter contributes 0, below any norm. The total is then combined as one
 device would, from per-tensor norms (``clip_grad_norm_``'s order). Gradients of parameters outside the
-DistributedModel are added locally.
+DistributedModel are added locally. A gradient in parts on several ranks (a tensor-parallel shard, a DTensor
+sharded over sharded-data-parallel replicas, :mod:`smp.engine.sharded_dp`, or both) has its norm put together from
+its parts' ``norm ** p`` (MAX for the inf-norm) first: one all-reduce on the sharding group, one on the tp group.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from typing import Iterable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from smp.runtime.state import State
 
@@ -32,6 +35,14 @@ def _model_index(st: State | None) -> dict[int, int]:
     return {id(p): i for i, (_, p) in enumerate(st.model.module.named_parameters())}
 
 
+def _tp_sharded(st: State | None) -> set[int]:
+    """Ids of the parameters that are tensor-parallel shards (each tp rank holds another part of them)."""
+    if st is None or st.model is None or st.topology.tp == 1 or not st.model.partitioned:
+        return set()
+    names = set(st.model.tensor_parallel_layout().shards)
+    return {id(p) for n, p in st.model.module.named_parameters() if n in names}
+
+
 def global_grad_norm(params: Iterable[torch.Tensor], norm_type: float = 2.0, st: State | None = None) -> torch.Tensor:
     """The ``norm_type``-norm of the gradients of ``params`` taken together over every rank of the model
     ``st`` describes (collective: every rank calls it), as a float32 scalar on this rank's device. Without
@@ -42,12 +53,34 @@ def global_grad_norm(params: Iterable[torch.Tensor], norm_type: float = 2.0, st:
     device = st.device if st is not None else torch.device("cpu")
     per_param = torch.zeros(len(index), dtype=torch.float32, device=device)
     local: list[torch.Tensor] = []
+    inf = math.isinf(norm_type)
+    # A sharded gradient's part here, as norm ** p (the inf-norm: as is): summed (MAX) over the ranks holding the
+    # other parts, first over its sdp sharding group, then over its tp group.
+    sdp_parts = torch.zeros(len(index), dtype=torch.float32, device=device)
+    tp_parts = torch.zeros(len(index), dtype=torch.float32, device=device)
+    tp_split, sdp_group = _tp_sharded(st), None
     for key, g in grads.items():
-        norm = torch.linalg.vector_norm(g.detach(), norm_type, dtype=torch.float32).to(device)
-        if key in index:
-            per_param[index[key]] = norm
-        else:
+        norm = torch.linalg.vector_norm((g.to_local() if isinstance(g, DTensor) else g).detach(), norm_type,
+                                        dtype=torch.float32).to(device)
+        if key not in index:
             local.append(norm)
+        elif isinstance(g, DTensor) or key in tp_split:
+            parts = sdp_parts if isinstance(g, DTensor) else tp_parts
+            parts[index[key]] = norm if inf else norm ** norm_type
+            if isinstance(g, DTensor):
+                sdp_group = g.device_mesh.get_group(g.device_mesh.ndim - 1)
+        else:
+            per_param[index[key]] = norm
+    op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
+    if sdp_group is not None:  # every replica of a stage holds the same sharded parameters: all take part
+        dist.all_reduce(sdp_parts, op=op, group=sdp_group)
+    if tp_split:
+        for key in tp_split & set(grads):
+            if isinstance(grads[key], DTensor):
+                tp_parts[index[key]] = sdp_parts[index[key]]
+        dist.all_reduce(tp_parts, op=op, group=st.group("tensor-parallel") if st is not None else None)
+    whole = torch.maximum(sdp_parts, tp_parts)  # the sum over every part of each sharded gradient
+    per_param = torch.maximum(per_param, whole if inf else whole ** (1.0 / norm_type))
     if index and st is not None and st.topology.world > 1:
         dist.all_reduce(per_param, op=dist.ReduceOp.MAX, group=st.group("world"))
     norms = torch.cat([per_param, torch.stack(local)]) if local else per_param
@@ -68,5 +101,6 @@ def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float, norm_type: 
     for p in params:
         grad = p.grad
         assert grad is not None  # kept above
-        grad.detach().mul_(coef.to(grad.device, grad.dtype))
+        local = grad.to_local() if isinstance(grad, DTensor) else grad  # a shard scales in place, as a whole one
+        local.detach().mul_(coef.to(local.device, local.dtype))
     return total

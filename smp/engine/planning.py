@@ -17,9 +17,11 @@ from partitioner import PartitionOptions, PartitionPlan, partition, trace
 from partitioner.shard_program import tensor_parallel_graph
 from pipeline import PipelineRunner
 from pipeline.p2p import named_failures
+from pipeline.param_gather import GatheredParams
 from smp.engine import mixed_precision as precision
 from smp.engine.materialize import keep_own_share, tensor_ids
 from smp.engine.pipeline_model import PipelineModel
+from smp.engine.sharded_dp import shard_own_share, to_shard
 from smp.engine.tp_shards import install_shards, shard_owners, shard_specs
 from smp.engine.weights import load_local, weight_cuts
 from smp.runtime.state import State
@@ -99,8 +101,15 @@ def smp_runner(st: State, model: PipelineModel, plan: PartitionPlan, checkpoint_
     cfg = st.config
     install_shards(model.module, plan.traced_graph())
     local = own_tensors(plan, st.topology.pp_rank(st.rank), st.topology.pp)
-    keep_own_share(model.module, local, st.device, initialise,
-                   shard_of=shard_owners(plan.traced_graph(), st.topology.tp_rank(st.rank)))
+    shard_of = shard_owners(plan.traced_graph(), st.topology.tp_rank(st.rank))
+    gather = None
+    if st.sdp_mesh is not None:  # sharded data parallelism: this rank's shards, made one module at a time
+        sharded = to_shard(model.module, local, plan.shared_params, cfg.sdp_param_persistence_threshold)
+        shard_own_share(model.module, local, sharded, st.sdp_mesh, st.device, initialise, shard_of, st.optimizer,
+                        also=[plan.traced_graph().fx.module])
+        gather = GatheredParams()
+    else:
+        keep_own_share(model.module, local, st.device, initialise, shard_of=shard_of)
     return PipelineRunner(plan, schedule=cfg.schedule, microbatches=cfg.microbatches,
                           max_in_flight=cfg.active_microbatches if cfg.schedule == "1f1b" else None,
                           pipelines=st.topology.pipelines(), device=st.device, timeout_s=cfg.timeout_s,
@@ -108,4 +117,4 @@ def smp_runner(st: State, model: PipelineModel, plan: PartitionPlan, checkpoint_
                           tp_groups=st.topology.tp_groups() if st.topology.tp > 1 else None,
                           model=model.module, shape_cache_size=cfg.shape_cache_size,
                           tensorboard=cfg.tensorboard, offload_activations=cfg.offload_activations,
-                          activation_loading_horizon=cfg.activation_loading_horizon)
+                          activation_loading_horizon=cfg.activation_loading_horizon, gather=gather)

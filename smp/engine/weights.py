@@ -18,10 +18,12 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from partitioner.errors import EngineError
 from partitioner.shard_program import shard_ranges
 from partitioner.sharding import Shard
+from pipeline.param_gather import shard_of
 
 __all__ = ["WeightsError", "LocalWeights", "Cut", "weight_cuts", "read_weights", "load_local"]
 
@@ -167,6 +169,11 @@ def load_local(module: torch.nn.Module, path: str | os.PathLike, local: set[int]
                            "pass strict=False to keep their initial values")
     with torch.no_grad():
         for name, value in got.tensors.items():
-            tensors[name].copy_(value)
+            target = tensors[name]
+            if isinstance(target, DTensor):  # sharded data parallelism: this rank's shard of the whole value
+                shard = shard_of(value.to(target.dtype), target.device_mesh, target.placements)
+                target.to_local().copy_(shard.to_local())
+            else:
+                target.copy_(value)
     got.missing = sorted(unmatched)
     return got

@@ -63,7 +63,12 @@ class Config:
     fp16: bool = False                # steps run under float16 autocast, with loss scaling (smp.engine.mixed_precision)
     bf16: bool = False                # steps run under bfloat16 autocast
     delayed_parameter_initialization: bool = False
-    sharded_data_parallel_degree: int = 1
+    sharded_data_parallel_degree: int = 1  # shard each stage's parameters over as many replicas (smp.engine.sharded_dp)
+    sdp_reduce_bucket_size: int = int(5e8)
+    sdp_param_persistence_threshold: int = int(1e6)  # parameters with fewer elements stay whole on every replica
+    sdp_max_live_parameters: int = int(1e9)
+    sdp_hierarchical_allgather: bool = True
+    sdp_gradient_clipping: float = 1.0  # with sdp: the global gradient norm is clipped to this at each step (0: off)
     timeout_s: float = DEFAULT_TIMEOUT_S  # per wait/collective; from SMP_TIMEOUT_S when the config has none
     prescaled_batch: bool = False     # with tp > 1: a tp group reads one batch (True) or one each (smp.engine.tp_batch)
     activation_loading_horizon: int = DEFAULT_HORIZON  # offloaded activations load this many backwards ahead
@@ -155,6 +160,10 @@ _NO_EFFECT = {
     "_fp32_grad_accumulation": "gradients accumulate in the parameters' dtype, fp32 under 'fp16'/'bf16'",
     "_match_weights": "there are no tensor-parallel weights to match",
     "overlapping_allreduce": "data-parallel gradients are averaged in one collective after each step",
+    "sdp_reduce_bucket_size": "each sharded gradient is reduce-scattered on its own, once per step",
+    "sdp_max_live_parameters": "a sharded parameter is gathered where the stage first reads it and freed after its "
+                               "last read, so only the parameters of the running op are whole",
+    "sdp_hierarchical_allgather": "parameters are gathered over one sharding group, with no node-level stage",
 }
 _SMP_V1_FLAGS = ("fp16", "bf16", "delayed_parameter_initialization", "prescaled_batch", "checkpoint_attentions",
               "skip_tracing", "static_mode", "fast_mode", "fp16_params", "_fp32_grad_accumulation", "_match_weights",
@@ -272,9 +281,23 @@ def _validate(c: Config) -> None:
         _check(isinstance(getattr(c, key), bool), key, getattr(c, key), "True or False")
     _check(_is_int(c.sharded_data_parallel_degree) and c.sharded_data_parallel_degree >= 1,
            "sharded_data_parallel_degree", c.sharded_data_parallel_degree, "a positive integer")
-    _check(c.sharded_data_parallel_degree == 1, "sharded_data_parallel_degree", c.sharded_data_parallel_degree,
-           "only 1: this engine does not shard parameters across data-parallel ranks; for ZeRO-1 style sharding "
-           "of the optimizer state set 'ddp': True and 'shard_optimizer_state': True")
+    sdp = c.sharded_data_parallel_degree
+    _check(sdp == 1 or c.ddp is True, "sharded_data_parallel_degree", sdp, "a degree above 1 needs 'ddp': True "
+           "(the parameters are sharded over data-parallel replicas); add \"ddp\": True to the smp config")
+    _check(sdp == 1 or not c.shard_optimizer_state, "shard_optimizer_state", c.shard_optimizer_state,
+           "not together with sharded_data_parallel_degree > 1, as in SMP v1: sharded data parallelism shards the "
+           "optimizer state already; remove 'shard_optimizer_state'")
+    _check(sdp == 1 or c.auto_repartition is None, "auto_repartition", c.auto_repartition,
+           "not together with sharded_data_parallel_degree > 1 (sharded parameters cannot move between stages); "
+           "turn one of them off")
+    for key in ("sdp_reduce_bucket_size", "sdp_param_persistence_threshold", "sdp_max_live_parameters"):
+        _check(isinstance(getattr(c, key), (int, float)) and not isinstance(getattr(c, key), bool)
+               and getattr(c, key) >= 0, key, getattr(c, key), "a number of elements >= 0")
+    _check(isinstance(c.sdp_hierarchical_allgather, bool), "sdp_hierarchical_allgather", c.sdp_hierarchical_allgather,
+           "True or False")
+    _check(isinstance(c.sdp_gradient_clipping, (int, float)) and not isinstance(c.sdp_gradient_clipping, bool)
+           and c.sdp_gradient_clipping >= 0, "sdp_gradient_clipping", c.sdp_gradient_clipping,
+           "a norm >= 0 (0 turns clipping off)")
     _check(not (c.fp16 and c.bf16), "fp16", c.fp16, "not together with 'bf16': True; choose one of them")
     _check(_is_int(c.activation_loading_horizon) and c.activation_loading_horizon >= 1,
            "activation_loading_horizon", c.activation_loading_horizon, "a positive integer")

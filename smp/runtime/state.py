@@ -83,6 +83,10 @@ class State:
     # SMP's module_manager.translate_functions: (smp_to_hf, hf_to_smp) state-dict key translators, one pair per
     # kind of distributed module substituted (tensor parallelism appends them); full checkpoints pass through them.
     translate_functions: list = field(default_factory=list)
+    # Sharded data parallelism (sharded_data_parallel_degree > 1): the DeviceMesh of this rank's replicas, (replica
+    # rows x) sharding group, and its process groups (smp.runtime.topology.Topology.sdp_grid).
+    sdp_mesh: Any = None
+    sdp_groups: tuple = ()
 
     def __post_init__(self) -> None:
         if not self.aliases:
@@ -135,6 +139,8 @@ class State:
         # as the default group) makes any later collective on it fail at once
         self.world_group, self.mp_group, self.dp_group = (_Closed(kind) for kind in GROUP_KINDS[:3])
         self.model_group, self.tp_group, self.rdp_group = (_Closed(kind) for kind in GROUP_KINDS[3:])
+        groups += [g for g in self.sdp_groups if not any(g is o for o in groups)]
+        self.sdp_groups = ()
         runner = self.model.runner if self.model is not None else None
         if runner is not None:
             runner.report_failure(exc, also=groups)
@@ -148,7 +154,7 @@ class State:
         runner = self.model.runner if self.model is not None else None
         if runner is not None:
             runner.close()
-        close_groups([g for g in _distinct(self._groups().values()) if not isinstance(g, _Closed)])
+        close_groups([g for g in _distinct([*self._groups().values(), *self.sdp_groups]) if not isinstance(g, _Closed)])
         if default_group and dist.is_initialized():
             dist.destroy_process_group()
 
@@ -242,9 +248,29 @@ def init(config: dict | str | None = None) -> State:
         elif len(st.ranks(kind)) > 1:
             pg, _ = dist.new_subgroups_by_enumeration(topo.groups(GROUP_AXES[kind]), timeout=timeout)
             setattr(st, _FIELDS[kind], pg)
+    if cfg.sharded_data_parallel_degree > 1:
+        st.sdp_mesh, st.sdp_groups = _sdp_mesh(topo, cfg.sharded_data_parallel_degree, st.rank, timeout, device)
     _state = st
     atexit.register(st.close, made_default)
     return st
+
+
+def _sdp_mesh(topo: Topology, sdp: int, rank: int, timeout: datetime.timedelta,
+              device: torch.device) -> tuple[Any, tuple]:
+    """This rank's sharded-data-parallel DeviceMesh (1-D over its sharding group, or 2-D replica rows x sharding
+    group when ``sdp`` < rdp) made from groups every rank creates in the same order, and those groups."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    grids = topo.sdp_grid(sdp)
+    shard, _ = dist.new_subgroups_by_enumeration([row for grid in grids for row in grid], timeout=timeout)
+    mine = next(grid for grid in grids if any(rank in row for row in grid))
+    if len(mine) == 1:
+        return DeviceMesh.from_group(shard, device.type, mesh_dim_names=("shard",)), (shard,)
+    columns = [[row[i] for row in grid] for grid in grids for i in range(sdp)]
+    replicas, _ = dist.new_subgroups_by_enumeration(columns, timeout=timeout)
+    mesh = DeviceMesh.from_group([replicas, shard], device.type, mesh=torch.tensor(mine),
+                                 mesh_dim_names=("replicate", "shard"))
+    return mesh, (shard, replicas)
 
 
 def _degrees(pp: int, tp: int) -> str:

@@ -169,6 +169,17 @@ class Topology:
         tp = 1 these are the ranks holding that stage in every replica."""
         return self.groups("DT")
 
+    def sdp_grid(self, sdp: int) -> list[list[list[int]]]:
+        """Sharded data parallelism of degree ``sdp``: each reduced-data-parallel group as a grid of
+        ``rdp / sdp`` rows (replicas of a whole shard set, SMP's hybrid case when more than one) by ``sdp`` columns
+        (a sharding group: consecutive ``rdp_rank``, which share a node's links under the default placement)."""
+        if sdp < 1 or self.rdp % sdp:
+            raise ValueError(f"sharded_data_parallel_degree={sdp} must divide the {self.rdp} replicas of each "
+                             f"stage{' and tensor-parallel shard' if self.tp > 1 else ''} (world {self.world} / "
+                             f"(pipeline_parallel_degree={self.pp} x tensor_parallel_degree={self.tp})): "
+                             "launch a multiple of the degrees' product or choose a divisor")
+        return [[g[i:i + sdp] for i in range(0, len(g), sdp)] for g in self.rdp_groups()]
+
     def pp_rank(self, rank: int) -> int:
         """The pipeline stage of global ``rank`` (its index in its pipeline)."""
         return self.coordinate(rank, "P")

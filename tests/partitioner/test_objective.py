@@ -2,28 +2,41 @@
 fewer activations in flight win; a dominated plan is never chosen."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 import partitioner
 from partitioner import DeviceRates, OpGraph
-from partitioner.objective import NEAR, choose, dominates, evaluate
+from partitioner.objective import HEADROOM, NEAR, choose, dominates, evaluate, roomy_budget
 from partitioner.portfolio import make_problem
 from tests.conftest import stage_array
 
 FAST_LINK = DeviceRates(link_bytes_per_s=1e15, link_latency_s=0.0)  # compute decides the bottleneck
 
 
-def chain(ms: list[float], value_bytes: list[int], act_bytes: list[int]) -> OpGraph:
+def chain(ms: list[float], value_bytes: list[int], act_bytes: list[int],
+          param_bytes: list[int] | None = None) -> OpGraph:
     """Ops taking ``ms`` milliseconds each under ``DeviceRates()``, then the output; op i sends
-    ``value_bytes[i]`` to op i + 1 and keeps ``act_bytes[i]`` for backward."""
+    ``value_bytes[i]`` to op i + 1, keeps ``act_bytes[i]`` for backward and owns a weight of ``param_bytes[i]``."""
     n = len(ms) + 1
     flops = np.array([m * 1e-3 * DeviceRates().flops_per_s for m in ms] + [0.0])
     act = np.array(list(act_bytes) + [0], np.int64)
+    weights = np.array(param_bytes or [], np.int64)
     return OpGraph(names=[f"op{i}" for i in range(n)], kinds=["aten.mm"] * (n - 1) + ["output"], modules=[""] * n,
                    flops=flops, out_bytes=act.copy(), act_bytes=act, move_bytes=np.zeros(n, np.int64),
                    src=np.arange(n - 1), dst=np.arange(1, n), value=np.arange(n - 1),
-                   value_bytes=np.array(value_bytes, np.int64))
+                   value_bytes=np.array(value_bytes, np.int64), param_names=[f"w{i}" for i in range(len(weights))],
+                   param_bytes=weights, param_trainable=np.ones(len(weights), bool),
+                   use_node=np.arange(len(weights)), use_param=np.arange(len(weights)))
+
+
+def embedding_first() -> OpGraph:
+    """An embedding-like op (1 ms, 120 MiB of weights) then three layers (10 ms, 50 MiB each): the fastest
+    two-stage cut, after op1 (bottleneck 20 ms), holds 170 MiB of weights on stage 0 (680 MiB with gradients
+    and Adam); cutting after op0 (30 ms) holds at most 150 MiB (600 MiB)."""
+    return chain([1.0, 10.0, 10.0, 10.0], [8, 8, 8, 4], [1, 1, 1, 1], [120 << 20, 50 << 20, 50 << 20, 50 << 20])
 
 
 def test_fewer_bytes_cut_wins_within_one_percent():
@@ -94,3 +107,27 @@ def test_memory_weight_trades_time_for_memory_on_the_pareto_front():
     assert fast.bottleneck < small.bottleneck and small.max_memory_bytes < fast.max_memory_bytes / 1.9
     with pytest.raises(partitioner.MemoryBudgetError):
         partitioner.partition(g, 2, rates=FAST_LINK, microbatches=4, device_memory=100 << 20)
+
+
+def test_under_a_tight_budget_a_plan_with_headroom_wins_then_the_smallest():
+    p = make_problem(embedding_first(), 2, rates=FAST_LINK, memory_weight=0.0)
+    fast, small = ("fast", evaluate(p, np.array([0, 0, 1, 1, 1]))), ("small", evaluate(p, np.array([0, 1, 1, 1, 1])))
+    assert fast[1].bottleneck < small[1].bottleneck and small[1].memory.max() < fast[1].memory.max()
+    assert (fast[1].memory.max(), small[1].memory.max()) == pytest.approx((680 << 20, 600 << 20), abs=16)
+    # No budget, or one with room to spare: the objective decides, as always.
+    assert choose([fast, small], None)[0] == "fast" and choose([fast, small], float(1 << 30))[0] == "fast"
+    # 700 MiB: the fast plan fits but leaves 2.9% free, the small one 14%: the one with headroom wins.
+    assert not fast[1].roomy(700 << 20) and small[1].roomy(700 << 20)
+    assert choose([fast, small], float(700 << 20))[0] == "small"
+    # 650 MiB: only the small plan fits, with 7.7% free (less than HEADROOM): tight, the smaller wins.
+    assert roomy_budget(650 << 20) == pytest.approx((1 - HEADROOM) * (650 << 20))
+    assert choose([fast, small], float(650 << 20))[0] == "small"
+    # Tight, beside imaginary plans twice as slow: 0.5% smaller is as small (NEAR), and the faster wins;
+    # 5% smaller is smaller, and wins however slow.
+    def slower(ev, memory_scale):
+        return dataclasses.replace(ev, compute_s=ev.compute_s * 2, objective=ev.objective * 2,
+                                   memory=ev.memory * memory_scale)
+    as_small = ("as small, slower", slower(small[1], 0.995))
+    assert choose([as_small, small, fast], float(650 << 20))[0] == "small"
+    smaller = ("smaller, slower", slower(small[1], 0.95))
+    assert choose([smaller, small, fast], float(650 << 20))[0] == "smaller, slower"

@@ -31,6 +31,7 @@ from tests.conftest import (
     stage_array,
     train_step,
 )
+from tests.partitioner.test_objective import FAST_LINK, embedding_first
 
 STAGES = (2, 4, 8)
 
@@ -292,6 +293,27 @@ def test_memory_budget_is_respected(gpt2):
     budget = int(max(s.memory_bytes for s in p1.stages) * 1.01)
     plan = partitioner.partition(gpt2.graph, 4, device_memory=budget)
     assert all(s.memory_bytes <= budget for s in plan.stages)
+
+
+@pytest.mark.parametrize("weight", [0.0, 0.2])
+def test_a_tight_budget_balances_memory_and_no_budget_keeps_the_fastest_cut(weight):
+    """An embedding-heavy first op: the time-balanced cut puts 680 MiB on stage 0; under a 700 MiB budget
+    (2.9% to spare) the plan moves a layer off it (600 MiB, 14% to spare); without a budget, or with room,
+    the cut is the time-balanced one, as before. Either way the plan's numbers are the objective's own."""
+    g = embedding_first()
+    plans = {budget: partitioner.partition(g, 2, rates=FAST_LINK, memory_weight=weight, device_memory=budget)
+             for budget in ("unlimited", "2GiB", "700MiB")}
+    assert stage_array(plans["unlimited"], g).tolist() == stage_array(plans["2GiB"], g).tolist() == [0, 0, 1, 1, 1]
+    tight = plans["700MiB"]
+    assert stage_array(tight, g).tolist() == [0, 1, 1, 1, 1]
+    assert tight.max_memory_bytes <= 0.9 * (700 << 20) < plans["unlimited"].max_memory_bytes
+    assert tight.bottleneck > plans["unlimited"].bottleneck
+    p = make_problem(g, 2, rates=FAST_LINK, memory_weight=weight, device_memory="700MiB")
+    ev = evaluate(p, stage_array(tight, g))
+    assert tight.bottleneck == pytest.approx(ev.bottleneck) and tight.max_memory_bytes == pytest.approx(ev.memory.max())
+    assert tight.lower_bound == pytest.approx(max(p.time.sum() / 2, p.time.max()))
+    again = partitioner.partition(g, 2, rates=FAST_LINK, memory_weight=weight, device_memory="700MiB")
+    assert again.to_json() == tight.to_json()
 
 
 def test_gpipe_holds_more_activations_than_1f1b(gpt2):

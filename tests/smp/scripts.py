@@ -6,6 +6,7 @@ import copy
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 
 class MnistCNN(nn.Module):
@@ -67,12 +68,16 @@ def train(rank: int, world: int, config: dict, name: str, steps: int, batch: int
         model.backward(loss)
         return loss
 
-    losses, ref_losses = [], []
+    # Sharded data parallelism clips the global gradient norm (SMP's sdp_gradient_clipping, 1.0 by default).
+    clip = config.get("sdp_gradient_clipping", 1.0) if config.get("sharded_data_parallel_degree", 1) > 1 else 0
+    losses, ref_losses, norms = [], [], []
     for step in range(steps):
         args, kwargs, target = batches(step)
         ref_loss = loss_fn(reference(*args, **kwargs), target)
         ref_opt.zero_grad()
         ref_loss.backward()
+        if clip:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(reference.parameters(), clip)))
         ref_opt.step()
         ref_losses.append(float(ref_loss.detach()))
         d, n = smp.dp_rank(), smp.dp_size()
@@ -83,10 +88,14 @@ def train(rank: int, world: int, config: dict, name: str, steps: int, batch: int
         opt.zero_grad()
     ref_params = dict(reference.named_parameters())
     worst = 0.0
-    for pname, p in model.local_named_parameters():
+    # Under tensor parallelism a rank holds shards of what the reference holds whole: compare the gathered model.
+    held = [(k, v) for k, v in model.state_dict().items() if k in ref_params] if smp.tp_size() > 1 else \
+        model.local_named_parameters()
+    for pname, p in held:
         r = ref_params[pname]
+        p = p.full_tensor() if isinstance(p, DTensor) else p  # a sharded parameter, gathered (sdp)
         worst = max(worst, float(((p - r).abs() / (r.abs() + 1e-3)).max().detach()))
-    return {"losses": losses, "ref_losses": ref_losses, "param_rel_err": worst,
+    return {"losses": losses, "ref_losses": ref_losses, "param_rel_err": worst, "ref_norms": norms,
             "ranks": (smp.rank(), smp.pp_rank(), smp.dp_rank(), smp.get_mp_group(), smp.get_dp_group())}
 
 

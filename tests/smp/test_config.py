@@ -23,7 +23,8 @@ def _load_recording(config: dict) -> tuple[object, list[str]]:
 @pytest.mark.parametrize("key,value", [
     ("prescaled_batch", True), ("checkpoint_attentions", True), ("skip_tracing", True), ("static_mode", True),
     ("fast_mode", True), ("fp16_params", True), ("_fp32_grad_accumulation", True), ("_match_weights", True),
-    ("overlapping_allreduce", False),
+    ("overlapping_allreduce", False), ("sdp_max_live_parameters", 10**8), ("sdp_hierarchical_allgather", False),
+    ("sdp_reduce_bucket_size", 10**7),
 ])
 def test_keys_without_effect_are_accepted_with_a_warning(key, value):
     cfg, warned = _load_recording({**BASE, key: value})
@@ -35,6 +36,7 @@ def test_keys_without_effect_are_accepted_with_a_warning(key, value):
     ("fp16", True), ("bf16", True), ("delayed_parameter_initialization", True),
     ("sharded_data_parallel_degree", 1), ("activation_loading_horizon", 4), ("overlapping_allreduce", True),
     ("skip_tracing", False), ("offload_activations", True), ("activation_loading_horizon", 8),
+    ("sdp_param_persistence_threshold", 1000), ("sdp_gradient_clipping", 0.5),
 ])
 def test_real_keys_and_default_values_do_not_warn(key, value):
     cfg, warned = _load_recording({**BASE, key: value})
@@ -65,7 +67,12 @@ def test_smp_gpt2_example_config_loads():
 
 @pytest.mark.parametrize("config,needle", [
     ({**BASE, "fp16": True, "bf16": True}, "not together with 'bf16'"),
-    ({**BASE, "sharded_data_parallel_degree": 2}, "'shard_optimizer_state': True"),
+    ({**BASE, "sharded_data_parallel_degree": 2}, "needs 'ddp': True"),
+    ({**BASE, "ddp": True, "sharded_data_parallel_degree": 2, "shard_optimizer_state": True},
+     "not together with sharded_data_parallel_degree > 1, as in SMP v1"),
+    ({**BASE, "sdp_gradient_clipping": -1}, "'sdp_gradient_clipping'=-1 is not valid: a norm >= 0"),
+    ({**BASE, "ddp": True, "sharded_data_parallel_degree": 2, "auto_repartition": {"after_steps": 2}},
+     "sharded parameters cannot move between stages"),
     ({**BASE, "sharded_data_parallel_degree": 0}, "a positive integer"),
     ({**BASE, "fast_mode": "yes"}, "'fast_mode'='yes' is not valid: True or False"),
     ({**BASE, "fp16": 1}, "'fp16'=1 is not valid: True or False"),

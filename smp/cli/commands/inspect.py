@@ -2,6 +2,7 @@
 
 The work is bounded before the model is built: the plan and the three baselines are each simulated for
 ``--microbatches`` (:mod:`smp.cli.limits`), and every output file is checked before anything is computed.
+``--sdp D`` prices the plan's ranks with their parameters sharded over D replicas (:mod:`smp.cli.sharded_dp`).
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from smp.cli.drawing import write_graph, write_timeline
 from smp.cli.limits import check_actions, schedule_actions
 from smp.cli.options import Options, add_plan_args, add_target_args, check_output
 from smp.cli.plan_table import format_report
+from smp.cli.sharded_dp import price_plan, sdp_lines
 from smp.cli.target import load_target, trace_target
 from smp.cli.tensor_parallel import replicated_warnings, shard_target, tp_lines, warn
 from smp.cli.text import Progress
@@ -46,6 +48,8 @@ def check_work(opts: Options) -> None:
     work = {name: one for name in ("plan", *BASELINES)}
     if opts.measure_stages:
         work["measured"] = one
+    if opts.sdp > 1:
+        work["sharded"] = one
     check_actions(work, opts.max_actions)
 
 
@@ -63,6 +67,9 @@ def run(ns: argparse.Namespace) -> int:
     if sharding is not None:
         warn(replicated_warnings(sharding))
     plan, sim = analyse(graph, opts, target=target, progress=progress)
+    if opts.sdp > 1:
+        progress(f"pricing parameters sharded over {opts.sdp} replicas")
+        price_plan(plan, graph, opts, sim)
     print(f"{target.spec}: {whole.describe()}" + (f"; tp rank 0 of {opts.tp}: {graph.describe()}" if sharding else ""))
     print(format_report(plan, graph))
     if sharding is not None:
@@ -72,6 +79,9 @@ def run(ns: argparse.Namespace) -> int:
         print("\n".join(tp_lines(plan.tensor_parallel, plan.rates, opts.microbatches,
                                  float(weight_bytes(whole, dtype).sum()), float(weight_bytes(graph, dtype).sum()),
                                  dtype, plan.extra["schedule"]["predicted_step_s"])))
+    if opts.sdp > 1:
+        print("\n".join(sdp_lines(plan.extra["sharded_data_parallel"], opts.microbatches,
+                                   plan.extra["schedule"]["predicted_step_s"])))
     _write_outputs(plan, graph, sim, json_path=ns.json, graph_path=ns.graph, timeline_path=ns.timeline,
                    progress=progress)
     return 0

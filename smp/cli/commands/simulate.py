@@ -3,20 +3,32 @@ compare schedules on the same stage costs and links, and show how the step scale
 
 Stage costs and links come from :mod:`smp.cli.pricing`; every schedule runs through :mod:`pipeline.simulate`.
 The simulated actions of all schedules are added up before the model is built (:mod:`smp.cli.limits`).
+``--sdp D`` adds the sharded parameters' collectives to the stages and the step (:mod:`smp.cli.sharded_dp`).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
+from collections.abc import Callable
 from typing import Any
 
 from partitioner.units import format_bytes, format_seconds
 from smp.cli.errors import CLIError
 from smp.cli.limits import check_actions, schedule_actions
-from smp.cli.options import Options, add_plan_args, add_target_args, check_output, duration, positive_int, size
+from smp.cli.options import (
+    RANKS_PER_NODE,
+    Options,
+    add_plan_args,
+    add_target_args,
+    check_output,
+    duration,
+    positive_int,
+    size,
+)
 from smp.cli.plan_table import pipeline_title, priced_for
 from smp.cli.pricing import PipelineCosts, pipeline_costs, sim_row
+from smp.cli.sharded_dp import check_budget, group_link, record, sdp_lines
 from smp.cli.target import load_target, trace_target
 from smp.cli.tensor_parallel import replicated_warnings, shard_target, tp_lines, warn
 from smp.cli.text import Progress, ms, table
@@ -36,9 +48,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                                    "compare schedules.")
     add_target_args(p)
     add_plan_args(p, microbatches_required=True)
-    p.add_argument("--ranks-per-node", type=positive_int, default=8,
+    p.add_argument("--ranks-per-node", type=positive_int, default=RANKS_PER_NODE,
                    help="ranks per node: consecutive stages on one node use the plan's (intra-node) link, "
-                        "stage boundaries between nodes the inter-node link (default 8)")
+                        f"stage boundaries between nodes the inter-node link (default {RANKS_PER_NODE})")
     p.add_argument("--inter-node-bandwidth", metavar="SIZE", type=size,
                    help="inter-node bytes per second, e.g. 1.25GB (default: the --inter-node-link's, 1.25GB = "
                         "10 Gb/s Ethernet on cpu)")
@@ -113,9 +125,17 @@ def run(ns: argparse.Namespace) -> int:
         warn(replicated_warnings(sharding))
     rpn //= opts.tp  # pipeline stages per node: each stage's tp group fills tp ranks of it
     progress(f"pricing {P} stages")
-    costs = pipeline_costs(graph, opts, P)
-    inter = (costs.rates["inter_node_bytes_per_s"] if ns.inter_node_bandwidth is None else ns.inter_node_bandwidth,
-             costs.rates["inter_node_latency_s"] if ns.inter_node_latency is None else ns.inter_node_latency)
+    rates = opts.partition.resolve_rates()
+    inter = (rates.inter_node_bytes_per_s if ns.inter_node_bandwidth is None else ns.inter_node_bandwidth,
+             rates.inter_node_latency_s if ns.inter_node_latency is None else ns.inter_node_latency)
+
+    def sdp_link(ranks: int) -> Any:
+        """The sharding groups' link when a pipeline takes ``ranks`` of the nodes' ``rpn`` (None: no --sdp)."""
+        return group_link(rates.to_dict(), opts.sdp, ranks, rpn, inter) if opts.sdp > 1 else None
+
+    costs = pipeline_costs(graph, opts, P, sdp_link=sdp_link(P))
+    if costs.sdp:
+        check_budget(costs.sdp, opts.partition.budget(rates), opts.sdp)
     rows: dict[str, dict[str, Any]] = {}
     for key in compared:
         name = COMPARED[key]
@@ -126,19 +146,20 @@ def run(ns: argparse.Namespace) -> int:
                 rows[label] = {"schedule": name, "virtual_stages": V, "skipped": why}
                 continue
             progress(f"simulating {label}: {P * V} virtual stages x {M} microbatches")
-            rows[label] = sim_row(name, pipeline_costs(graph, opts, P * V, exact=costs.exact), M, P, rpn, inter,
-                                  virtual=V)
+            rows[label] = sim_row(name, pipeline_costs(graph, opts, P * V, exact=costs.exact, sdp_link=sdp_link(P)),
+                                  M, P, rpn, inter, virtual=V)
         else:
             label = "zero-bubble (ZB-H1)" if name == "zb-h1" else key
             progress(f"simulating {label}: {P} stages x {M} microbatches")
             rows[label] = sim_row(name, costs, M, P, rpn, inter)
     progress("scaling table")
     main_row = rows[opts.schedule]
-    scaling = _scaling(graph, opts, costs, rpn, inter, main_row)
+    scaling = _scaling(graph, opts, costs, rpn, inter, main_row, sdp_link)
     ok = {k: r for k, r in rows.items() if "skipped" not in r}
     best = min(ok, key=lambda k: ok[k]["predicted_step_s"])
     _print(target.spec, graph, opts, costs, rpn, inter, rows, best, scaling)
     tp = _tensor_parallel(whole, graph, opts, costs, main_row["predicted_step_s"])
+    sdp = _sharded(opts, costs, sdp_link(P))
     if ns.json:
         out = {"target": target.spec, "partitions": P, "microbatches": M, "pipeline": opts.pipeline,
                "schedule": opts.schedule, "ranks_per_node": rpn, "exact": costs.exact, "note": costs.note,
@@ -152,6 +173,8 @@ def run(ns: argparse.Namespace) -> int:
                "schedules": rows, "winner": best, "scaling": scaling}
         if tp:
             out["tensor_parallel"] = tp
+        if sdp:
+            out["sharded_data_parallel"] = sdp
         try:
             text = json.dumps(out, indent=1, sort_keys=True, allow_nan=False)
         except ValueError:
@@ -219,7 +242,7 @@ def _print(spec: str, graph: Any, opts: Options, costs: PipelineCosts, rpn: int,
 
 
 def _scaling(graph: Any, opts: Options, costs: PipelineCosts, rpn: int, inter: tuple[float, float],
-             main_row: dict[str, Any]) -> list[dict[str, Any]]:
+             main_row: dict[str, Any], sdp_link: Callable[[int], Any]) -> list[dict[str, Any]]:
     """The chosen schedule at p in {P/4, P/2, P} x m in {M/4, M/2, M}: simulated with the same pricing rule
     and links as the main result when every cell has p * m <= SCALING_SIM_MAX; otherwise, for every cell, the
     equal-stage compute-only formula step = (m + p - 1) T / p, bubble = (p - 1) / (m + p - 1), which the
@@ -239,7 +262,7 @@ def _scaling(graph: Any, opts: Options, costs: PipelineCosts, rpn: int, inter: t
                 r = main_row
             else:
                 if p not in cache:
-                    cache[p] = pipeline_costs(graph, opts, p, exact=costs.exact)
+                    cache[p] = pipeline_costs(graph, opts, p, exact=costs.exact, sdp_link=sdp_link(p))
                 r = sim_row(opts.schedule, cache[p], m, p, rpn, inter)
             out.append({"p": p, "m": m, "step_s": r["predicted_step_s"], "bubble": r["bubble"], "simulated": True})
     return out
@@ -265,3 +288,30 @@ def _tensor_parallel(whole: Any, graph: Any, opts: Options, costs: PipelineCosts
           f"{format_bytes(held['optimizer'])}, master weights {format_bytes(held['master'])}; activations: the "
           "peak activations/rank column above")
     return {**record, "per_step_s": [M * c for c in costs.tp_comm_s], "param_state": costs.param_state}
+
+
+def _sharded(opts: Options, costs: PipelineCosts, link: Any) -> dict[str, Any]:
+    """Print what ``--sdp`` does (the collectives per microbatch and step, and with a real plan what the rank of the
+    largest peak holds) and return it for the JSON; nothing for ``--sdp 1``."""
+    from partitioner import DeviceRates
+    from partitioner.sharded_dp import PERSISTENCE_THRESHOLD
+
+    if opts.sdp == 1:
+        return {}
+    threshold, M = opts.sdp_threshold or PERSISTENCE_THRESHOLD, opts.microbatches
+    print()
+    if not costs.sdp:  # the model spread evenly over the stages
+        print(f"sharded data parallelism: degree {opts.sdp} on {link.link}; per stage (the model's total / "
+              f"{len(costs.forward_s)}): all-gathers {format_seconds(costs.sdp_gather_s[0])} per microbatch (inside "
+              f"the stage costs), reduce-scatter and all-reduce {format_seconds(costs.sdp_end_s[0])} once per step")
+        return {"degree": opts.sdp, "threshold": threshold, "gather_s": costs.sdp_gather_s, "end_s": costs.sdp_end_s}
+    rec = record(costs.sdp, threshold, link, opts.partition.budget(DeviceRates.from_dict(costs.rates)))
+    print("\n".join(sdp_lines(rec, M)))
+    r = max(costs.sdp, key=lambda x: x.peak_bytes)
+    print(f"  per rank on stage {r.rank} (the largest peak; {opts.partition.dtype}, {opts.partition.optimizer}): "
+          f"weights {format_bytes(r.weights_bytes)}, gradients {format_bytes(r.gradient_bytes)} at rest and "
+          f"{format_bytes(r.gradient_peak_bytes)} in the step, optimizer state {format_bytes(r.optimizer_bytes)}, "
+          f"master weights {format_bytes(r.master_bytes)}, gathered {format_bytes(r.gathered_bytes)}, activations "
+          f"{format_bytes(r.activation_bytes)} ({opts.schedule}'s microbatches in flight): peak "
+          f"{format_bytes(r.peak_bytes)}")
+    return rec
