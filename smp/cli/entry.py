@@ -17,6 +17,7 @@ from smp import __version__
 from smp.cli.commands.demo import register as add_demo
 from smp.cli.commands.inspect import register as add_inspect
 from smp.cli.commands.launch import register as add_launch
+from smp.cli.commands.plan import register as add_plan
 from smp.cli.commands.replan import register as add_replan
 from smp.cli.commands.report import register as add_report
 from smp.cli.commands.simulate import register as add_simulate
@@ -34,7 +35,7 @@ def build_parser() -> Parser:
     parser.add_argument("--version", action="version", version=f"{PROG} (smp-engine) {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     sub.required = True
-    for add_command in (add_inspect, add_simulate, add_demo, add_launch, add_report, add_replan):
+    for add_command in (add_inspect, add_simulate, add_plan, add_demo, add_launch, add_report, add_replan):
         add_command(sub)
     return parser
 

@@ -1,0 +1,362 @@
+"""Pricing one layout: the step, throughput, MFU, memory per device, bubble and exposed communication.
+
+A layout (:class:`partitioner.layout.Layout`) is priced with the functions ``smp inspect`` and ``smp simulate`` use,
+so fixed degrees get their numbers: tp rank 0's graph at the microbatch size (:mod:`partitioner.layout_costs`) is
+cut into pp x v stages by :func:`partitioner.partition` with the same options (microbatches, pipeline, device,
+precision, links, memory budget, optimizer), the stage costs and the bytes crossing each boundary
+(:func:`partitioner.objective.stage_crossings`) go through the pipeline simulator, and the memory of each stage is
+:func:`partitioner.stage_memory` with the simulated schedule's microbatches in flight. A boundary between stages on
+one node costs the link within a node, between nodes the inter-node link; which ranks share a node follows the
+layout's placement, with ``ranks_per_node`` ranks a node (for "DPT", replica 0's as ``smp simulate`` counts them).
+
+What neither command prices, the layout adds, as the runtime runs it:
+
+* activation checkpointing ("full": every stage recomputes its forward in backward, :mod:`pipeline.executor`): the
+  backward costs a forward more; a stage keeps the tensors it received per microbatch in flight, and one
+  microbatch's activations while it recomputes;
+* data parallelism: after the step each pipeline rank averages its stages' gradients over the dp replicas in one
+  all-reduce (:mod:`smp.engine.execution`; ring all-reduce, :func:`partitioner.tp_cost.all_reduce_s`, on the
+  intra-node link when the replicas share a node, else on the inter-node link), so the step is the latest of each
+  rank's pipeline end plus its all-reduce; ZeRO-1 (torch's ``ZeroRedundancyOptimizer``, SMP's
+  ``shard_optimizer_state``) divides the optimizer state by dp and adds an all-gather of the updated weights;
+* throughput and MFU over the job, by :func:`partitioner.throughput.from_counts` (the one definition).
+
+The simulator is passed in (``simulate``, a :class:`PipelineSimulator`): the partitioner does not import the
+pipeline package (:mod:`pipeline.simulate` is what the ``smp`` command passes). Sharded data parallelism (sdp > 1)
+is not priced here yet.
+
+:meth:`LayoutScorer.bound` gives, without partitioning, a lower bound on the step (a rank does at least
+``m x max(total op seconds / pp, the largest op)`` of work, as Alpa and Aceso bound a stage) and on the largest
+device's memory (the mean over the pp ranks of the parameter state and the activations), and an estimate to
+order candidates by, without communication: ``(m + pp - 1) c`` for GPipe and 1F1B, ``(m + (pp - 1)/v) c``
+interleaved, ``(m + (pp - 1)/3) c`` for ZB-H1 (Narayanan et al. 2021; Qi et al. 2023), where ``c``, a rank's time
+per microbatch, is v times the least bottleneck of the ops cut in topological order into pp x v contiguous stages
+that each fit the memory budget with the microbatches in flight (:func:`chain_bottleneck`; at least the work / pp;
+infinite when no such cut fits, which puts the layout last). Where the budget binds, the partitioner trades speed
+for memory too, so the estimate follows it there.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Protocol
+
+import numpy as np
+
+from .devices import DeviceRates
+from .layout import Layout, Score, partition_pipeline
+from .layout_costs import LayoutCosts
+from .memory import StageMemory, stage_memory
+from .objective import MemoryBudgetError, stage_crossings
+from .options import UNLIMITED, PartitionOptions
+from .plan import PartitionPlan
+from .portfolio import partition
+from .precision import activation_bytes, param_memory_parts
+from .throughput import from_counts
+from .tp_cost import all_gather_s, all_reduce_s
+
+__all__ = ["SimOutcome", "PipelineSimulator", "Pricing", "Bound", "LayoutScorer", "global_rank", "chain_bottleneck"]
+
+
+@dataclass(frozen=True)
+class SimOutcome:
+    """What the pipeline simulator returns for one schedule: the step, the idle fraction, when each rank's last
+    action ends, and each stage's most microbatches in flight (:func:`pipeline.schedule.peak_in_flight`)."""
+
+    step_s: float
+    bubble: float
+    rank_end_s: list[float]
+    peak_in_flight: list[int]
+
+
+class PipelineSimulator(Protocol):
+    """Simulates ``schedule`` (a :data:`partitioner.layout.SCHEDULES` name) on ``ranks`` ranks (``virtual_stages``
+    stages each) for ``microbatches`` microbatches, from per-stage seconds, per-boundary seconds and stage edges."""
+
+    def __call__(self, schedule: str, ranks: int, microbatches: int, virtual_stages: int, forward_s: list[float],
+                 backward_s: list[float], comm_s: dict[tuple[int, int], float],
+                 deps: list[tuple[int, int]]) -> SimOutcome: ...
+
+
+@dataclass(frozen=True)
+class Pricing:
+    """What every layout is priced under: the partitioner's ``options`` (device, precision, links, memory budget,
+    optimizer, memory weight; microbatches and pipeline are each layout's) and ``ranks_per_node``."""
+
+    options: PartitionOptions
+    ranks_per_node: int
+
+    @property
+    def rates(self) -> DeviceRates:
+        """The device and link rates (:meth:`partitioner.PartitionOptions.resolve_rates`)."""
+        return self.options.resolve_rates()
+
+
+@dataclass(frozen=True)
+class Bound:
+    """Before partitioning: ``step_s`` and ``memory_bytes`` are lower bounds on the layout's step and largest
+    device; ``estimate_s`` is the optimistic step candidates are ordered by."""
+
+    step_s: float
+    estimate_s: float
+    memory_bytes: float
+
+
+class _Sums(NamedTuple):
+    """Per microbatch on tp rank 0: op seconds, forward seconds, the largest op (and with its recompute), and bytes
+    of parameter state (all of it; its optimizer and gradient parts) and activations."""
+
+    seconds: float
+    forward_s: float
+    op_s: float
+    op_recompute_s: float
+    state: float
+    optimizer: float
+    gradients: float
+    activations: float
+
+
+def global_rank(layout: Layout, pipe_rank: int, replica: int, tp_rank: int = 0) -> int:
+    """The global rank of (pipeline rank, dp replica, tp rank) under the layout's placement (tp fastest)."""
+    pp, tp, dp = layout.pp, layout.tp, layout.dp
+    if layout.placement == "DPT":
+        return (replica * pp + pipe_rank) * tp + tp_rank
+    return (pipe_rank * dp + replica) * tp + tp_rank
+
+
+class LayoutScorer:
+    """Prices layouts of one model (``costs``) under ``pricing`` with ``simulate``; partitions are cached by what
+    they depend on (tp, microbatch size, stages, microbatches, pipeline), so layouts that differ only in schedule
+    variant, checkpointing, ZeRO-1 or placement share one."""
+
+    def __init__(self, costs: LayoutCosts, pricing: Pricing, simulate: PipelineSimulator) -> None:
+        self.costs, self.pricing, self.simulate = costs, pricing, simulate
+        self.rates = pricing.rates
+        self.inter = dataclasses.replace(self.rates, link_bytes_per_s=self.rates.inter_node_bytes_per_s,
+                                         link_latency_s=self.rates.inter_node_latency_s)
+        self._plans: dict[tuple[int, int, int, int, str], PartitionPlan] = {}
+        self.budget = pricing.options.budget(self.rates)
+        self._totals: dict[tuple[int, int], _Sums] = {}
+        self._chains: dict[tuple, float] = {}
+
+    @property
+    def partitions(self) -> int:
+        """Stage partitions made so far."""
+        return len(self._plans)
+
+    # -- bounds ----------------------------------------------------------------------------------------------------
+
+    def _sums(self, tp: int, size: int) -> _Sums:
+        """The totals of tp rank 0's graph on one microbatch of ``size`` that the bounds read (cached)."""
+        key = (tp, size)
+        if key not in self._totals:
+            c, g = self.costs.costs(tp, size), self.costs.graph(tp, size)
+            o = self.pricing.options
+            parts = {kind: float(v.sum()) for kind, v in param_memory_parts(g, o.dtype, o.optimizer).items()}
+            self._totals[key] = _Sums(float(c.total_s.sum()), float(c.forward_s.sum()), float(c.total_s.max(initial=0)),
+                                      float((c.total_s + c.forward_s).max(initial=0)), sum(parts.values()),
+                                      parts["optimizer"], parts["gradients"],
+                                      float(activation_bytes(g, o.dtype).sum()))
+        return self._totals[key]
+
+    def bound(self, layout: Layout) -> Bound:
+        """Lower bounds on the step and the largest device's memory, and the estimate to order by (module
+        docstring); nothing is partitioned or simulated."""
+        _check_priced(layout)
+        t = self._sums(layout.tp, layout.microbatch_size)
+        ckpt = layout.checkpointing == "full"
+        work = t.seconds + t.forward_s if ckpt else t.seconds
+        m, pp, v = layout.microbatches, layout.pp, layout.virtual_stages
+        busy = m * max(work / pp, t.op_recompute_s if ckpt else t.op_s)
+        # Some rank holds at least the mean of the gradients, and reduces them at best over the intra-node link.
+        local = any(_replicas_share_node(pp, layout.tp, layout.dp, layout.placement, self.pricing.ranks_per_node))
+        reduce = all_reduce_s(t.gradients / pp, layout.dp, self.rates if local else self.inter)
+        fill = {"1f1b": pp - 1.0, "gpipe": pp - 1.0, "interleaved-virtual": (pp - 1.0) / v,
+                "zero-bubble": (pp - 1.0) / 3}[layout.schedule]
+        rank_s = v * self._chain(layout)
+        state = t.state - (t.optimizer * (1 - 1 / layout.dp) if layout.zero1 else 0.0)
+        # Every stage holds a microbatch's activations at once (checkpointed: while it recomputes), GPipe's all m.
+        held = t.activations / v if ckpt else (m if layout.schedule == "gpipe" else 1) * t.activations
+        return Bound(step_s=max(busy, reduce), estimate_s=max(busy, (m + fill) * max(rank_s, work / pp)) + reduce,
+                     memory_bytes=(state + held) / pp)
+
+    def _chain(self, layout: Layout) -> float:
+        """A stage's time in the estimate: the least bottleneck of the ops cut in topological order into the layout's
+        stages, each fitting the budget with the microbatches the partitioner counts in flight (1F1B's p - s, GPipe's
+        m; a checkpointed stage one, recomputing); infinity when no such cut fits (cached)."""
+        ckpt, m, k = layout.checkpointing == "full", layout.microbatches, layout.stages
+        flight = [1] * k if ckpt else [m] * k if layout.schedule == "gpipe" else [min(m, k - s) for s in range(k)]
+        share = layout.dp if layout.zero1 else 1
+        key = (layout.tp, layout.microbatch_size, k, ckpt, tuple(flight), share)
+        if key not in self._chains:
+            c, g = self.costs.costs(layout.tp, layout.microbatch_size), self.costs.graph(layout.tp,
+                                                                                        layout.microbatch_size)
+            o = self.pricing.options
+            parts = param_memory_parts(g, o.dtype, o.optimizer)
+            state = sum(v for kind, v in parts.items() if kind != "optimizer") + parts["optimizer"] / share
+            self._chains[key] = chain_bottleneck(c.total_s + c.forward_s if ckpt else c.total_s, k,
+                                                 fixed=g.by_first_user(state), acts=activation_bytes(g, o.dtype),
+                                                 in_flight=flight, budget=self.budget)
+        return self._chains[key]
+
+    # -- the price -------------------------------------------------------------------------------------------------
+
+    def plan(self, layout: Layout) -> PartitionPlan:
+        """The layout's stages: :func:`partitioner.partition` of tp rank 0's graph at the microbatch size into pp x v
+        stages with the pricing's options, this layout's microbatches and pipeline (cached). When no plan fits the
+        partitioner's memory budget, the plan for no budget (checkpointing or ZeRO-1 may still make it fit: the
+        score says)."""
+        pipeline = partition_pipeline(layout.schedule)
+        key = (layout.tp, layout.microbatch_size, layout.stages, layout.microbatches, pipeline)
+        if key not in self._plans:
+            graph = self.costs.graph(layout.tp, layout.microbatch_size)
+            costs = self.costs.costs(layout.tp, layout.microbatch_size)
+            opts = PartitionOptions.of(self.pricing.options, microbatches=layout.microbatches, pipeline=pipeline)
+            try:
+                self._plans[key] = partition(graph, layout.stages, opts, costs=costs)
+            except MemoryBudgetError:
+                self._plans[key] = partition(graph, layout.stages, PartitionOptions.of(opts, device_memory=UNLIMITED),
+                                             costs=costs)
+        return self._plans[key]
+
+    def stage_comm(self, layout: Layout,
+                   crossing: dict[tuple[int, int], tuple[int, int]]) -> dict[tuple[int, int], float]:
+        """Seconds per stage boundary and microbatch: nothing between stages of one rank, the intra-node link within
+        a node, the inter-node link across (replica 0's ranks)."""
+        rpn, pp = self.pricing.ranks_per_node, layout.pp
+        comm = {}
+        for (s, t), (nbytes, count) in crossing.items():
+            a, b = s % pp, t % pp
+            if a == b:
+                comm[(s, t)] = 0.0
+                continue
+            same = global_rank(layout, a, 0) // rpn == global_rank(layout, b, 0) // rpn
+            comm[(s, t)] = (self.rates if same else self.inter).comm_s(nbytes, messages=count)
+        return comm
+
+    def _replica_link(self, layout: Layout, pipe_rank: int) -> DeviceRates:
+        """The link a pipeline rank's dp replicas reduce over: within a node when they all share one."""
+        shared = _replicas_share_node(layout.pp, layout.tp, layout.dp, layout.placement, self.pricing.ranks_per_node)
+        return self.rates if shared[pipe_rank] else self.inter
+
+    def score(self, layout: Layout) -> Score:
+        """The layout's :class:`partitioner.layout.Score` (see the module docstring)."""
+        _check_priced(layout)
+        plan, o = self.plan(layout), self.pricing.options
+        graph, costs = self.costs.graph(layout.tp, layout.microbatch_size), self.costs.costs(layout.tp,
+                                                                                            layout.microbatch_size)
+        k, pp, m, ckpt = layout.stages, layout.pp, layout.microbatches, layout.checkpointing == "full"
+        stage = plan.stage_of_ops(graph)
+        fwd = np.array([s.forward_s for s in plan.stages])
+        bwd = np.array([s.backward_s for s in plan.stages]) + (fwd if ckpt else 0.0)
+        tp_f, tp_b = (np.bincount(stage, weights=x, minlength=k) if x is not None else np.zeros(k)
+                      for x in (costs.tp_forward_s, costs.tp_backward_s))
+        crossing = stage_crossings(graph, stage, k, o.dtype)
+        deps = sorted(crossing)
+        sim = self._sim(layout, fwd, bwd, self.stage_comm(layout, crossing), deps)
+        quiet = self._sim(layout, np.maximum(fwd - tp_f, 0.0), np.maximum(bwd - tp_b - (tp_f if ckpt else 0.0), 0.0),
+                          {}, deps)  # the same step with free communication
+        memory = stage_memory(plan, graph, sim.peak_in_flight)
+        ranks = [[s for s in range(k) if s % pp == r] for r in range(pp)]
+        held = [self._rank_memory(layout, [memory[s] for s in mine], [plan.stages[s].bytes_in for s in mine])
+                for mine in ranks]
+        reduce = [self._reduce_s(layout, r, [memory[s] for s in mine]) for r, mine in enumerate(ranks)]
+        step = max(end + ar for end, ar in zip(sim.rank_end_s, reduce))
+        worst = max(range(pp), key=lambda r: sum(held[r]))
+        tp_step = m * max(sum(tp_f[s] + tp_b[s] + (tp_f[s] if ckpt else 0.0) for s in mine) for mine in ranks)
+        samples = layout.global_batch
+        per_sample = self.costs.tokens_per_sample
+        flops = self.costs.model_flops(layout.microbatch_size) * m * layout.dp * 3  # a training step
+        out = from_counts(step, samples, None if per_sample is None else round(samples * per_sample), flops,
+                          layout.devices, self.rates.matmul_flops_per_s(o.dtype))
+        return Score(step_s=step, pipeline_s=sim.step_s, dp_comm_s=step - sim.step_s, samples_per_s=out.samples_per_s,
+                     tokens_per_s=out.tokens_per_s, flops_per_s_per_device=out.flops_per_s_per_device, mfu=out.mfu,
+                     memory_bytes=int(round(sum(held[worst]))), budget_bytes=self.budget, bubble=sim.bubble,
+                     exposed_comm_s=max(0.0, step - quiet.step_s), tp_comm_s=float(tp_step),
+                     parameter_bytes=int(round(held[worst][0])), activation_bytes=int(round(held[worst][1])))
+
+    def _sim(self, layout: Layout, fwd: Any, bwd: Any, comm: dict[tuple[int, int], float],
+             deps: list[tuple[int, int]]) -> SimOutcome:
+        return self.simulate(layout.schedule, layout.pp, layout.microbatches, layout.virtual_stages,
+                             [float(x) for x in fwd], [float(x) for x in bwd], comm, deps)
+
+    def _rank_memory(self, layout: Layout, mine: Sequence[StageMemory], received: Sequence[int]) -> tuple[float, float]:
+        """(parameter state, activations at the peak) of a pipeline rank holding stages ``mine``: ZeRO-1 divides the
+        optimizer state by dp; checkpointed stages keep what they received per microbatch in flight, plus one
+        microbatch's activations while recomputing."""
+        optimizer = sum(s.optimizer_bytes for s in mine) / (layout.dp if layout.zero1 else 1)
+        state = sum(s.weights_bytes + s.gradient_bytes + s.master_bytes for s in mine) + optimizer
+        if layout.checkpointing == "full":
+            acts = sum(s.in_flight * r for s, r in zip(mine, received)) + max(s.activation_bytes_per_microbatch
+                                                                              for s in mine)
+        else:
+            acts = sum(s.activation_bytes for s in mine)
+        return float(state), float(acts)
+
+    def _reduce_s(self, layout: Layout, pipe_rank: int, mine: Sequence[StageMemory]) -> float:
+        """Seconds of a pipeline rank's data-parallel gradient all-reduce after the step (and ZeRO-1's all-gather of
+        the updated weights)."""
+        if layout.dp == 1:
+            return 0.0
+        link = self._replica_link(layout, pipe_rank)
+        seconds = all_reduce_s(sum(s.gradient_bytes for s in mine), layout.dp, link)
+        if layout.zero1:
+            seconds += all_gather_s(sum(s.weights_bytes for s in mine), layout.dp, link)
+        return seconds
+
+
+def chain_bottleneck(seconds: np.ndarray, stages: int, *, fixed: np.ndarray | None = None,
+                     acts: np.ndarray | None = None, in_flight: Sequence[int] = (), budget: float | None = None,
+                     rtol: float = 1e-3) -> float:
+    """The least bottleneck of ``seconds`` (per op, in order) cut into at most ``stages`` contiguous runs, to
+    ``rtol``: bisection on the bottleneck, each probe packed greedily (the classic linear-partition bound; greedy
+    packing is optimal for contiguous runs). With a ``budget``, stage s must also hold its ops' ``fixed`` bytes and
+    ``in_flight[s]`` times their ``acts``: infinity when no contiguous cut fits."""
+    t = np.asarray(seconds, np.float64)
+    cum = np.concatenate([[0.0], np.cumsum(t)])
+    memory: dict[int, np.ndarray] = {}
+    if budget is not None and fixed is not None and acts is not None:
+        cf, ca = (np.concatenate([[0.0], np.cumsum(np.asarray(x, np.float64))]) for x in (fixed, acts))
+        memory = {f: cf + f * ca for f in set(in_flight)}
+
+    def fits(cap: float) -> bool:
+        pos = 0
+        for s in range(stages):
+            end = int(np.searchsorted(cum, cum[pos] + cap, side="right")) - 1
+            if memory:
+                held = memory[in_flight[s]]
+                end = min(end, int(np.searchsorted(held, held[pos] + budget, side="right")) - 1)
+            pos = max(pos, end)
+            if pos >= len(t):
+                return True
+        return False
+
+    largest = float(t.max(initial=0.0))
+    lo = max(cum[-1] / stages, largest)
+    hi = lo + largest  # without memory, greedy packing always fits under T/k + the largest op
+    if not fits(hi):
+        hi = cum[-1] + largest
+        if not fits(hi):
+            return math.inf
+    while hi - lo > rtol * lo:
+        cap = (lo + hi) / 2
+        lo, hi = (lo, cap) if fits(cap) else (cap, hi)
+    return hi
+
+
+@functools.lru_cache(maxsize=4096)
+def _replicas_share_node(pp: int, tp: int, dp: int, placement: str, ranks_per_node: int) -> tuple[bool, ...]:
+    """Per pipeline rank, whether its dp replicas (tp rank 0) are all on one node: the first and the last replica's
+    ranks are (placement puts them in order)."""
+    probe = Layout(pp=pp, tp=tp, dp=dp, microbatch_size=1, microbatches=pp, placement=placement)
+    return tuple(global_rank(probe, r, 0) // ranks_per_node == global_rank(probe, r, dp - 1) // ranks_per_node
+                 for r in range(pp))
+
+
+def _check_priced(layout: Layout) -> None:
+    if layout.sdp > 1:
+        raise ValueError(f"{layout.describe()}: sharded data parallelism (sdp={layout.sdp}) is not priced yet; "
+                         "use sdp=1")

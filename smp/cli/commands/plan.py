@@ -1,0 +1,276 @@
+"""``smp plan``: choose the whole layout of a training job on N devices, and write the smp config that runs it.
+
+The search is :mod:`partitioner.layout_search` over the layouts :func:`partitioner.layout_search.candidates` lists
+(pp x tp x dp = N, microbatching, schedule, activation checkpointing, ZeRO-1, placement), each priced by
+:mod:`partitioner.layout_score` with this command's pipeline simulator (:func:`pipeline_simulator`: the schedules
+and the simulation ``smp simulate`` runs), on tp rank 0's graph at each microbatch size
+(:mod:`partitioner.layout_costs`: two traces on meta, whatever the number of sizes). Fixed degrees (``--tp``,
+``--pp``, ``--dp``, ``--microbatch-size``) narrow the search; with all of them, one schedule and no checkpointing,
+the layout is priced exactly as ``smp simulate`` prices it (and, on one node, ``smp inspect``).
+
+By default only what ``smp.init`` runs from a config is proposed: the 1F1B and GPipe pipelines (``--schedules`` adds
+interleaved virtual stages and zero bubble, which the pipeline runtime has and the smp config cannot select yet),
+with or without activation checkpointing (which the script turns on with ``smp.set_activation_checkpointing``) and
+ZeRO-1 (``shard_optimizer_state``). ``--config`` writes the best layout as an smp config (:func:`smp_config`).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+import time
+from typing import Any
+
+from partitioner.devices import DEVICES, LINKS, PRECISIONS
+from partitioner.units import format_bytes, format_seconds
+from smp.cli.errors import CLIError
+from smp.cli.options import RANKS_PER_NODE, add_target_args, budget, check_output, positive_int
+from smp.cli.target import load_target
+from smp.cli.text import Progress, table
+
+__all__ = ["register", "run", "pipeline_simulator", "smp_config", "CONFIG_SCHEDULES"]
+
+# Layout schedule -> the smp config's "pipeline" (SMP's names): what smp.init can run.
+CONFIG_SCHEDULES = {"1f1b": "interleaved", "gpipe": "simple"}
+_PLACEMENT_NAMES = {"DPT": "cluster"}  # SMP's name where it has one
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add ``smp plan`` to the command's subparsers."""
+    p = sub.add_parser("plan", help="choose the layout (pp x tp x dp, microbatches, schedule) for N devices",
+                       description="Search every layout of TARGET on N devices and print the best: degrees, "
+                                   "microbatches, schedule, predicted step, throughput, MFU and memory per device.")
+    add_target_args(p)
+    p.add_argument("--devices", type=positive_int, required=True, help="devices (ranks) the job runs on")
+    p.add_argument("--global-batch", type=positive_int, required=True,
+                   help="samples per training step over every data-parallel replica")
+    p.add_argument("--device", metavar="NAME", choices=DEVICES, default="cpu",
+                   help=f"the device profile: {', '.join(DEVICES)} (default cpu: this machine, measured)")
+    p.add_argument("--dtype", metavar="NAME", choices=PRECISIONS, default="fp32",
+                   help=f"training precision: {', '.join(PRECISIONS)} (default fp32)")
+    p.add_argument("--ranks-per-node", type=positive_int,
+                   help=f"devices per node (default {RANKS_PER_NODE} on GPU profiles; on cpu all of them, one machine)")
+    p.add_argument("--link", metavar="NAME", choices=sorted(LINKS), help="link within a node (default: the device's)")
+    p.add_argument("--inter-node-link", metavar="NAME", choices=sorted(LINKS),
+                   help="link between nodes (default: the device's)")
+    p.add_argument("--device-memory", metavar="SIZE", type=budget,
+                   help="memory per device, e.g. 80GB, or unlimited (default: the device's; no limit on cpu)")
+    p.add_argument("--optimizer", metavar="NAME", default="adam", help="adam (default), adamw, sgd or none")
+    p.add_argument("--tp", type=positive_int, help="fix the tensor-parallel degree")
+    p.add_argument("--pp", type=positive_int, help="fix the pipeline-parallel degree")
+    p.add_argument("--dp", type=positive_int, help="fix the (reduced) data-parallel degree, SMP's rdp")
+    p.add_argument("--microbatch-size", type=positive_int, help="fix the samples per microbatch")
+    p.add_argument("--schedules", default="1f1b,gpipe",
+                   help="schedules to consider, comma-separated: 1f1b, gpipe, interleaved-virtual, zero-bubble "
+                        "(default 1f1b,gpipe: what an smp config runs)")
+    p.add_argument("--virtual-stages", type=positive_int, default=2,
+                   help="model chunks per rank of interleaved-virtual (default 2)")
+    p.add_argument("--checkpointing", default="none,full",
+                   help="activation checkpointing to consider: none, full or none,full (default)")
+    p.add_argument("--zero1", choices=("auto", "on", "off"), default="auto",
+                   help="ZeRO-1, the optimizer state sharded over the dp replicas: auto (try both, default), on, off")
+    p.add_argument("--placement", choices=("auto", "cluster", "PDT"), default="auto",
+                   help="rank order of the axes: cluster (DPT, SMP's default), PDT, or auto (both)")
+    p.add_argument("--exhaustive", action="store_true",
+                   help="price every layout the bounds cannot rule out (slower; by default the walk stops once "
+                        "the optimistic estimate reaches the K-th best)")
+    p.add_argument("--top", type=positive_int, default=5, help="layouts to print (default 5)")
+    p.add_argument("--json", metavar="FILE", help='write {"layouts": [...]}, best first')
+    p.add_argument("--config", metavar="FILE", help="write the best layout as an smp config (smp.init(FILE))")
+    p.set_defaults(func=run)
+
+
+def pipeline_simulator(schedule: str, ranks: int, microbatches: int, virtual_stages: int, forward_s: list[float],
+                       backward_s: list[float], comm_s: dict[tuple[int, int], float],
+                       deps: list[tuple[int, int]]) -> Any:
+    """The :class:`partitioner.layout_score.PipelineSimulator` of ``smp plan``: the schedule ``smp simulate``
+    builds, simulated the same way (:func:`smp.cli.analysis.simulate_stages`)."""
+    from partitioner.layout_score import SimOutcome
+    from pipeline.schedule import peak_in_flight
+    from smp.cli.analysis import simulate_stages
+
+    sim = simulate_stages(schedule, microbatches, forward_s, backward_s, deps=deps, comm=comm_s, num_ranks=ranks,
+                          virtual_stages=virtual_stages)
+    return SimOutcome(sim.step_s, sim.bubble, [e[-1] if e else 0.0 for e in sim.ends], peak_in_flight(sim.schedule))
+
+
+def smp_config(layout: Any, dtype: str) -> dict[str, Any]:
+    """The smp config (:mod:`smp.runtime.config` keys only) that runs ``layout`` trained in ``dtype``."""
+    if layout.schedule not in CONFIG_SCHEDULES or layout.sdp > 1:
+        raise CLIError(f"{layout.describe()}: the smp config cannot select this yet (it runs "
+                       f"{', '.join(CONFIG_SCHEDULES)} without sharded data parallelism in the planner); plan with "
+                       "--schedules 1f1b,gpipe to write a config")
+    cfg: dict[str, Any] = {"pipeline_parallel_degree": layout.pp, "microbatches": layout.microbatches,
+                           "pipeline": CONFIG_SCHEDULES[layout.schedule], "tensor_parallel_degree": layout.tp,
+                           "ddp": layout.tp * layout.dp > 1,
+                           "placement_strategy": _PLACEMENT_NAMES.get(layout.placement, layout.placement)}
+    if layout.zero1:
+        cfg["shard_optimizer_state"] = True
+    if layout.tp > 1 and layout.replica_batch % layout.tp:
+        cfg["prescaled_batch"] = True  # the tp group reads one batch: it does not split into tp equal parts
+    if dtype in ("bf16", "fp16"):
+        cfg[dtype] = True
+    return cfg
+
+
+def _names(text: str, known: tuple[str, ...], flag: str) -> tuple[str, ...]:
+    names = tuple(dict.fromkeys(s.strip() for s in text.split(",") if s.strip()))
+    bad = [n for n in names if n not in known]
+    if bad or not names:
+        raise CLIError(f"{flag} {text!r}: choose from {', '.join(known)} (comma-separated)")
+    return names
+
+
+def _fixed(value: int | None) -> tuple[int, ...] | None:
+    """A fixed degree as the one value to search (None: search them all)."""
+    return None if value is None else (value,)
+
+
+def _space(ns: argparse.Namespace, rpn: int) -> Any:
+    from partitioner.layout import CHECKPOINTING, SCHEDULES
+    from partitioner.layout_search import SearchSpace
+
+    schedules = _names(ns.schedules, SCHEDULES, "--schedules")
+    if ns.config and set(schedules) - set(CONFIG_SCHEDULES):
+        raise CLIError(f"--config writes an smp config, which runs {' and '.join(CONFIG_SCHEDULES)} only: drop "
+                       f"{', '.join(sorted(set(schedules) - set(CONFIG_SCHEDULES)))} from --schedules")
+    if ns.tp is not None and rpn % ns.tp:
+        raise CLIError(f"--tp {ns.tp} does not divide --ranks-per-node {rpn}: a tensor-parallel group shares one "
+                       "node's links; choose a degree that divides the ranks of a node")
+    fixed = [(f, v) for f, v in (("--tp", ns.tp), ("--pp", ns.pp), ("--dp", ns.dp)) if v is not None]
+    product = math.prod(v for _, v in fixed)
+    if ns.devices % product or (len(fixed) == 3 and product != ns.devices):
+        raise CLIError(f"{' x '.join(f'{f} {v}' for f, v in fixed)} = {product} does not make --devices "
+                       f"{ns.devices}: pp x tp x dp must equal the devices")
+    return SearchSpace(devices=ns.devices, global_batch=ns.global_batch, ranks_per_node=rpn, tp=_fixed(ns.tp),
+                       pp=_fixed(ns.pp), dp=_fixed(ns.dp), microbatch_size=_fixed(ns.microbatch_size),
+                       schedules=schedules,
+                       virtual_stages=(ns.virtual_stages,),
+                       checkpointing=_names(ns.checkpointing, CHECKPOINTING, "--checkpointing"),
+                       zero1={"auto": (False, True), "on": (True,), "off": (False,)}[ns.zero1],
+                       placements={"auto": ("DPT", "PDT"), "cluster": ("DPT",), "PDT": ("PDT",)}[ns.placement])
+
+
+def run(ns: argparse.Namespace) -> int:
+    """Run ``smp plan`` on parsed arguments."""
+    from partitioner.layout_costs import head_counts, layout_costs
+    from partitioner.layout_score import LayoutScorer, Pricing
+    from partitioner.layout_search import candidates, search, tp_choices
+    from partitioner.options import PartitionOptions
+
+    check_output(ns.json, "--json", (".json",))
+    check_output(ns.config, "--config", (".json",))
+    rpn = ns.ranks_per_node or (ns.devices if ns.device == "cpu" else RANKS_PER_NODE)
+    space = _space(ns, rpn)
+    try:
+        options = PartitionOptions(device=ns.device, dtype=ns.dtype, link=ns.link, inter_node_link=ns.inter_node_link,
+                                   device_memory=ns.device_memory, optimizer=ns.optimizer)
+    except (TypeError, ValueError) as exc:
+        raise CLIError(str(exc)) from None
+    progress = Progress(ns.quiet)
+    start = time.perf_counter()
+    target = load_target(ns.target, size=ns.size, batch=ns.batch, progress=progress)
+    tps = [t for t in tp_choices(ns.devices, rpn, head_counts(target.model)) if ns.tp in (None, t)]
+    if not tps:
+        raise CLIError(f"no tensor-parallel degree divides --devices {ns.devices}, --ranks-per-node {rpn} and the "
+                       f"model's attention heads {head_counts(target.model)}" + (f" (--tp {ns.tp})" if ns.tp else ""))
+    sizes = {lay.microbatch_size for lay in candidates(space, tps)}
+    if not sizes:
+        raise CLIError(f"no pp x tp x dp = {ns.devices} splits --global-batch {ns.global_batch} into equal "
+                       "microbatches with these fixed degrees; change the batch, the devices or the degrees")
+    pricing = Pricing(options, rpn)
+    costs = layout_costs(target.model, target.args, target.kwargs, sizes=sizes, tp_degrees=tps,
+                         rates=pricing.rates, dtype=ns.dtype, progress=progress)
+    for tp, why in sorted(costs.skipped.items()):
+        progress(f"tp {tp} left out: {why}")
+    whole = next(iter(costs.whole.traced.values()))
+    space = dataclasses.replace(space, max_stages=sum(k != "output" for k in whole.kinds))
+    progress(f"searching layouts of {ns.devices} devices")
+    scorer = LayoutScorer(costs, pricing, pipeline_simulator)
+    result = search(candidates(space, costs.tp_degrees), scorer, ns.top, exhaustive=ns.exhaustive)
+    elapsed = time.perf_counter() - start
+    _print(ns, target.spec, costs, scorer, result, rpn, elapsed)
+    best = result.proposals[0]
+    if ns.json:
+        rows = [{**p.to_dict(), "smp_config": _config_or_none(p.layout, ns.dtype)} for p in result.proposals]
+        out = {"target": target.spec, "devices": ns.devices, "global_batch": ns.global_batch, "device": ns.device,
+               "dtype": ns.dtype, "ranks_per_node": rpn, "budget_bytes": scorer.budget,
+               "search": {"enumerated": result.enumerated, "memory_pruned": result.memory_pruned,
+                          "bound_pruned": result.bound_pruned, "scored": result.scored,
+                          "partitions": result.partitions, "seconds": elapsed},
+               "layouts": rows}
+        with open(ns.json, "w") as fh:
+            fh.write(json.dumps(out, indent=1, allow_nan=False) + "\n")
+        progress(f"wrote {ns.json}")
+    if ns.config:
+        _write_config(ns.config, best.layout, ns.dtype, progress)
+    return 0
+
+
+def _config_or_none(layout: Any, dtype: str) -> dict[str, Any] | None:
+    return smp_config(layout, dtype) if layout.schedule in CONFIG_SCHEDULES and layout.sdp == 1 else None
+
+
+def _write_config(path: str, layout: Any, dtype: str, progress: Any) -> None:
+    """Write the smp config of ``layout``, checked by smp's own parser first; say what the script must do."""
+    from smp.runtime.config import load_config
+
+    cfg = smp_config(layout, dtype)
+    load_config(dict(cfg))  # what smp.init will read: refuse to write a config it would refuse
+    with open(path, "w") as fh:
+        fh.write(json.dumps(cfg, indent=1) + "\n")
+    progress(f"wrote {path}")
+    if "prescaled_batch" in cfg:  # every rank of a tp group reads its replica's whole batch
+        per_rank, over = layout.replica_batch, "smp.rdp_size()"
+    else:
+        per_rank, over = layout.replica_batch // layout.tp, "smp.dp_size()"
+    notes = [f"each rank's batch: {per_rank} samples per step (the global batch {layout.global_batch} over "
+             f"{over} ranks)"]
+    if layout.checkpointing == "full":
+        notes.append("this layout recomputes activations: call smp.set_activation_checkpointing(block) on every "
+                     "block of the model in the script (the smp config has no key for it)")
+    for note in notes:
+        print(f"smp: {note}", file=sys.stderr)
+
+
+def _percent(x: float | None) -> str:
+    """MFU as a percentage, to two significant digits below 1%."""
+    if x is None:
+        return "-"
+    return f"{100 * x:.1f}%" if x >= 0.01 else f"{100 * x:.2g}%"
+
+
+def _print(ns: argparse.Namespace, spec: str, costs: Any, scorer: Any, result: Any, rpn: int, elapsed: float) -> None:
+    budget_ = scorer.budget
+    nodes = math.ceil(ns.devices / rpn)
+    tokens = costs.tokens_per_sample
+    print(f"{spec}: {next(iter(costs.whole.traced.values())).describe()}")
+    print(f"{ns.devices} devices ({nodes} node(s) of {rpn}) {scorer.rates.name} in {ns.dtype}, global batch "
+          f"{ns.global_batch} samples" + (f" of {tokens:g} tokens" if tokens else "") + "; memory budget "
+          + (f"{format_bytes(budget_)} per device" if budget_ else "none"))
+    print(f"searched {result.enumerated} layouts in {elapsed:.1f} s: {result.memory_pruned} over the memory budget "
+          f"(bound), {result.bound_pruned} ruled out by the step bound or estimate, {result.scored} priced "
+          f"({result.partitions} partitions)")
+    rows = []
+    for i, p in enumerate(result.proposals, 1):
+        lay, s = p.layout, p.score
+        sched = f"{lay.schedule} v={lay.virtual_stages}" if lay.virtual_stages > 1 else lay.schedule
+        share = f" ({100 * s.memory_bytes / budget_:.0f}%)" if budget_ else ""
+        rows.append([str(i), str(lay.pp), str(lay.tp), str(lay.dp), f"{lay.microbatches} x {lay.microbatch_size}",
+                     sched, lay.checkpointing, "yes" if lay.zero1 else "no", lay.placement,
+                     format_seconds(s.step_s), f"{s.samples_per_s:,.1f}",
+                     "-" if s.tokens_per_s is None else f"{s.tokens_per_s:,.0f}",
+                     f"{s.flops_per_s_per_device / 1e12:,.2f}", _percent(s.mfu),
+                     format_bytes(s.memory_bytes) + share, f"{100 * s.bubble:.1f}%", format_seconds(s.exposed_comm_s)])
+    print("\n".join(table(["#", "pp", "tp", "dp", "m x mb", "schedule", "ckpt", "zero1", "place", "step",
+                           "samples/s", "tokens/s", "TFLOP/s/dev", "MFU", "memory/device", "bubble", "exposed comm"],
+                          rows, left=(5, 6, 7, 8))))
+    best = result.proposals[0]
+    cfg = _config_or_none(best.layout, ns.dtype)
+    print(f"best: {best.layout.describe()}; step {format_seconds(best.score.step_s)} = pipeline "
+          f"{format_seconds(best.score.pipeline_s)} + gradient all-reduce {format_seconds(best.score.dp_comm_s)}; "
+          f"tp collectives {format_seconds(best.score.tp_comm_s)} per step")
+    if cfg is not None:
+        print(f"smp config: {json.dumps(cfg)}")

@@ -1,0 +1,105 @@
+"""``smp plan`` (:mod:`smp.cli.commands.plan`): the JSON scripts read, the smp config it writes (smp's own parser
+takes it; under -m slow it trains on 2 CPU ranks), fixed degrees priced as ``smp simulate`` prices them, and what it
+says when nothing fits."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from smp.cli import main
+
+H100 = ["--device", "h100-80gb", "--dtype", "bf16"]
+KEYS = ("pp", "tp", "dp", "sdp", "microbatch_size", "microbatches", "schedule", "virtual_stages", "checkpointing",
+        "step_s", "samples_per_s", "tokens_per_s", "mfu", "memory_bytes")
+
+
+def test_plan_writes_the_layouts_best_first_and_a_config_smp_init_reads(tmp_path: Path, capsys) -> None:
+    from smp.runtime.config import load_config
+
+    out, cfg_path = tmp_path / "plan.json", tmp_path / "smp.json"
+    assert main(["plan", "zoo:gpt2", "--devices", "4", "--global-batch", "16", *H100, "--top", "3",
+                 "--json", str(out), "--config", str(cfg_path), "-q"]) == 0
+    printed = capsys.readouterr().out
+    for needle in ("searched", "priced", "samples/s", "MFU", "memory/device", "best:", "smp config:"):
+        assert needle in printed, needle
+    data = json.loads(out.read_text())
+    rows = data["layouts"]
+    assert 1 <= len(rows) <= 3 and all(all(k in row for k in KEYS) for row in rows)
+    assert [r["step_s"] for r in rows] == sorted(r["step_s"] for r in rows)
+    assert all(r["pp"] * r["tp"] * r["dp"] == 4 and r["dp"] * r["microbatches"] * r["microbatch_size"] == 16
+               for r in rows)
+    assert all(r["memory_bytes"] <= data["budget_bytes"] for r in rows)
+    cfg = json.loads(cfg_path.read_text())
+    assert cfg == rows[0]["smp_config"] and cfg["bf16"] is True
+    c = load_config(cfg)
+    assert (c.pipeline_parallel_degree, c.tensor_parallel_degree, c.microbatches) == \
+           (rows[0]["pp"], rows[0]["tp"], rows[0]["microbatches"])
+
+
+def test_fixed_degrees_are_priced_as_smp_simulate_prices_them(tmp_path: Path) -> None:
+    plan, sim = tmp_path / "plan.json", tmp_path / "sim.json"
+    assert main(["plan", "zoo:gpt2", "--devices", "4", "--global-batch", "32", "--tp", "2", "--pp", "2", "--dp", "1",
+                 "--microbatch-size", "4", "--schedules", "1f1b", "--checkpointing", "none", *H100,
+                 "--json", str(plan), "-q"]) == 0
+    assert main(["simulate", "zoo:gpt2", "-p", "2", "-m", "8", "--tp", "2", *H100, "--schedules", "1f1b",
+                 "--json", str(sim), "-q"]) == 0
+    (row,) = json.loads(plan.read_text())["layouts"]
+    assert (row["pp"], row["tp"], row["dp"], row["microbatches"]) == (2, 2, 1, 8)
+    assert row["step_s"] == json.loads(sim.read_text())["predicted_step_s"]
+
+
+def test_the_options_narrow_the_search(tmp_path: Path) -> None:
+    out = tmp_path / "plan.json"
+    assert main(["plan", "zoo:gpt2", "--devices", "16", "--global-batch", "32", *H100, "--ranks-per-node", "4",
+                 "--schedules", "gpipe,interleaved-virtual", "--virtual-stages", "2", "--checkpointing", "full",
+                 "--zero1", "on", "--placement", "PDT", "--exhaustive", "--top", "4", "--json", str(out), "-q"]) == 0
+    rows = json.loads(out.read_text())["layouts"]
+    assert len(rows) == 4
+    for r in rows:
+        assert r["schedule"] in ("gpipe", "interleaved-virtual") or r["pp"] == 1, r
+        assert r["checkpointing"] == "full" and (r["zero1"] or r["dp"] == 1)
+        assert r["placement"] == "PDT" or r["pp"] == 1 or r["dp"] == 1
+        assert r["virtual_stages"] == (2 if r["schedule"] == "interleaved-virtual" else 1)
+        assert r["smp_config"] is None or r["schedule"] == "gpipe"
+
+
+def test_nothing_fits_says_what_would(capsys) -> None:
+    assert main(["plan", "zoo:gpt2", "--devices", "2", "--global-batch", "4", *H100, "--device-memory", "1MiB",
+                 "-q"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("smp: error: no layout fits 1.0 MiB per device") and "What would fit: more devices" in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--config", "c.json", "--schedules", "1f1b,zero-bubble"], "drop zero-bubble from --schedules"),
+    (["--tp", "3"], "--tp 3 does not divide --ranks-per-node 8"),
+    (["--tp", "2", "--pp", "2", "--dp", "4"], "--tp 2 x --pp 2 x --dp 4 = 16 does not make --devices 4"),
+    (["--schedules", "1f1b,pipedream"], "--schedules '1f1b,pipedream': choose from"),
+    (["--checkpointing", "selective"], "--checkpointing 'selective': choose from none, full"),
+    (["--config", "c.yaml"], "the file name must end in .json"),
+])
+def test_a_bad_request_says_what_is_wrong(argv: list[str], message: str, capsys) -> None:
+    assert main(["plan", "zoo:gpt2", "--devices", "4", "--global-batch", "8", *H100, "-q", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fixed", [[], ["--pp", "2"]])
+def test_the_written_config_trains_on_two_cpu_ranks(tmp_path: Path, fixed: list[str]) -> None:
+    from smp.testing import run_ranks
+    from tests.smp.scripts import train
+
+    cfg_path = tmp_path / "smp.json"
+    assert main(["plan", "zoo:gpt2", "--devices", "2", "--global-batch", "8", "--checkpointing", "none",
+                 "--config", str(cfg_path), "-q", *fixed]) == 0
+    cfg = json.loads(cfg_path.read_text())
+    if fixed:
+        assert cfg["pipeline_parallel_degree"] == 2
+    results = run_ranks(train, 2, cfg, "gpt2", 3, 8, timeout=300)
+    for r in results:
+        for got, want in zip(r["losses"], r["ref_losses"]):
+            assert abs(got - want) <= 1e-5 * abs(want) + 1e-6, (cfg, r["losses"], r["ref_losses"])
+        assert r["param_rel_err"] < 1e-4, (cfg, r["param_rel_err"])
+    assert results[0]["losses"][-1] < results[0]["losses"][0]

@@ -1,0 +1,117 @@
+"""``partitioner.layout_score``: a fixed layout is priced exactly as ``smp inspect`` and ``smp simulate`` price it;
+what they do not price (checkpointing, data parallelism, ZeRO-1) moves the numbers the way the runtime would; the
+bounds are bounds."""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import pytest
+
+from partitioner.layout import Layout
+from partitioner.layout_costs import layout_costs
+from partitioner.layout_score import LayoutScorer, Pricing, chain_bottleneck, global_rank
+from partitioner.options import PartitionOptions
+from smp import zoo
+from smp.cli.commands.plan import pipeline_simulator
+
+OPTIONS = PartitionOptions(device="h100-80gb", dtype="bf16")
+
+
+@pytest.fixture(scope="module")
+def costs():
+    z = zoo.build("gpt2", batch=2)
+    return layout_costs(z.model, z.args, z.kwargs, sizes=[2], tp_degrees=[1, 2], rates=OPTIONS.resolve_rates(),
+                        dtype="bf16")
+
+
+def scorer(costs, ranks_per_node: int = 8, **options) -> LayoutScorer:
+    return LayoutScorer(costs, Pricing(PartitionOptions.of(OPTIONS, **options), ranks_per_node), pipeline_simulator)
+
+
+def lay(**kw) -> Layout:
+    return Layout(**{"pp": 2, "tp": 1, "dp": 1, "microbatch_size": 2, "microbatches": 4, **kw})
+
+
+def test_fixed_degrees_are_priced_as_smp_inspect_prices_them(costs) -> None:
+    from smp.cli.analysis import analyse
+    from smp.cli.options import Options
+
+    for tp, pipeline in ((1, "simple"), (2, "interleaved")):
+        plan, sim = analyse(costs.graph(tp, 2), Options(2, pipeline, microbatches=4, device="h100-80gb", dtype="bf16",
+                                                        tp=tp))
+        score = scorer(costs).score(lay(tp=tp, schedule="gpipe" if pipeline == "simple" else "1f1b"))
+        assert score.step_s == score.pipeline_s == plan.extra["schedule"]["predicted_step_s"]
+        assert score.bubble == sim.bubble
+        assert score.memory_bytes == max(m["total_bytes"] for m in plan.extra["memory"])
+
+
+@pytest.mark.parametrize("schedule, stages", [("1f1b", 4), ("zero-bubble", 4), ("interleaved-virtual", 8)])
+def test_fixed_degrees_are_priced_as_smp_simulate_prices_them_across_nodes(costs, schedule, stages) -> None:
+    from smp.cli.commands.simulate import COMPARED
+    from smp.cli.options import Options
+    from smp.cli.pricing import pipeline_costs, sim_row
+
+    opts = Options(stages, microbatches=8, device="h100-80gb", dtype="bf16")
+    rates = OPTIONS.resolve_rates()
+    row = sim_row(COMPARED[schedule], pipeline_costs(costs.graph(1, 2), opts, stages), 8, 4, 2,
+                  (rates.inter_node_bytes_per_s, rates.inter_node_latency_s), virtual=stages // 4)
+    score = scorer(costs, ranks_per_node=2).score(lay(pp=4, microbatches=8, schedule=schedule,
+                                                      virtual_stages=stages // 4))
+    assert score.pipeline_s == row["predicted_step_s"]  # two stages a node: the inter-node link between them
+    assert score.pipeline_s > scorer(costs, ranks_per_node=8).score(lay(pp=4, microbatches=8, schedule=schedule,
+                                                                        virtual_stages=stages // 4)).pipeline_s
+
+
+def test_checkpointing_recomputes_the_forward_and_keeps_less(costs) -> None:
+    s = scorer(costs)
+    # GPipe holds all 4 microbatches: a checkpointed stage keeps their inputs, and one microbatch's activations.
+    plain, ckpt = s.score(lay(schedule="gpipe")), s.score(lay(schedule="gpipe", checkpointing="full"))
+    assert ckpt.step_s > plain.step_s and ckpt.activation_bytes < plain.activation_bytes
+    assert ckpt.parameter_bytes == plain.parameter_bytes
+    # With one microbatch in flight (the last stage of 1F1B) it keeps more: the input as well.
+    assert s.score(lay(checkpointing="full")).activation_bytes > s.score(lay()).activation_bytes
+
+
+def test_data_parallel_gradients_are_reduced_after_the_step_and_zero1_shards_the_optimizer(costs) -> None:
+    s = scorer(costs)
+    one, four, zero1 = s.score(lay()), s.score(lay(dp=4)), s.score(lay(dp=4, zero1=True))
+    assert four.pipeline_s == one.pipeline_s and four.step_s > four.pipeline_s and four.dp_comm_s > 0
+    assert four.samples_per_s == pytest.approx(4 * 2 * 4 / four.step_s)
+    assert four.tokens_per_s == pytest.approx(four.samples_per_s * 32)
+    assert four.mfu == pytest.approx(four.flops_per_s_per_device / OPTIONS.resolve_rates().matmul_flops_per_s("bf16"))
+    assert zero1.parameter_bytes < four.parameter_bytes and zero1.step_s > four.step_s  # + the weights' all-gather
+    assert four.exposed_comm_s >= four.dp_comm_s
+
+
+def test_the_bounds_bound_the_prices(costs) -> None:
+    s = scorer(costs)
+    for layout in (lay(), lay(dp=4, zero1=True), lay(pp=4, schedule="gpipe"), lay(checkpointing="full"),
+                   lay(tp=2, pp=1, schedule="1f1b"), lay(pp=4, microbatches=8, schedule="interleaved-virtual",
+                                                          virtual_stages=2)):
+        bound, score = s.bound(layout), s.score(layout)
+        assert bound.step_s <= score.step_s and bound.memory_bytes <= score.memory_bytes, layout.describe()
+        assert bound.step_s <= bound.estimate_s
+
+
+def test_placement_orders_the_axes_with_tp_fastest() -> None:
+    cluster, pdt = lay(pp=2, tp=2, dp=2), lay(pp=2, tp=2, dp=2, placement="PDT")
+    assert [global_rank(cluster, p, d) for d in range(2) for p in range(2)] == [0, 2, 4, 6]
+    assert [global_rank(pdt, p, d) for p in range(2) for d in range(2)] == [0, 2, 4, 6]
+    assert global_rank(cluster, 1, 0, tp_rank=1) == 3
+
+
+def test_sharded_data_parallelism_is_not_priced_yet(costs) -> None:
+    with pytest.raises(ValueError, match="sdp=2.*not priced yet"):
+        scorer(costs).score(lay(dp=2, sdp=2))
+
+
+def test_the_estimate_cuts_the_ops_into_the_fastest_contiguous_stages_that_fit() -> None:
+    ops = np.array([1.0, 2.0, 3.0, 4.0, 5.0])
+    assert chain_bottleneck(ops, 3) == pytest.approx(6.0, rel=1e-3)  # [1 2 3] [4] [5]
+    assert chain_bottleneck(np.ones(4), 8) == pytest.approx(1.0, rel=1e-3)  # stages to spare: the largest op
+    # Each op keeps 1 byte per microbatch in flight; the first stage holds 3 microbatches, the others 1.
+    held: dict[str, Any] = {"fixed": np.zeros(5), "acts": np.ones(5), "in_flight": [3, 1, 1]}
+    assert chain_bottleneck(ops, 3, budget=3, **held) == pytest.approx(9.0, rel=1e-3)  # [1] [2 3] [4 5]
+    assert chain_bottleneck(ops, 3, budget=2, **held) == math.inf  # [] [1 2] [3 4]: no room for 5

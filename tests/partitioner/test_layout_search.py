@@ -1,0 +1,94 @@
+"""``partitioner.layout_search``: the search returns what pricing every layout would (brute force over the same
+scorer), never a layout over the memory budget, and says what would fit when nothing does."""
+from __future__ import annotations
+
+import pytest
+
+from partitioner.layout import SCHEDULES
+from partitioner.layout_costs import layout_costs
+from partitioner.layout_score import LayoutScorer, Pricing
+from partitioner.layout_search import NoLayoutFitsError, SearchSpace, candidates, divisors, search, tp_choices
+from partitioner.options import PartitionOptions
+from smp import zoo
+from smp.cli.commands.plan import pipeline_simulator
+
+OPTIONS = PartitionOptions(device="h100-80gb", dtype="bf16")
+SPACE = SearchSpace(devices=4, global_batch=8, ranks_per_node=2, schedules=SCHEDULES, max_stages=100)
+
+
+@pytest.fixture(scope="module")
+def costs():
+    z = zoo.build("gpt2", batch=2)
+    sizes = {lay.microbatch_size for lay in candidates(SPACE, [1, 2])}
+    return layout_costs(z.model, z.args, z.kwargs, sizes=sizes, tp_degrees=[1, 2], rates=OPTIONS.resolve_rates(),
+                        dtype="bf16")
+
+
+def scorer(costs, **options) -> LayoutScorer:
+    return LayoutScorer(costs, Pricing(PartitionOptions.of(OPTIONS, **options), SPACE.ranks_per_node),
+                        pipeline_simulator)
+
+
+def brute_force(costs, **options) -> list:
+    s = scorer(costs, **options)
+    priced = [(s.score(lay), lay) for lay in candidates(SPACE, costs.tp_degrees)]
+    return sorted([(sc.step_s, sc.memory_bytes, lay) for sc, lay in priced if sc.fits], key=lambda x: x[:2])
+
+
+def test_the_space_is_every_grid_microbatching_and_variant_that_differs() -> None:
+    layouts = list(candidates(SPACE, [1, 2]))
+    assert len(layouts) == len(set(layouts)) > 50
+    for lay in layouts:
+        assert lay.devices == 4 and lay.global_batch == 8 and SPACE.ranks_per_node % lay.tp == 0
+        assert lay.pp > 1 or lay.schedule == "1f1b"  # one stage: the pipelines are all the same
+        assert lay.dp > 1 or not lay.zero1
+    assert {lay.schedule for lay in layouts} == set(SCHEDULES)
+    assert {lay.placement for lay in layouts} == {"DPT", "PDT"}  # two nodes of two
+    assert divisors(12) == [1, 2, 3, 4, 6, 12] and tp_choices(16, 8, heads=(12,)) == [1, 2, 4]
+
+
+def test_the_search_finds_the_brute_force_optimum(costs) -> None:
+    want = brute_force(costs)
+    for exhaustive in (False, True):
+        result = search(candidates(SPACE, costs.tp_degrees), scorer(costs), top=3, exhaustive=exhaustive)
+        assert result.proposals[0].layout == want[0][2] and result.proposals[0].score.step_s == want[0][0]
+        assert result.scored < result.enumerated  # the bounds ruled layouts out unpriced
+    exact = search(candidates(SPACE, costs.tp_degrees), scorer(costs), top=3, exhaustive=True)
+    assert [p.layout for p in exact.proposals] == [w[2] for w in want[:3]]
+
+
+def test_a_layout_over_the_memory_budget_is_never_returned(costs) -> None:
+    everything = brute_force(costs)
+    memory = sorted(m for _, m, _ in everything)
+    budget = memory[len(memory) // 2]
+    fitting = brute_force(costs, device_memory=budget)
+    result = search(candidates(SPACE, costs.tp_degrees), scorer(costs, device_memory=budget), top=10)
+    assert result.memory_pruned + result.scored < result.enumerated or result.memory_pruned > 0
+    assert all(p.score.memory_bytes <= budget and p.score.fits for p in result.proposals)
+    assert result.proposals[0].layout == fitting[0][2]
+    assert everything[0][1] > budget or everything[0][2] == fitting[0][2]  # the budget changed the answer, or not
+
+
+def test_when_nothing_fits_it_says_what_would(costs) -> None:
+    space = SearchSpace(devices=4, global_batch=8, ranks_per_node=2, checkpointing=("none",), zero1=(False,),
+                        max_stages=100)
+    with pytest.raises(NoLayoutFitsError) as err:
+        search(candidates(space, costs.tp_degrees), scorer(costs, device_memory="1MiB"), top=1)
+    text = str(err.value)
+    assert text.startswith("no layout fits 1.0 MiB per device: every layout needs at least ")
+    for needle in ("more devices (about", "activation checkpointing", "ZeRO-1", "sharded data parallelism",
+                   "a smaller global batch"):
+        assert needle in text, needle
+    # Just over the least memory bound: that layout is priced (no stage split is that even), and named.
+    least = min(scorer(costs).bound(lay).memory_bytes for lay in candidates(space, costs.tp_degrees))
+    with pytest.raises(NoLayoutFitsError, match=r"the closest, .*, needs .* \(parameter state .*, activations"):
+        search(candidates(space, costs.tp_degrees), scorer(costs, device_memory=int(least) + 1), top=1)
+
+
+def test_a_bad_request_is_refused(costs) -> None:
+    with pytest.raises(ValueError, match="devices must be a positive integer, got 0"):
+        SearchSpace(devices=0, global_batch=8, ranks_per_node=8)
+    with pytest.raises(ValueError, match="top must be a positive integer, got 0"):
+        search([], scorer(costs), top=0)
+    with pytest.raises(NoLayoutFitsError, match="no layout to search"):
+        search([], scorer(costs), top=1)
