@@ -11,6 +11,8 @@ Layout under ``path`` (the names are SMP's where SMP has them)::
         optimizer_<pp_rank>.pt   optimizer.local_state_dict() (rdp_rank 0; optimizer_<pp_rank>_<tp_rank>.pt
                                  with tensor parallelism); with sharded optimizer state instead
         optimizer_<pp_rank>_<rdp_rank>.pt   each replica's shard (optimizer_<pp_rank>_<tp_rank>_<rdp_rank>.pt)
+        model_<pp_rank>_<rdp_rank>.pt       with sharded data parallelism, each replica's parameter shards (and
+                                 its optimizer shards as above): every rank writes, the manifest says sharded_model
         user_content.pt          user_content (rank 0)
     .<tag>_partial.staging/      a partial save in flight (removed when it fails, or by the next save)
     <tag>                        full checkpoint: model.state_dict() gathered; a plain torch state dict (rank 0)
@@ -103,7 +105,7 @@ def _save_partial(st: state.State, path: str, tag: str, model: CheckpointModel |
                   optimizer: CheckpointOptimizer | None, user_content: Any, keep: int | None, what: str) -> None:
     name = f"{tag}_partial"
     final, staging = os.path.join(path, name), os.path.join(path, f".{name}.staging")
-    rdp = st.topology.rdp_rank(st.rank)
+    rdp, sdp = st.topology.rdp_rank(st.rank), st.sdp_mesh is not None
     mine, per_replica = rank_suffix(st.topology, st.rank), rank_suffix(st.topology, st.rank, per_replica=True)
 
     def prepare() -> None:
@@ -116,11 +118,11 @@ def _save_partial(st: state.State, path: str, tag: str, model: CheckpointModel |
 
     def write() -> dict[str, Any]:
         files: dict[str, Any] = {}
-        if model is not None and rdp == 0:
-            files[f"model{mine}.pt"] = model.local_state_dict()
+        if model is not None and (rdp == 0 or sdp):  # sharded data parallelism: every replica its own shards
+            files[f"model{per_replica if sdp else mine}.pt"] = model.local_state_dict()
         if optimizer is not None:
             local = optimizer.local_state_dict()
-            if local.get(ZERO_KEY):
+            if local.get(ZERO_KEY) or sdp:
                 files[f"optimizer{per_replica}.pt"] = local
             elif rdp == 0:
                 files[f"optimizer{mine}.pt"] = local
@@ -138,9 +140,9 @@ def _save_partial(st: state.State, path: str, tag: str, model: CheckpointModel |
 
     def commit() -> None:
         if st.rank == 0:
-            sharded = optimizer is not None and optimizer.state_sharded
+            sharded = optimizer is not None and (optimizer.state_sharded or sdp)
             write_manifest(os.path.join(staging, _MANIFEST), {k: v for d in digests for k, v in d.items()},
-                           tag=tag, partial=True, sharded_optimizer=sharded, **_layout(st))
+                           tag=tag, partial=True, sharded_optimizer=sharded, sharded_model=sdp, **_layout(st))
             if os.path.exists(final):  # the same tag saved again: swap the folders, then drop the old one
                 old = os.path.join(path, f".{name}.old")
                 os.replace(final, old)
@@ -171,13 +173,13 @@ def _read_newest(path: str) -> list[str]:
 
 def _save_full(st: state.State, path: str, tag: str, model: CheckpointModel | None,
                optimizer: CheckpointOptimizer | None, user_content: Any, translate: bool, what: str) -> None:
-    rdp = st.topology.rdp_rank(st.rank)
+    rdp, sdp = st.topology.rdp_rank(st.rank), st.sdp_mesh is not None
     # Gathers: the model over each model-parallel group (replica 0's is enough), sharded optimizer state over all
-    # ranks.
-    model_sd = model.state_dict() if model is not None and rdp == 0 else None
+    # ranks; under sharded data parallelism both over all ranks (each sharding group puts its shards together).
+    model_sd = model.state_dict() if model is not None and (rdp == 0 or sdp) else None
     if model_sd is not None:  # under Hugging Face's keys, or marked as under this model's (SMP v1)
         model_sd = to_hf_keys(model_sd, st.translate_functions) if translate else {**model_sd, PARTIAL_KEY: False}
-    sharded = optimizer is not None and optimizer.state_sharded
+    sharded = optimizer is not None and (optimizer.state_sharded or sdp)
     opt_sd = optimizer.state_dict() if optimizer is not None and (sharded or rdp == 0) else None
     files = {os.path.join(path, tag): model_sd, os.path.join(path, f"optimizer_{tag}"): opt_sd,
              os.path.join(path, f"user_content_{tag}"): user_content}
@@ -254,9 +256,10 @@ def _resume_partial(st: state.State, folder: str, manifest: dict[str, Any], stri
     topo = st.topology
     files = manifest["files"]
     sharded = manifest["sharded_optimizer"] and load_optimizer and load_sharded
-    check_degrees(manifest, topo, folder, sharded, "; or pass load_sharded_optimizer_state=False to leave its sharded "
-                  "optimizer state out" if sharded else "")
-    model_file = f"model{rank_suffix(topo, st.rank)}.pt"
+    sharded_model = manifest.get("sharded_model", False)  # sharded data parallelism: each replica's shards
+    check_degrees(manifest, topo, folder, sharded or sharded_model, "; or pass load_sharded_optimizer_state=False "
+                  "to leave its sharded optimizer state out" if sharded and not sharded_model else "")
+    model_file = f"model{rank_suffix(topo, st.rank, per_replica=sharded_model)}.pt"
     if model_file in files:
         st.model.load_state_dict(load_file(os.path.join(folder, model_file), manifest), strict=strict)
     opt_file = f"optimizer{rank_suffix(topo, st.rank, per_replica=manifest['sharded_optimizer'])}.pt"

@@ -195,3 +195,26 @@ def test_a_degree_that_does_not_divide_the_replicas_is_refused():
     msg = run_ranks(_init_error, 2, {"pipeline_parallel_degree": 1, "ddp": True,
                                      "sharded_data_parallel_degree": 4}, timeout=120)[0]
     assert "sharded_data_parallel_degree=4 must divide the 2 replicas" in msg, msg
+
+
+def _tagged(rank: int, world: int, tmp: str):
+    """sdp2: smp.save_checkpoint (partial, then full) and smp.resume_from_checkpoint continue exactly."""
+    import smp
+    from tests.smp.test_checkpoint import tied_training
+
+    model, opt, step = tied_training({"pipeline_parallel_degree": 1, **SDP, "sharded_data_parallel_degree": 2},
+                                     shard=True)
+    step(0), step(1)
+    smp.save_checkpoint(tmp, "t", partial=True, model=model, optimizer=opt)
+    smp.save_checkpoint(tmp, "full", partial=False, model=model, optimizer=opt)
+    after = [step(2), step(3)]
+    smp.resume_from_checkpoint(tmp, "t", partial=True)
+    again = [step(2), step(3)]
+    smp.resume_from_checkpoint(tmp, "full", partial=False)
+    return after, again, [step(2), step(3)], sorted(os.listdir(os.path.join(tmp, "t_partial")))
+
+
+def test_tagged_checkpoints_of_shards_resume_exactly(tmp_path):
+    for after, again, full, files in run_ranks(_tagged, 2, str(tmp_path), timeout=300):
+        assert again == after and full == pytest.approx(after, rel=1e-6), (after, again, full)
+        assert files == ["manifest.json", "model_0_0.pt", "model_0_1.pt", "optimizer_0_0.pt", "optimizer_0_1.pt"]
