@@ -32,7 +32,7 @@ from .errors import EngineError
 from .graph import WORK_FIELDS, OpGraph
 from .program import DEVICE_ARGS, graph_modules
 
-__all__ = ["trace", "TraceError", "CustomGradientWarning"]
+__all__ = ["trace", "TraceError", "CustomGradientWarning", "price_loss"]
 
 
 class TraceError(EngineError, RuntimeError):
@@ -166,7 +166,7 @@ def trace(model: torch.nn.Module, args: tuple | list | Any = (), kwargs: dict | 
                 node.meta[DEVICE_ARGS] = spots
     graph = build_graph(gm, ep.call_spec.in_spec, ep.call_spec.out_spec, model.training)
     if loss_fn is not None:
-        _price_loss(graph, loss_fn, target, device)
+        price_loss(graph, loss_fn, target, device)
         graph.fx.loss = (loss_fn, target)
     return graph
 
@@ -182,9 +182,11 @@ class _Loss(torch.nn.Module):
         return self.loss_fn(output, target)
 
 
-def _price_loss(graph: OpGraph, loss_fn: Callable[[Any, Any], torch.Tensor], target: Any,
-                device: torch.device) -> None:
-    """Add the work of ``loss_fn`` on the model's (fake) output and ``target`` to the graph's output op."""
+def price_loss(graph: OpGraph, loss_fn: Callable[[Any, Any], torch.Tensor], target: Any,
+               device: torch.device | str = "cpu") -> None:
+    """Add the work of ``loss_fn`` on the model's (fake) output and ``target`` (traced on ``device``, as the
+    model's outputs live) to the graph's output op: the last stage's work then counts the loss, forward and
+    backward, while the stages are still cut from the model alone."""
     out_node = next(n for n in graph.fx.module.graph.nodes if n.op == "output")
     leaves = [a.meta.get("val") if isinstance(a, torch.fx.Node) else a for a in pytree.tree_leaves(out_node.args[0])]
     mode = FakeTensorMode()

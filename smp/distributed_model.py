@@ -161,7 +161,7 @@ class DistributedModel(torch.nn.Module):
             plan = shared_plan(self.module, call.args, call.kwargs, pp,
                                PartitionOptions.of(options, measure=self.trace_execution_times),
                                st.world_group, cfg.timeout_s, tp=(st.topology.tp, st.topology.tp_rank(st.rank)),
-                               shardable=self.shardable)
+                               shardable=self.shardable, step=True)
         else:
             graph = self._trace(call)
             plan = fixed_plan(graph, pp, manual_stages(self.module, graph), options)

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from partitioner import PartitionOptions, PartitionPlan, partition, trace
 from partitioner.shard_program import tensor_parallel_graph
+from partitioner.tracing import price_loss
 from pipeline import PipelineRunner
 from pipeline.p2p import named_failures
 from pipeline.param_gather import GatheredParams
@@ -22,6 +23,7 @@ from smp.engine import mixed_precision as precision
 from smp.engine.materialize import keep_own_share, tensor_ids
 from smp.engine.pipeline_model import PipelineModel
 from smp.engine.sharded_dp import shard_own_share, to_shard
+from smp.engine.step_loss import step_loss
 from smp.engine.tp_shards import install_shards, shard_owners, shard_specs
 from smp.engine.weights import load_local, weight_cuts
 from smp.runtime.state import State
@@ -32,15 +34,20 @@ __all__ = ["shared_plan", "pipeline_runner", "smp_runner", "own_tensors"]
 def shared_plan(model: torch.nn.Module, args: tuple, kwargs: dict, num_stages: int,
                 options: PartitionOptions | None = None, group: Any = None,
                 timeout_s: float | None = None, loss: tuple[Any, Any] | None = None,
-                tp: tuple[int, int] = (1, 0), shardable: Collection[str] | None = None) -> PartitionPlan:
+                tp: tuple[int, int] = (1, 0), shardable: Collection[str] | None = None,
+                step: bool = False) -> PartitionPlan:
     """Every rank traces ``model`` on one microbatch; global rank 0 partitions and sends the plan to all, over
     ``group`` (every rank; default: the default group), whose timeout bounds the other ranks' wait
     (``timeout_s`` names it in the error: raise it when partitioning takes longer). ``loss``: ``(loss_fn, one
     microbatch's target)``, the loss the last stage computes, priced in the plan (``partitioner.trace``). ``tp``:
     (tensor-parallel degree, this rank's tp rank): every rank binds the plan to its own tp rank's graph (global
-    rank 0, tp rank 0, partitions its own); ``shardable``: the parameters tensor parallelism may split (None: all)."""
+    rank 0, tp rank 0, partitions its own); ``shardable``: the parameters tensor parallelism may split (None: all).
+    ``step``: the model runs in an ``@smp.step`` function, whose loss the plan prices (:mod:`smp.engine.step_loss`)."""
     loss_fn, target = loss if loss is not None else (None, None)
     graph = tensor_parallel_graph(trace(model, args, kwargs, loss_fn=loss_fn, target=target), *tp, shardable)
+    outside = step_loss(graph) if step and loss is None else None
+    if outside is not None:
+        price_loss(graph, *outside)
     text = [partition(graph, num_stages, options, example_inputs=args, example_kwargs=kwargs).to_json()
             if dist.get_rank() == 0 else None]
     with named_failures("receiving the partition plan from rank 0", [0], dist.get_rank(), timeout_s):
