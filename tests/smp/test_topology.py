@@ -234,3 +234,11 @@ def test_init_without_enough_processes_names_both_degrees(monkeypatch):
                                            r"launch with `smp launch -n 2 script.py`"):
         state.init({"pipeline_parallel_degree": 1, "tensor_parallel_degree": 2, "ddp": True})
     assert not dist.is_initialized() and not state.is_initialized()
+
+
+def test_sdp_grid_rows_replicate_and_columns_shard():
+    t = Topology(8, 2)  # 4 replicas of each of 2 stages
+    assert t.sdp_grid(4) == [[g] for g in t.rdp_groups()] and len(t.rdp_groups()[0]) == 4  # one sharding group
+    assert t.sdp_grid(2) == [[g[:2], g[2:]] for g in t.rdp_groups()]  # hybrid: two sharding groups per stage
+    with pytest.raises(ValueError, match=r"sharded_data_parallel_degree=3 must divide the 4 replicas of each stage"):
+        t.sdp_grid(3)
