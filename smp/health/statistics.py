@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
+from torch.distributed.tensor import DTensor
 
 __all__ = ["RankStatistics", "Layer", "measure", "UpdateProbe", "layer_of"]
 
@@ -70,10 +71,13 @@ def _grouped(named: Iterable[tuple[str, torch.nn.Parameter]]) -> tuple[list[str]
 
 
 def _per_layer(norms: list[torch.Tensor], index: list[int], layers: int, device: torch.device) -> torch.Tensor:
-    """sqrt of the summed squares of parameter norms, per layer (float64: squares of large norms stay finite)."""
+    """sqrt of the summed squares of parameter norms, per layer (float64: squares of large norms stay finite). The
+    norm of a sharded parameter (a DTensor, sharded data parallelism) is put together over its sharding group, a
+    collective every replica of the stage makes in the same order."""
     out = torch.zeros(layers, dtype=torch.float64, device=device)
     if norms:
-        squares = torch.stack([n.to(torch.float64) for n in norms]).square()
+        whole = [n.full_tensor() if isinstance(n, DTensor) else n for n in norms]
+        squares = torch.stack([n.to(device, torch.float64) for n in whole]).square()
         out.index_add_(0, torch.tensor(index, device=device), squares)
     return out.sqrt()
 

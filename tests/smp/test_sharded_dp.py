@@ -47,6 +47,15 @@ def test_sdp_with_tensor_parallelism_matches_one_process():
 
 
 @pytest.mark.slow
+def test_training_health_rules_measure_sharded_parameters():
+    rules = ["LossNotDecreasing", "VanishingGradient", "ExplodingTensor", "PoorWeightInitialization",
+             "WeightUpdateRatio"]
+    cfg = {**SDP, "pipeline_parallel_degree": 1, "sharded_data_parallel_degree": 2,
+           "debug": {"rules": rules, "every_n_steps": 1}}
+    _check(run_ranks(train, 2, cfg, "gpt2", 3, 8, timeout=400))
+
+
+@pytest.mark.slow
 def test_bf16_sdp_trains_as_bf16_data_parallelism():
     base = {**SDP, "pipeline_parallel_degree": 1, "bf16": True, "sdp_gradient_clipping": 0}
     sharded = run_ranks(train, 2, {**base, "sharded_data_parallel_degree": 2}, "gpt2", 3, 8, timeout=400)
