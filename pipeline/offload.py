@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from pipeline.schedule import Action
 
@@ -116,7 +117,9 @@ class ActivationOffload:
         ``leaves``: tensors the caller holds (boundary inputs kept for their gradients) whose storage is released
         once the forward is done, and restored on load; ``module``'s parameters are never moved."""
         key = (stage, microbatch)
-        params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+        # A sharded parameter (a DTensor) by its local part.
+        params = {(p.to_local() if isinstance(p, DTensor) else p).untyped_storage().data_ptr()
+                  for p in module.parameters()}
         held = {id(t) for t in leaves}
         entry = self._store[key] = _Entry()
         with torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(t, key, entry, held, params), self._unpack):

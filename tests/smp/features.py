@@ -9,6 +9,7 @@ import copy
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 PARAM_TOL = 1e-4
 
@@ -57,6 +58,7 @@ def param_err(model, reference: nn.Module) -> float:
     worst = 0.0
     for name, p in model.local_named_parameters():
         r = ref[name]
+        p = p.full_tensor() if isinstance(p, DTensor) else p  # sharded data parallelism: the whole parameter
         worst = max(worst, float(((p - r).abs() / (r.abs() + 1e-3)).max().detach()))
     return worst
 

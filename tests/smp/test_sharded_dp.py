@@ -55,6 +55,25 @@ def test_training_health_rules_measure_sharded_parameters():
     _check(run_ranks(train, 2, cfg, "gpt2", 3, 8, timeout=400))
 
 
+def _checkpointed(rank: int, world: int, offload: bool):
+    import smp
+    from tests.smp.features import make_net
+    from tests.smp.features import train as train_net
+
+    smp.init({**SDP, "pipeline_parallel_degree": 1, "sharded_data_parallel_degree": 2, "sdp_gradient_clipping": 0,
+              "offload_activations": offload})
+    return train_net(make_net(), 3, checkpoint=("block1", "block2"))[1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("offload", [False, True])
+def test_checkpointed_and_offloaded_activations_with_sdp_are_exact(offload):
+    from tests.smp.features import assert_exact
+
+    for r in run_ranks(_checkpointed, 2, offload, timeout=300):
+        assert_exact(r)
+
+
 @pytest.mark.slow
 def test_bf16_sdp_trains_as_bf16_data_parallelism():
     base = {**SDP, "pipeline_parallel_degree": 1, "bf16": True, "sdp_gradient_clipping": 0}
