@@ -22,6 +22,8 @@ a third candidate.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from .graph import OpGraph, unique_ints
@@ -33,6 +35,9 @@ MAX_POSITIONS = 1536
 CHEAP_POSITIONS = 512    # of MAX_POSITIONS, kept for the cheapest cuts of the whole graph
 CAP_GRID = 9             # memory caps tried between the least and the fastest plan's memory ...
 CAP_REFINE = 6           # ... then golden-section steps around the best of them
+BAND_START = 1.05        # the min-max DP's first bound on the bottleneck: this times the mean stage ...
+BAND_GROWTH = 1.5        # ... grown by this factor until a partition is found under it
+BAND_SLACK = 1e-6        # a band's width is widened this much, so rounding in segment costs never narrows it
 
 
 def _prefix(p: Problem) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -163,9 +168,18 @@ class _Grid:
         lv = self.level(s)
         return np.searchsorted(lv, lv - min(cap, self.budget) * (1 + 1e-12), side="left")
 
-    def memory(self, s: int) -> np.ndarray:
+    def floor(self) -> np.ndarray:
+        """Memory levels whose rise over a segment is at most its memory on any stage (the fewest in flight)."""
+        return self.P[self.cand] + min(self.p.inflight) * self.A[self.cand]
+
+    def time_of(self, s: int, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        """Seconds of the segments [cand[a], cand[b]) (any stage)."""
+        return self.time.ravel()[a * len(self.cand) + b]
+
+    def memory_of(self, s: int, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        """Stage ``s``'s bytes of the segments [cand[a], cand[b]) (infinite unless a < b)."""
         lv = self.level(s)
-        return np.where(self.rows < self.rows.T, lv[None, :] - lv[:, None], np.inf)
+        return np.where(a < b, lv[b] - lv[a], np.inf)
 
     def axes(self, bounds: list[int]) -> tuple[float, float]:
         """Bottleneck seconds and largest stage memory of the plan cut at candidates ``bounds``."""
@@ -181,22 +195,70 @@ class _Grid:
         return (1 - w) * t / self.p.norm_time + w * m / self.p.norm_mem
 
 
-def _min_max(cost, k: int, N: int) -> tuple[float, list[int] | None]:
-    """The partition into k segments (from candidate 0 to N-1) with the least largest ``cost(s)[a, b]``."""
-    prev = cost(0)[0]
-    parents = []
-    for s in range(1, k):
-        both = np.maximum(prev[:, None], cost(s))
-        parents.append(both.argmin(axis=0))
-        prev = both[parents[-1], np.arange(N)]
-    best = float(prev[N - 1])
-    return best, (_backtrack(parents, N) if np.isfinite(best) else None)
+def _cells(level: np.ndarray, width: float, first: np.ndarray, s: int, k: int
+           ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Stage ``s`` of ``k`` in a partition whose every segment costs at most ``width`` and at least the rise of
+    ``level`` (nondecreasing) over it: the ends b it can reach and still leave the rest to the later stages
+    (``cols``), and per end, as rows, the starts a of the band ``level[b] - level[a] <= width``, ``a >= first[b]``,
+    with which are real (``a < b``). Both are widened a little (:data:`BAND_SLACK`) so rounding never narrows
+    them."""
+    N = len(level)
+    if not np.isfinite(width):
+        cols, lo = np.arange(N), np.asarray(first)
+    else:
+        w = width * (1 + BAND_SLACK)
+        rise = level - level[0]
+        cols = np.flatnonzero((rise <= (s + 1) * w) & (rise[-1] - rise <= (k - 1 - s) * w))
+        lo = np.maximum(np.searchsorted(level, level[cols] - w, side="left"), first[cols])
+    rows = int((cols - lo).max(initial=0))
+    a = lo[None, :] + np.arange(max(rows, 0))[:, None]
+    real = a < cols[None, :]
+    return cols, np.where(real, a, 0), real
+
+
+def _min_max(seg: Callable[[int, np.ndarray, np.ndarray], np.ndarray], k: int, N: int,
+             level: np.ndarray, first: Callable[[int], np.ndarray] | None = None) -> tuple[float, list[int] | None]:
+    """The partition into k segments (from candidate 0 to N-1) with the least largest ``seg(s, a, b)`` (stage s's
+    cost of the segment between candidates a and b, for index arrays); a segment of stage s must start at or
+    after ``first(s)[b]`` when given.
+
+    ``best[s][b] = min_a max(best[s-1][a], seg(s, a, b))``, the first such a on ties, evaluated only where both
+    terms are at most a bound U: a path to the optimum B <= U passes only through such cells, so values at most
+    U are exact and so is the argmin among them (the terms above U are never the minimum there). A segment's
+    cost on every stage is at least ``level[b] - level[a]`` (nondecreasing), so its starts lie in a band of width
+    U, and a stage's ends in a window that s + 1 segments reach and k - s - 1 complete (:func:`_cells`). U starts
+    at the mean and grows until a partition is found; once U covers every level, nothing is cut off."""
+    zero = np.zeros(N, np.int64)
+    widest = float(level[-1] - level[0])
+    bound = widest / k * BAND_START
+    while True:
+        full = not bound < widest
+        U = np.inf if full else bound
+        prev = seg(0, zero, np.arange(N))
+        if first is not None:
+            prev = np.where(first(0) <= 0, prev, np.inf)
+        prev = np.where(prev <= U, prev, np.inf)
+        parents = []
+        for s in range(1, k):
+            cols, a, real = _cells(level, U, zero if first is None else first(s), s, k)
+            best, parent = np.full(N, np.inf), np.zeros(N, np.int64)
+            if len(a):
+                both = np.where(real, np.maximum(prev[a], seg(s, a, np.broadcast_to(cols, a.shape))), np.inf)
+                off = both.argmin(axis=0)
+                at = np.arange(len(cols))
+                best[cols] = np.where(both[off, at] <= U, both[off, at], np.inf)
+                parent[cols] = a[off, at]
+            prev = best
+            parents.append(parent)
+        value = float(prev[N - 1])
+        if np.isfinite(value) or full:
+            return value, (_backtrack(parents, N) if np.isfinite(value) else None)
+        bound = bound * BAND_GROWTH if bound > 0 else np.inf
 
 
 def _fastest(grid: _Grid, k: int, cap: float) -> list[int] | None:
     """The least-bottleneck partition whose every stage fits ``cap`` bytes."""
-    return _min_max(lambda s: np.where(grid.rows >= grid.first_start(s, cap)[None, :], grid.time, np.inf),
-                    k, len(grid.cand))[1]
+    return _min_max(grid.time_of, k, len(grid.cand), grid.T[grid.cand], lambda s: grid.first_start(s, cap))[1]
 
 
 def _best_blend(grid: _Grid, k: int) -> list[int] | None:
@@ -205,7 +267,7 @@ def _best_blend(grid: _Grid, k: int) -> list[int] | None:
     fastest = _fastest(grid, k, np.inf)
     if grid.p.options.memory_weight == 0 or fastest is None:
         return fastest
-    least, _ = _min_max(grid.memory, k, len(grid.cand))
+    least, _ = _min_max(grid.memory_of, k, len(grid.cand), grid.floor())
     most = grid.axes(fastest)[1]
     if most <= least * (1 + 1e-9):
         return fastest
@@ -228,24 +290,32 @@ def _best_blend(grid: _Grid, k: int) -> list[int] | None:
 def _fewest_cut_bytes(grid: _Grid, k: int, time_limit: float, mem_limit: float) -> list[int] | None:
     """Among partitions whose every stage takes <= ``time_limit`` and fits ``mem_limit``, the one that
     cuts the fewest bytes (the sum over stages of the bytes each receives), then holds the fewest
-    activation bytes in flight."""
+    activation bytes in flight. Only the cells of :func:`_cells` for ``time_limit`` are looked at: no other
+    segment is fast enough, and no other end is on a partition whose every stage is."""
     N = len(grid.cand)
     A = grid.A[grid.cand]
-    act = A[None, :] - A[:, None]
-    fast = grid.time <= time_limit
+    T = grid.T[grid.cand]
 
-    def ok(s):
-        return fast & (grid.rows >= grid.first_start(s, mem_limit)[None, :])
+    def ok(s, a, b):
+        return (grid.time[a, b] <= time_limit) & (a >= grid.first_start(s, mem_limit)[b])
 
-    cut = np.where(ok(0)[0], grid.recv[0], np.inf)
-    held = grid.p.inflight[0] * act[0]
+    cut = np.where(ok(0, np.zeros(N, np.int64), np.arange(N)), grid.recv[0], np.inf)
+    held = grid.p.inflight[0] * (A - A[0])
     parents = []
     for s in range(1, k):
-        total = np.where(ok(s), cut[:, None] + grid.recv, np.inf)
-        least = total.min(axis=0)
-        held_all = np.where(total <= least[None, :], held[:, None] + grid.p.inflight[s] * act, np.inf)
-        parents.append(held_all.argmin(axis=0))
-        cut, held = total[parents[-1], np.arange(N)], held_all[parents[-1], np.arange(N)]
+        cols, a, real = _cells(T, time_limit, grid.first_start(s, mem_limit), s, k)
+        parent = np.zeros(N, np.int64)
+        new_cut, new_held = np.full(N, np.inf), np.full(N, np.inf)
+        if len(a):
+            b = np.broadcast_to(cols, a.shape)
+            total = np.where(real & ok(s, a, b), cut[a] + grid.recv[a, b], np.inf)
+            least = total.min(axis=0)
+            held_all = np.where(total <= least[None, :], held[a] + grid.p.inflight[s] * (A[b] - A[a]), np.inf)
+            off = held_all.argmin(axis=0)
+            at = np.arange(len(cols))
+            parent[cols], new_cut[cols], new_held[cols] = a[off, at], total[off, at], held_all[off, at]
+        cut, held = new_cut, new_held
+        parents.append(parent)
     return _backtrack(parents, N) if np.isfinite(cut[N - 1]) else None
 
 
@@ -259,7 +329,7 @@ def dp_partition(p: Problem) -> list[np.ndarray]:
     best = _best_blend(grid, k)
     fits = best is not None
     if best is None:  # nothing fits the budget: the fastest plan, for the error's numbers
-        best = _min_max(lambda s: grid.time, k, N)[1] or list(np.linspace(0, N - 1, k + 1).astype(int))
+        best = _min_max(grid.time_of, k, N, grid.T[grid.cand])[1] or list(np.linspace(0, N - 1, k + 1).astype(int))
     found = [best]
     if k > 1 and fits:
         t, m = grid.axes(best)

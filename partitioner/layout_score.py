@@ -19,15 +19,20 @@ What neither command prices, the layout adds, as the runtime runs it:
   intra-node link when the replicas share a node, else on the inter-node link), so the step is the latest of each
   rank's pipeline end plus its all-reduce; ZeRO-1 (torch's ``ZeroRedundancyOptimizer``, SMP's
   ``shard_optimizer_state``) divides the optimizer state by dp and adds an all-gather of the updated weights;
+* sharded data parallelism (sdp = D > 1, ZeRO-3 over D of the dp replicas): priced by
+  :func:`partitioner.sharded_dp.sharded_dp` as ``smp simulate --sdp`` prices it: the stages cut without the memory
+  budget (the sharded ranks are held to it), each stage's all-gathers added to its forward and backward, each
+  rank's reduce-scatter and all-reduce after its pipeline end (instead of the plain all-reduce), its memory the
+  sharded rank's peak; the sharding group's link is the intra-node one when its D replicas share a node;
 * throughput and MFU over the job, by :func:`partitioner.throughput.from_counts` (the one definition).
 
 The simulator is passed in (``simulate``, a :class:`PipelineSimulator`): the partitioner does not import the
-pipeline package (:mod:`pipeline.simulate` is what the ``smp`` command passes). Sharded data parallelism (sdp > 1)
-is not priced here yet.
+pipeline package (:mod:`pipeline.simulate` is what the ``smp`` command passes).
 
 :meth:`LayoutScorer.bound` gives, without partitioning, a lower bound on the step (a rank does at least
 ``m x max(total op seconds / pp, the largest op)`` of work, as Alpa and Aceso bound a stage) and on the largest
-device's memory (the mean over the pp ranks of the parameter state and the activations), and an estimate to
+device's memory (the mean over the pp ranks of the parameter state, as if sdp sharded every parameter, and the
+activations), and an estimate to
 order candidates by, without communication: ``(m + pp - 1) c`` for GPipe and 1F1B, ``(m + (pp - 1)/v) c``
 interleaved, ``(m + (pp - 1)/3) c`` for ZB-H1 (Narayanan et al. 2021; Qi et al. 2023), where ``c``, a rank's time
 per microbatch, is v times the least bottleneck of the ops cut in topological order into pp x v contiguous stages
@@ -55,6 +60,7 @@ from .options import UNLIMITED, PartitionOptions
 from .plan import PartitionPlan
 from .portfolio import partition
 from .precision import activation_bytes, param_memory_parts
+from .sharded_dp import PERSISTENCE_THRESHOLD, ShardedRank, sharded_dp
 from .throughput import from_counts
 from .tp_cost import all_gather_s, all_reduce_s
 
@@ -84,10 +90,12 @@ class PipelineSimulator(Protocol):
 @dataclass(frozen=True)
 class Pricing:
     """What every layout is priced under: the partitioner's ``options`` (device, precision, links, memory budget,
-    optimizer, memory weight; microbatches and pipeline are each layout's) and ``ranks_per_node``."""
+    optimizer, memory weight; microbatches and pipeline are each layout's), ``ranks_per_node`` and, under sdp, the
+    elements below which a parameter stays whole (``sdp_threshold``, SMP's ``sdp_param_persistence_threshold``)."""
 
     options: PartitionOptions
     ranks_per_node: int
+    sdp_threshold: int = PERSISTENCE_THRESHOLD
 
     @property
     def rates(self) -> DeviceRates:
@@ -107,16 +115,26 @@ class Bound:
 
 class _Sums(NamedTuple):
     """Per microbatch on tp rank 0: op seconds, forward seconds, the largest op (and with its recompute), and bytes
-    of parameter state (all of it; its optimizer and gradient parts) and activations."""
+    of parameter state (by kind, :func:`partitioner.precision.param_memory_parts`) and activations."""
 
     seconds: float
     forward_s: float
     op_s: float
     op_recompute_s: float
-    state: float
-    optimizer: float
-    gradients: float
+    parts: dict[str, float]
     activations: float
+
+
+def _shares(layout: Layout) -> dict[str, int]:
+    """By kind of parameter state, what divides it on a rank at best: ZeRO-1 the optimizer state by dp; sdp every
+    kind by its degree, but the gradients, whole during the step unless there is one microbatch (all parameters
+    sharded: the least memory sdp can give)."""
+    if layout.zero1:
+        return {"optimizer": layout.dp}
+    if layout.sdp == 1:
+        return {}
+    return {kind: layout.sdp for kind in ("weights", "optimizer", "master")
+            + (("gradients",) if layout.microbatches == 1 else ())}
 
 
 def global_rank(layout: Layout, pipe_rank: int, replica: int, tp_rank: int = 0) -> int:
@@ -137,7 +155,7 @@ class LayoutScorer:
         self.rates = pricing.rates
         self.inter = dataclasses.replace(self.rates, link_bytes_per_s=self.rates.inter_node_bytes_per_s,
                                          link_latency_s=self.rates.inter_node_latency_s)
-        self._plans: dict[tuple[int, int, int, int, str], PartitionPlan] = {}
+        self._plans: dict[tuple[int, int, int, int, str, bool], PartitionPlan] = {}
         self.budget = pricing.options.budget(self.rates)
         self._totals: dict[tuple[int, int], _Sums] = {}
         self._chains: dict[tuple, float] = {}
@@ -157,15 +175,13 @@ class LayoutScorer:
             o = self.pricing.options
             parts = {kind: float(v.sum()) for kind, v in param_memory_parts(g, o.dtype, o.optimizer).items()}
             self._totals[key] = _Sums(float(c.total_s.sum()), float(c.forward_s.sum()), float(c.total_s.max(initial=0)),
-                                      float((c.total_s + c.forward_s).max(initial=0)), sum(parts.values()),
-                                      parts["optimizer"], parts["gradients"],
+                                      float((c.total_s + c.forward_s).max(initial=0)), parts,
                                       float(activation_bytes(g, o.dtype).sum()))
         return self._totals[key]
 
     def bound(self, layout: Layout) -> Bound:
         """Lower bounds on the step and the largest device's memory, and the estimate to order by (module
         docstring); nothing is partitioned or simulated."""
-        _check_priced(layout)
         t = self._sums(layout.tp, layout.microbatch_size)
         ckpt = layout.checkpointing == "full"
         work = t.seconds + t.forward_s if ckpt else t.seconds
@@ -173,11 +189,14 @@ class LayoutScorer:
         busy = m * max(work / pp, t.op_recompute_s if ckpt else t.op_s)
         # Some rank holds at least the mean of the gradients, and reduces them at best over the intra-node link.
         local = any(_replicas_share_node(pp, layout.tp, layout.dp, layout.placement, self.pricing.ranks_per_node))
-        reduce = all_reduce_s(t.gradients / pp, layout.dp, self.rates if local else self.inter)
+        reduce = all_reduce_s(t.parts["gradients"] / pp, layout.dp, self.rates if local else self.inter)
+        if layout.sdp > 1:  # a reduce-scatter over the sharding group moves no less than an all-gather of the same
+            reduce = min(all_gather_s(t.parts["gradients"] / pp, layout.sdp, link) for link in (self.rates, self.inter))
         fill = {"1f1b": pp - 1.0, "gpipe": pp - 1.0, "interleaved-virtual": (pp - 1.0) / v,
                 "zero-bubble": (pp - 1.0) / 3}[layout.schedule]
         rank_s = v * self._chain(layout)
-        state = t.state - (t.optimizer * (1 - 1 / layout.dp) if layout.zero1 else 0.0)
+        shares = _shares(layout)
+        state = sum(x / shares.get(kind, 1) for kind, x in t.parts.items())
         # Every stage holds a microbatch's activations at once (checkpointed: while it recomputes), GPipe's all m.
         held = t.activations / v if ckpt else (m if layout.schedule == "gpipe" else 1) * t.activations
         return Bound(step_s=max(busy, reduce), estimate_s=max(busy, (m + fill) * max(rank_s, work / pp)) + reduce,
@@ -189,14 +208,14 @@ class LayoutScorer:
         m; a checkpointed stage one, recomputing); infinity when no such cut fits (cached)."""
         ckpt, m, k = layout.checkpointing == "full", layout.microbatches, layout.stages
         flight = [1] * k if ckpt else [m] * k if layout.schedule == "gpipe" else [min(m, k - s) for s in range(k)]
-        share = layout.dp if layout.zero1 else 1
-        key = (layout.tp, layout.microbatch_size, k, ckpt, tuple(flight), share)
+        shares = _shares(layout)
+        key = (layout.tp, layout.microbatch_size, k, ckpt, tuple(flight), tuple(sorted(shares.items())))
         if key not in self._chains:
             c, g = self.costs.costs(layout.tp, layout.microbatch_size), self.costs.graph(layout.tp,
                                                                                         layout.microbatch_size)
             o = self.pricing.options
             parts = param_memory_parts(g, o.dtype, o.optimizer)
-            state = sum(v for kind, v in parts.items() if kind != "optimizer") + parts["optimizer"] / share
+            state = np.sum([v / shares.get(kind, 1) for kind, v in parts.items()], axis=0)
             self._chains[key] = chain_bottleneck(c.total_s + c.forward_s if ckpt else c.total_s, k,
                                                  fixed=g.by_first_user(state), acts=activation_bytes(g, o.dtype),
                                                  in_flight=flight, budget=self.budget)
@@ -208,18 +227,18 @@ class LayoutScorer:
         """The layout's stages: :func:`partitioner.partition` of tp rank 0's graph at the microbatch size into pp x v
         stages with the pricing's options, this layout's microbatches and pipeline (cached). When no plan fits the
         partitioner's memory budget, the plan for no budget (checkpointing or ZeRO-1 may still make it fit: the
-        score says)."""
+        score says); under sdp, as ``smp simulate --sdp``, the plan for no budget (the sharded ranks are held to it)."""
         pipeline = partition_pipeline(layout.schedule)
-        key = (layout.tp, layout.microbatch_size, layout.stages, layout.microbatches, pipeline)
+        key = (layout.tp, layout.microbatch_size, layout.stages, layout.microbatches, pipeline, layout.sdp > 1)
         if key not in self._plans:
             graph = self.costs.graph(layout.tp, layout.microbatch_size)
             costs = self.costs.costs(layout.tp, layout.microbatch_size)
             opts = PartitionOptions.of(self.pricing.options, microbatches=layout.microbatches, pipeline=pipeline)
+            free = PartitionOptions.of(opts, device_memory=UNLIMITED)
             try:
-                self._plans[key] = partition(graph, layout.stages, opts, costs=costs)
+                self._plans[key] = partition(graph, layout.stages, free if layout.sdp > 1 else opts, costs=costs)
             except MemoryBudgetError:
-                self._plans[key] = partition(graph, layout.stages, PartitionOptions.of(opts, device_memory=UNLIMITED),
-                                             costs=costs)
+                self._plans[key] = partition(graph, layout.stages, free, costs=costs)
         return self._plans[key]
 
     def stage_comm(self, layout: Layout,
@@ -244,7 +263,6 @@ class LayoutScorer:
 
     def score(self, layout: Layout) -> Score:
         """The layout's :class:`partitioner.layout.Score` (see the module docstring)."""
-        _check_priced(layout)
         plan, o = self.plan(layout), self.pricing.options
         graph, costs = self.costs.graph(layout.tp, layout.microbatch_size), self.costs.costs(layout.tp,
                                                                                             layout.microbatch_size)
@@ -254,9 +272,11 @@ class LayoutScorer:
         bwd = np.array([s.backward_s for s in plan.stages]) + (fwd if ckpt else 0.0)
         tp_f, tp_b = (np.bincount(stage, weights=x, minlength=k) if x is not None else np.zeros(k)
                       for x in (costs.tp_forward_s, costs.tp_backward_s))
+        # sdp: each stage's all-gathers, in its forward and (as long) its backward, every microbatch
+        gather = np.array([r.gather_forward_s for r in self.sharded(layout, plan)]) if layout.sdp > 1 else 0.0
         crossing = stage_crossings(graph, stage, k, o.dtype)
         deps = sorted(crossing)
-        sim = self._sim(layout, fwd, bwd, self.stage_comm(layout, crossing), deps)
+        sim = self._sim(layout, fwd + gather, bwd + gather, self.stage_comm(layout, crossing), deps)
         quiet = self._sim(layout, np.maximum(fwd - tp_f, 0.0), np.maximum(bwd - tp_b - (tp_f if ckpt else 0.0), 0.0),
                           {}, deps)  # the same step with free communication
         memory = stage_memory(plan, graph, sim.peak_in_flight)
@@ -264,6 +284,10 @@ class LayoutScorer:
         held = [self._rank_memory(layout, [memory[s] for s in mine], [plan.stages[s].bytes_in for s in mine])
                 for mine in ranks]
         reduce = [self._reduce_s(layout, r, [memory[s] for s in mine]) for r, mine in enumerate(ranks)]
+        if layout.sdp > 1:  # the sharded ranks' state, and their reduce-scatter and all-reduce instead
+            sharded = self.sharded(layout, plan, sim.peak_in_flight)
+            held = [(r.peak_bytes - r.activation_bytes, acts) for r, (_, acts) in zip(sharded, held)]
+            reduce = [r.end_of_step_s for r in sharded]
         step = max(end + ar for end, ar in zip(sim.rank_end_s, reduce))
         worst = max(range(pp), key=lambda r: sum(held[r]))
         tp_step = m * max(sum(tp_f[s] + tp_b[s] + (tp_f[s] if ckpt else 0.0) for s in mine) for mine in ranks)
@@ -277,6 +301,20 @@ class LayoutScorer:
                      memory_bytes=int(round(sum(held[worst]))), budget_bytes=self.budget, bubble=sim.bubble,
                      exposed_comm_s=max(0.0, step - quiet.step_s), tp_comm_s=float(tp_step),
                      parameter_bytes=int(round(held[worst][0])), activation_bytes=int(round(held[worst][1])))
+
+    def sharded(self, layout: Layout, plan: PartitionPlan,
+                in_flight: Sequence[int] | None = None) -> list[ShardedRank]:
+        """The layout's sharded data parallelism (:func:`partitioner.sharded_dp.sharded_dp`)
+        on ``plan``: per stage, or with ``in_flight`` (the schedule's peak per stage) per pipeline rank. The sharding
+        group, sdp replicas, and all dp replicas run on the intra-node link when they share a node (replicas are
+        pp x tp ranks apart under "DPT", tp under "PDT"), else on the inter-node one."""
+        apart = layout.tp * (layout.pp if layout.placement == "DPT" else 1)
+        link, replica_link = (self.rates if n * apart <= self.pricing.ranks_per_node else self.inter
+                              for n in (layout.sdp, layout.dp))
+        return sharded_dp(plan, self.costs.graph(layout.tp, layout.microbatch_size), layout.sdp, replicas=layout.dp,
+                          threshold=self.pricing.sdp_threshold, link=link, replica_link=replica_link,
+                          stage_rank=None if in_flight is None else [s % layout.pp for s in range(layout.stages)],
+                          in_flight=in_flight)
 
     def _sim(self, layout: Layout, fwd: Any, bwd: Any, comm: dict[tuple[int, int], float],
              deps: list[tuple[int, int]]) -> SimOutcome:
@@ -354,9 +392,3 @@ def _replicas_share_node(pp: int, tp: int, dp: int, placement: str, ranks_per_no
     probe = Layout(pp=pp, tp=tp, dp=dp, microbatch_size=1, microbatches=pp, placement=placement)
     return tuple(global_rank(probe, r, 0) // ranks_per_node == global_rank(probe, r, dp - 1) // ranks_per_node
                  for r in range(pp))
-
-
-def _check_priced(layout: Layout) -> None:
-    if layout.sdp > 1:
-        raise ValueError(f"{layout.describe()}: sharded data parallelism (sdp={layout.sdp}) is not priced yet; "
-                         "use sdp=1")

@@ -4,7 +4,8 @@ The space (:class:`SearchSpace`, enumerated by :func:`candidates`): pp x tp x dp
 node (and the model's attention heads), dp dividing the global batch; for each, every microbatch size dividing a
 replica's batch (the microbatch count follows), every schedule (interleaved with v virtual stages only where the
 microbatches fill rounds of pp), activation checkpointing, ZeRO-1 and the placement of the axes where they make a
-difference (ZeRO-1 and placement need dp > 1), and sdp (held at 1 until it is priced).
+difference (ZeRO-1 and placement need dp > 1), and the sharded data-parallel degree sdp (every divisor of dp; above 1
+only without ZeRO-1, which it subsumes).
 
 :func:`search` is a branch and bound over that list, as Alpa (Zheng et al. OSDI'22) and Aceso (Liu et al.
 EuroSys'24) prune theirs: a layout whose lower bound on the largest device's memory exceeds the budget is dropped
@@ -13,10 +14,11 @@ their optimistic estimate, a layout whose lower bound on the step is no better t
 skipped, and the walk stops once the estimate itself reaches the K-th best (``exhaustive=True`` walks on: the
 bounds alone are then exact, so the result is the K best of the whole space). Only layouts that fit are returned.
 When none fits, :class:`NoLayoutFitsError` says what would: more devices, checkpointing, ZeRO-1, sharded data
-parallelism, a smaller batch.
+parallelism (the least degree with which the closest layout fits, priced), a smaller batch.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -48,8 +50,8 @@ def tp_choices(devices: int, ranks_per_node: int, heads: Iterable[int] = ()) -> 
 @dataclass(frozen=True)
 class SearchSpace:
     """What to search: ``devices`` and the ``global_batch`` (samples per step), with ``ranks_per_node``. Each tuple
-    lists the values to try; ``tp``, ``pp``, ``dp`` and ``microbatch_size`` None: every value that divides
-    (:func:`candidates`). ``max_stages``: the most stages the model can be cut into (its ops)."""
+    lists the values to try; ``tp``, ``pp``, ``dp``, ``microbatch_size`` and ``sdp`` None: every value that divides
+    (:func:`candidates`; sdp divides dp). ``max_stages``: the most stages the model can be cut into (its ops)."""
 
     devices: int
     global_batch: int
@@ -63,7 +65,7 @@ class SearchSpace:
     checkpointing: tuple[str, ...] = CHECKPOINTING
     zero1: tuple[bool, ...] = (False, True)
     placements: tuple[str, ...] = PLACEMENTS
-    sdp: tuple[int, ...] = (1,)
+    sdp: tuple[int, ...] | None = None
     max_stages: int | None = None
 
     def __post_init__(self) -> None:
@@ -109,7 +111,7 @@ def _variants(space: SearchSpace, pp: int, tp: int, dp: int, size: int, m: int, 
             for ckpt in space.checkpointing:
                 for zero1 in (space.zero1 if dp > 1 else (False,)):
                     for placement in placements:
-                        for sdp in (s for s in space.sdp if dp % s == 0 and not (zero1 and s > 1)):
+                        for sdp in (s for s in divisors(dp) if _allowed(space.sdp, s) and not (zero1 and s > 1)):
                             yield Layout(pp=pp, tp=tp, dp=dp, microbatch_size=size, microbatches=m, schedule=schedule,
                                          virtual_stages=v, checkpointing=ckpt, zero1=zero1, placement=placement,
                                          sdp=sdp)
@@ -149,10 +151,10 @@ def search(layouts: Iterable[Layout], scorer: LayoutScorer, top: int = 5, *, exh
     result = SearchResult()
     queue = []
     least: tuple[float, Layout] | None = None  # the lowest memory bound of any layout: what no layout beats
-    tried: set[object] = set()  # checkpointing and ZeRO-1 settings the space has
+    tried: set[object] = set()  # checkpointing, ZeRO-1 and sdp settings the space has
     for lay in layouts:
         result.enumerated += 1
-        tried.update((lay.checkpointing, lay.zero1))
+        tried.update((lay.checkpointing, lay.zero1, ("sdp", lay.sdp)))
         b = scorer.bound(lay)
         if least is None or b.memory_bytes < least[0]:
             least = (b.memory_bytes, lay)
@@ -180,14 +182,14 @@ def search(layouts: Iterable[Layout], scorer: LayoutScorer, top: int = 5, *, exh
         best = sorted([*best, Proposal(lay, score)], key=_key)[:top]
     result.proposals, result.partitions = best, scorer.partitions
     if not best:
-        raise NoLayoutFitsError(_no_fit(budget, least, closest, tried))
+        raise NoLayoutFitsError(_no_fit(budget, least, closest, tried, scorer))
     return result
 
 
 def _no_fit(budget: float | None, least: tuple[float, Layout] | None, closest: Proposal | None,
-            tried: set[object]) -> str:
+            tried: set[object], scorer: LayoutScorer) -> str:
     """What to say when nothing fits: the closest layout, its memory by kind, and what would fit (what the space
-    did not try among them)."""
+    did not try among them; sharded data parallelism only with a degree that makes the closest layout fit)."""
     if least is None:
         return ("no layout to search: no grid pp x tp x dp of these devices divides the global batch and the model; "
                 "change --devices, --global-batch or the fixed degrees")
@@ -208,10 +210,25 @@ def _no_fit(budget: float | None, least: tuple[float, Layout] | None, closest: P
         ideas.append("activation checkpointing")
     if True not in tried:
         ideas.append("ZeRO-1 (the optimizer state sharded over the dp replicas)")
-    ideas.append("sharded data parallelism (sharded_data_parallel_degree; not priced by the planner yet)")
+    sdp = _sdp_that_fits(lay, tried, scorer)
+    if sdp is not None:
+        ideas.append(f"sharded data parallelism of degree {sdp.layout.sdp} (sharded_data_parallel_degree: "
+                     f"{sdp.layout.describe()} needs {_size(sdp.score.memory_bytes)})")
     ideas.append("a smaller global batch or microbatch" + (" (activations are most of it)" if acts else ""))
     ideas.append("a cheaper optimizer (sgd) or a device with more memory")
     return f"no layout fits {cap} per device: {need}. What would fit: " + "; ".join(ideas)
+
+
+def _sdp_that_fits(lay: Layout, tried: set[object], scorer: LayoutScorer) -> Proposal | None:
+    """``lay`` with the least sharded data-parallel degree the space did not try that makes it fit, priced; None
+    when none does."""
+    for d in divisors(lay.dp)[1:]:
+        if ("sdp", d) not in tried:
+            sharded = dataclasses.replace(lay, sdp=d, zero1=False)
+            score = scorer.score(sharded)
+            if score.fits:
+                return Proposal(sharded, score)
+    return None
 
 
 def _size(x: float) -> str:

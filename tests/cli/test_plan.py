@@ -50,6 +50,21 @@ def test_fixed_degrees_are_priced_as_smp_simulate_prices_them(tmp_path: Path) ->
     assert row["step_s"] == json.loads(sim.read_text())["predicted_step_s"]
 
 
+def test_a_fixed_sdp_is_priced_as_smp_simulate_sdp_and_written_to_the_config(tmp_path: Path) -> None:
+    plan, sim, cfg = tmp_path / "plan.json", tmp_path / "sim.json", tmp_path / "smp.json"
+    assert main(["plan", "zoo:gpt2", "--devices", "4", "--global-batch", "32", "--tp", "1", "--pp", "2", "--dp", "2",
+                 "--sdp", "2", "--microbatch-size", "4", "--schedules", "1f1b", "--checkpointing", "none", *H100,
+                 "--json", str(plan), "--config", str(cfg), "-q"]) == 0
+    assert main(["simulate", "zoo:gpt2", "-p", "2", "-m", "4", "--sdp", "2", *H100, "--schedules", "1f1b",
+                 "--json", str(sim), "-q"]) == 0
+    (row,) = json.loads(plan.read_text())["layouts"]
+    assert (row["pp"], row["dp"], row["sdp"], row["microbatches"]) == (2, 2, 2, 4)
+    assert row["step_s"] == json.loads(sim.read_text())["predicted_step_s"]
+    written = json.loads(cfg.read_text())
+    assert written["sharded_data_parallel_degree"] == 2 and written["ddp"] is True
+    assert "shard_optimizer_state" not in written
+
+
 def test_the_options_narrow_the_search(tmp_path: Path) -> None:
     out = tmp_path / "plan.json"
     assert main(["plan", "zoo:gpt2", "--devices", "16", "--global-batch", "32", *H100, "--ranks-per-node", "4",
@@ -78,6 +93,8 @@ def test_nothing_fits_says_what_would(capsys) -> None:
     (["--tp", "2", "--pp", "2", "--dp", "4"], "--tp 2 x --pp 2 x --dp 4 = 16 does not make --devices 4"),
     (["--schedules", "1f1b,pipedream"], "--schedules '1f1b,pipedream': choose from"),
     (["--checkpointing", "selective"], "--checkpointing 'selective': choose from none, full"),
+    (["--sdp", "2", "--zero1", "on"], "--sdp 2 with --zero1 on"),
+    (["--sdp", "2", "--dp", "1"], "--sdp 2 does not divide --dp 1"),
     (["--config", "c.yaml"], "the file name must end in .json"),
 ])
 def test_a_bad_request_says_what_is_wrong(argv: list[str], message: str, capsys) -> None:

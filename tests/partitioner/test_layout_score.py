@@ -102,9 +102,24 @@ def test_placement_orders_the_axes_with_tp_fastest() -> None:
     assert global_rank(cluster, 1, 0, tp_rank=1) == 3
 
 
-def test_sharded_data_parallelism_is_not_priced_yet(costs) -> None:
-    with pytest.raises(ValueError, match="sdp=2.*not priced yet"):
-        scorer(costs).score(lay(dp=2, sdp=2))
+def test_sharded_data_parallelism_is_priced_as_smp_simulate_sdp_prices_it(costs) -> None:
+    from smp.cli.options import Options
+    from smp.cli.pricing import pipeline_costs, sim_row
+    from smp.cli.sharded_dp import group_link
+
+    opts = Options(2, microbatches=4, device="h100-80gb", dtype="bf16", sdp=2)
+    rates = OPTIONS.resolve_rates()
+    inter = (rates.inter_node_bytes_per_s, rates.inter_node_latency_s)
+    for rpn in (8, 2):  # the sharding group on one node, then across two
+        link = group_link(rates.to_dict(), 2, 2, rpn, inter)
+        row = sim_row("1f1b", pipeline_costs(costs.graph(1, 2), opts, 2, sdp_link=link), 4, 2, rpn, inter)
+        assert scorer(costs, ranks_per_node=rpn).score(lay(dp=2, sdp=2)).step_s == row["predicted_step_s"]
+    s = LayoutScorer(costs, Pricing(OPTIONS, 8, sdp_threshold=1000), pipeline_simulator)  # shard gpt2's layers
+    plain, sharded = s.score(lay(dp=4)), s.score(lay(dp=4, sdp=4))
+    assert sharded.parameter_bytes < plain.parameter_bytes and sharded.step_s > plain.pipeline_s
+    bound = s.bound(lay(dp=4, sdp=4))
+    assert bound.memory_bytes <= sharded.memory_bytes and bound.step_s <= sharded.step_s
+    assert bound.memory_bytes < s.bound(lay(dp=4)).memory_bytes  # the bound counts the state / sdp
 
 
 def test_the_estimate_cuts_the_ops_into_the_fastest_contiguous_stages_that_fit() -> None:

@@ -2,6 +2,8 @@
 scorer), never a layout over the memory budget, and says what would fit when nothing does."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from partitioner.layout import SCHEDULES
@@ -76,13 +78,29 @@ def test_when_nothing_fits_it_says_what_would(costs) -> None:
         search(candidates(space, costs.tp_degrees), scorer(costs, device_memory="1MiB"), top=1)
     text = str(err.value)
     assert text.startswith("no layout fits 1.0 MiB per device: every layout needs at least ")
-    for needle in ("more devices (about", "activation checkpointing", "ZeRO-1", "sharded data parallelism",
-                   "a smaller global batch"):
+    for needle in ("more devices (about", "activation checkpointing", "ZeRO-1", "a smaller global batch"):
         assert needle in text, needle
+    assert "sharded data parallelism" not in text  # every degree was tried: none fits
     # Just over the least memory bound: that layout is priced (no stage split is that even), and named.
     least = min(scorer(costs).bound(lay).memory_bytes for lay in candidates(space, costs.tp_degrees))
     with pytest.raises(NoLayoutFitsError, match=r"the closest, .*, needs .* \(parameter state .*, activations"):
         search(candidates(space, costs.tp_degrees), scorer(costs, device_memory=int(least) + 1), top=1)
+
+
+def test_sharded_data_parallelism_is_searched_and_named_when_it_would_fit(costs) -> None:
+    # A threshold small enough that sdp shards gpt2's layers, and a budget only sdp 4 fits.
+    pricing = Pricing(OPTIONS, SPACE.ranks_per_node, sdp_threshold=1000)
+    space = SearchSpace(devices=4, global_batch=8, ranks_per_node=2, tp=(1,), dp=(4,), microbatch_size=(2,),
+                        schedules=("1f1b",), checkpointing=("none",), zero1=(False,), max_stages=100)
+    assert [lay.sdp for lay in candidates(space, [1])] == [1, 2, 4]
+    fits = LayoutScorer(costs, pricing, pipeline_simulator).score(next(lay for lay in candidates(space, [1])
+                                                                        if lay.sdp == 4)).memory_bytes
+    tight = LayoutScorer(costs, Pricing(PartitionOptions.of(OPTIONS, device_memory=fits), 2, sdp_threshold=1000),
+                         pipeline_simulator)
+    found = search(candidates(space, [1]), tight, top=3)
+    assert [p.layout.sdp for p in found.proposals] == [4]
+    with pytest.raises(NoLayoutFitsError, match=r"sharded data parallelism of degree 4 \(sharded_data_parallel_degree"):
+        search(candidates(dataclasses.replace(space, sdp=(1,)), [1]), tight, top=1)
 
 
 def test_a_bad_request_is_refused(costs) -> None:

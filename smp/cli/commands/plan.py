@@ -1,17 +1,20 @@
 """``smp plan``: choose the whole layout of a training job on N devices, and write the smp config that runs it.
 
 The search is :mod:`partitioner.layout_search` over the layouts :func:`partitioner.layout_search.candidates` lists
-(pp x tp x dp = N, microbatching, schedule, activation checkpointing, ZeRO-1, placement), each priced by
+(pp x tp x dp = N, microbatching, schedule, activation checkpointing, ZeRO-1, placement, sharded data parallelism
+over a divisor of dp), each priced by
 :mod:`partitioner.layout_score` with this command's pipeline simulator (:func:`pipeline_simulator`: the schedules
 and the simulation ``smp simulate`` runs), on tp rank 0's graph at each microbatch size
 (:mod:`partitioner.layout_costs`: two traces on meta, whatever the number of sizes). Fixed degrees (``--tp``,
-``--pp``, ``--dp``, ``--microbatch-size``) narrow the search; with all of them, one schedule and no checkpointing,
-the layout is priced exactly as ``smp simulate`` prices it (and, on one node, ``smp inspect``).
+``--pp``, ``--dp``, ``--sdp``, ``--microbatch-size``) narrow the search; with all of them, one schedule and no
+checkpointing, the layout is priced exactly as ``smp simulate`` prices it (with ``--sdp``, as ``smp simulate --sdp``
+with dp = sdp; on one node, as ``smp inspect``).
 
 By default only what ``smp.init`` runs from a config is proposed: the 1F1B and GPipe pipelines (``--schedules`` adds
 interleaved virtual stages and zero bubble, which the pipeline runtime has and the smp config cannot select yet),
 with or without activation checkpointing (which the script turns on with ``smp.set_activation_checkpointing``) and
-ZeRO-1 (``shard_optimizer_state``). ``--config`` writes the best layout as an smp config (:func:`smp_config`).
+ZeRO-1 (``shard_optimizer_state``) or sharded data parallelism (``sharded_data_parallel_degree``). ``--config``
+writes the best layout as an smp config (:func:`smp_config`).
 """
 from __future__ import annotations
 
@@ -61,6 +64,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tp", type=positive_int, help="fix the tensor-parallel degree")
     p.add_argument("--pp", type=positive_int, help="fix the pipeline-parallel degree")
     p.add_argument("--dp", type=positive_int, help="fix the (reduced) data-parallel degree, SMP's rdp")
+    p.add_argument("--sdp", type=positive_int,
+                   help="fix the sharded data-parallel degree (a divisor of dp; 1: no sharding; default: try every "
+                        "divisor)")
     p.add_argument("--microbatch-size", type=positive_int, help="fix the samples per microbatch")
     p.add_argument("--schedules", default="1f1b,gpipe",
                    help="schedules to consider, comma-separated: 1f1b, gpipe, interleaved-virtual, zero-bubble "
@@ -98,16 +104,17 @@ def pipeline_simulator(schedule: str, ranks: int, microbatches: int, virtual_sta
 
 def smp_config(layout: Any, dtype: str) -> dict[str, Any]:
     """The smp config (:mod:`smp.runtime.config` keys only) that runs ``layout`` trained in ``dtype``."""
-    if layout.schedule not in CONFIG_SCHEDULES or layout.sdp > 1:
-        raise CLIError(f"{layout.describe()}: the smp config cannot select this yet (it runs "
-                       f"{', '.join(CONFIG_SCHEDULES)} without sharded data parallelism in the planner); plan with "
-                       "--schedules 1f1b,gpipe to write a config")
+    if layout.schedule not in CONFIG_SCHEDULES:
+        raise CLIError(f"{layout.describe()}: the smp config cannot select this schedule yet (it runs "
+                       f"{', '.join(CONFIG_SCHEDULES)}); plan with --schedules 1f1b,gpipe to write a config")
     cfg: dict[str, Any] = {"pipeline_parallel_degree": layout.pp, "microbatches": layout.microbatches,
                            "pipeline": CONFIG_SCHEDULES[layout.schedule], "tensor_parallel_degree": layout.tp,
                            "ddp": layout.tp * layout.dp > 1,
                            "placement_strategy": _PLACEMENT_NAMES.get(layout.placement, layout.placement)}
     if layout.zero1:
         cfg["shard_optimizer_state"] = True
+    if layout.sdp > 1:
+        cfg["sharded_data_parallel_degree"] = layout.sdp
     if layout.tp > 1 and layout.replica_batch % layout.tp:
         cfg["prescaled_batch"] = True  # the tp group reads one batch: it does not split into tp equal parts
     if dtype in ("bf16", "fp16"):
@@ -139,14 +146,20 @@ def _space(ns: argparse.Namespace, rpn: int) -> Any:
     if ns.tp is not None and rpn % ns.tp:
         raise CLIError(f"--tp {ns.tp} does not divide --ranks-per-node {rpn}: a tensor-parallel group shares one "
                        "node's links; choose a degree that divides the ranks of a node")
+    if ns.sdp is not None and ns.sdp > 1 and ns.zero1 == "on":
+        raise CLIError(f"--sdp {ns.sdp} with --zero1 on: sharded data parallelism shards the optimizer state already; "
+                       "drop one of them")
+    if ns.sdp is not None and ns.dp is not None and ns.dp % ns.sdp:
+        raise CLIError(f"--sdp {ns.sdp} does not divide --dp {ns.dp}: the parameters are sharded over that many of "
+                       "the dp replicas; choose a divisor of --dp")
     fixed = [(f, v) for f, v in (("--tp", ns.tp), ("--pp", ns.pp), ("--dp", ns.dp)) if v is not None]
     product = math.prod(v for _, v in fixed)
     if ns.devices % product or (len(fixed) == 3 and product != ns.devices):
         raise CLIError(f"{' x '.join(f'{f} {v}' for f, v in fixed)} = {product} does not make --devices "
                        f"{ns.devices}: pp x tp x dp must equal the devices")
     return SearchSpace(devices=ns.devices, global_batch=ns.global_batch, ranks_per_node=rpn, tp=_fixed(ns.tp),
-                       pp=_fixed(ns.pp), dp=_fixed(ns.dp), microbatch_size=_fixed(ns.microbatch_size),
-                       schedules=schedules,
+                       pp=_fixed(ns.pp), dp=_fixed(ns.dp), sdp=_fixed(ns.sdp),
+                       microbatch_size=_fixed(ns.microbatch_size), schedules=schedules,
                        virtual_stages=(ns.virtual_stages,),
                        checkpointing=_names(ns.checkpointing, CHECKPOINTING, "--checkpointing"),
                        zero1={"auto": (False, True), "on": (True,), "off": (False,)}[ns.zero1],
@@ -210,7 +223,7 @@ def run(ns: argparse.Namespace) -> int:
 
 
 def _config_or_none(layout: Any, dtype: str) -> dict[str, Any] | None:
-    return smp_config(layout, dtype) if layout.schedule in CONFIG_SCHEDULES and layout.sdp == 1 else None
+    return smp_config(layout, dtype) if layout.schedule in CONFIG_SCHEDULES else None
 
 
 def _write_config(path: str, layout: Any, dtype: str, progress: Any) -> None:
@@ -258,19 +271,21 @@ def _print(ns: argparse.Namespace, spec: str, costs: Any, scorer: Any, result: A
         lay, s = p.layout, p.score
         sched = f"{lay.schedule} v={lay.virtual_stages}" if lay.virtual_stages > 1 else lay.schedule
         share = f" ({100 * s.memory_bytes / budget_:.0f}%)" if budget_ else ""
-        rows.append([str(i), str(lay.pp), str(lay.tp), str(lay.dp), f"{lay.microbatches} x {lay.microbatch_size}",
-                     sched, lay.checkpointing, "yes" if lay.zero1 else "no", lay.placement,
+        rows.append([str(i), str(lay.pp), str(lay.tp), str(lay.dp), str(lay.sdp),
+                     f"{lay.microbatches} x {lay.microbatch_size}", sched, lay.checkpointing,
+                     "yes" if lay.zero1 else "no", lay.placement,
                      format_seconds(s.step_s), f"{s.samples_per_s:,.1f}",
                      "-" if s.tokens_per_s is None else f"{s.tokens_per_s:,.0f}",
                      f"{s.flops_per_s_per_device / 1e12:,.2f}", _percent(s.mfu),
                      format_bytes(s.memory_bytes) + share, f"{100 * s.bubble:.1f}%", format_seconds(s.exposed_comm_s)])
-    print("\n".join(table(["#", "pp", "tp", "dp", "m x mb", "schedule", "ckpt", "zero1", "place", "step",
+    print("\n".join(table(["#", "pp", "tp", "dp", "sdp", "m x mb", "schedule", "ckpt", "zero1", "place", "step",
                            "samples/s", "tokens/s", "TFLOP/s/dev", "MFU", "memory/device", "bubble", "exposed comm"],
-                          rows, left=(5, 6, 7, 8))))
+                          rows, left=(6, 7, 8, 9))))
     best = result.proposals[0]
     cfg = _config_or_none(best.layout, ns.dtype)
+    reduction = "reduce-scatter and all-reduce" if best.layout.sdp > 1 else "all-reduce"
     print(f"best: {best.layout.describe()}; step {format_seconds(best.score.step_s)} = pipeline "
-          f"{format_seconds(best.score.pipeline_s)} + gradient all-reduce {format_seconds(best.score.dp_comm_s)}; "
+          f"{format_seconds(best.score.pipeline_s)} + gradient {reduction} {format_seconds(best.score.dp_comm_s)}; "
           f"tp collectives {format_seconds(best.score.tp_comm_s)} per step")
     if cfg is not None:
         print(f"smp config: {json.dumps(cfg)}")
