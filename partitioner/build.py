@@ -76,8 +76,8 @@ def build_graph(gm: torch.fx.GraphModule, in_spec: pytree.TreeSpec, out_spec: py
     param_names = list(dict.fromkeys(alias.values()))
     key = {name: i for i, name in enumerate(param_names)}
     attr_param = {path: key[canonical] for path, canonical in alias.items()}
-    tensors = {name: gm.get_parameter(name) if name in dict(gm.named_parameters(remove_duplicate=False))
-               else gm.get_buffer(name) for name in param_names}
+    named_params = dict(gm.named_parameters(remove_duplicate=False))  # once: per name it was quadratic in a 70B model
+    tensors = {name: named_params[name] if name in named_params else gm.get_buffer(name) for name in param_names}
     param_bytes = [tensor_bytes(t) for t in tensors.values()]
     param_float = [float_bytes(t) for t in tensors.values()]
     trainable = [isinstance(t, torch.nn.Parameter) and t.requires_grad for t in tensors.values()]
