@@ -2,8 +2,23 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
-__all__ = ["load_average", "pin"]
+__all__ = ["load_average", "pin", "llama_on_meta"]
+
+
+def llama_on_meta(dims: tuple[int, int, int, int, int, int], seq: int) -> tuple[Any, tuple]:
+    """A Llama-shaped causal LM on the meta device (no weights) and one sequence of ``seq`` token ids; ``dims``:
+    (layers, hidden, intermediate, attention heads, key/value heads, vocabulary)."""
+    import torch
+    import transformers
+
+    layers, hidden, inter, heads, kv, vocab = dims
+    cfg = transformers.LlamaConfig(num_hidden_layers=layers, hidden_size=hidden, intermediate_size=inter,
+                                   num_attention_heads=heads, num_key_value_heads=kv, vocab_size=vocab,
+                                   max_position_embeddings=seq, use_cache=False)
+    with torch.device("meta"):
+        return transformers.LlamaForCausalLM(cfg), (torch.zeros(1, seq, dtype=torch.long),)
 
 
 def pin(rank: int, cfg: dict) -> None:

@@ -47,7 +47,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import partitioner  # noqa: E402
-from benchmarks.common import load_average  # noqa: E402
+from benchmarks.common import llama_on_meta, load_average  # noqa: E402
 from partitioner.baselines import BASELINES, all_baselines  # noqa: E402
 from partitioner.dp import dp_partition  # noqa: E402
 from partitioner.objective import Problem, dominates, evaluate  # noqa: E402
@@ -99,15 +99,8 @@ PLAN_TIME_GOAL_S = 30.0
 
 
 def llama_meta(shape: str, seq: int = 2048) -> tuple[torch.nn.Module, tuple]:
-    """A Llama-shaped causal LM on the meta device (no weights) and one sequence of token ids."""
-    import transformers
-
-    layers, hidden, inter, heads, kv, vocab = LLAMA_SHAPES[shape]
-    cfg = transformers.LlamaConfig(num_hidden_layers=layers, hidden_size=hidden, intermediate_size=inter,
-                                   num_attention_heads=heads, num_key_value_heads=kv, vocab_size=vocab,
-                                   max_position_embeddings=seq, use_cache=False)
-    with torch.device("meta"):
-        return transformers.LlamaForCausalLM(cfg), (torch.zeros(1, seq, dtype=torch.long),)
+    """A Llama-shaped causal LM (``shape``: a key of :data:`LLAMA_SHAPES`) on the meta device and one sequence."""
+    return llama_on_meta(LLAMA_SHAPES[shape], seq)
 
 
 def llama_rows(opts: argparse.Namespace) -> list[str]:

@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import load_average  # noqa: E402
+from benchmarks.common import llama_on_meta, load_average  # noqa: E402
 from partitioner.units import format_bytes  # noqa: E402
 
 __all__ = ["LLAMA3", "llama3", "llama3_8b", "llama3_70b", "llama3_405b", "main"]
@@ -45,14 +45,7 @@ _RUN = ("import resource, sys; from smp.cli import main; rc = main(sys.argv[1:])
 
 def llama3(shape: str, seq: int = SEQ) -> tuple[torch.nn.Module, tuple]:
     """A Llama-3-shaped causal LM (``shape``: a key of :data:`LLAMA3`) on the meta device and one sequence."""
-    import transformers
-
-    layers, hidden, inter, heads, kv, vocab = LLAMA3[shape]
-    cfg = transformers.LlamaConfig(num_hidden_layers=layers, hidden_size=hidden, intermediate_size=inter,
-                                   num_attention_heads=heads, num_key_value_heads=kv, vocab_size=vocab,
-                                   max_position_embeddings=seq, use_cache=False)
-    with torch.device("meta"):
-        return transformers.LlamaForCausalLM(cfg), (torch.zeros(1, seq, dtype=torch.long),)
+    return llama_on_meta(LLAMA3[shape], seq)
 
 
 def llama3_8b() -> tuple:
