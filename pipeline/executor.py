@@ -85,6 +85,10 @@ class Executor:
         program = self.split_model.program
         self._constants = {n: v for n, v in zip(program.input_names, program.input_meta)
                            if not isinstance(v, torch.Tensor)}
+        self._last_backward: dict[int, int] = {}  # stage -> the microbatch of its step's last backward
+        for b in self.schedule.actions[self.rank]:
+            if b.kind == "B":
+                self._last_backward[b.stage] = max(b.microbatch, self._last_backward.get(b.stage, b.microbatch))
 
     # -- tags, peers and what travels on each stage edge ----------------------------------------------------
     def _tag(self, value: str, mb: int, grad: bool) -> int:
@@ -277,8 +281,7 @@ class Executor:
         stage = self._stages[a.stage]
         k = a.microbatch
         if self.gather is not None:  # the stage's last backward of the step reduces sharded gradients as it goes
-            self.gather.final = k == max(b.microbatch for b in self.schedule.actions[self.rank]
-                                         if b.kind == "B" and b.stage == a.stage)
+            self.gather.final = k == self._last_backward[a.stage]
         split = self.schedule.split_backward
         held = self._held.get((a.stage, k)) if split else self._held.pop((a.stage, k), None)
         if held is None:

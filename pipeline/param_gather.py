@@ -91,6 +91,7 @@ class GatheredParams:
     final: bool = False  # the running backward is its stage's last of the step: reduce each gradient once complete
     _reads: dict[int, int] = field(default_factory=dict)  # id(param) -> gather nodes reading it in its stage
     _final_seen: dict[int, int] = field(default_factory=dict)  # id(param) -> its gradients in the final backward
+    _reduced: set[int] = field(default_factory=set)  # id(param) of those reduced this step already
 
     def insert(self, gm: torch.fx.GraphModule) -> int:
         """Rewrite ``gm`` so that each ``get_attr`` of a sharded parameter is followed by its ``gather`` and every
@@ -179,15 +180,17 @@ class GatheredParams:
         averaged over the mesh and left sharded as the parameter (zero for a parameter no microbatch reached),
         added to ``.grad`` as torch accumulates. Collective over the mesh: every replica calls it after its step."""
         for p in params:
-            if is_sharded(p) and p.requires_grad and id(p) not in self._final_seen:
+            if is_sharded(p) and p.requires_grad and id(p) not in self._reduced:
                 self._reduce(p)
         self._grads.clear()
         self._final_seen.clear()
+        self._reduced.clear()
 
     def _reduce(self, p: torch.Tensor) -> None:
         """``p``'s whole gradient of this step (zero if none came), averaged over the mesh into its sharded
         ``.grad``."""
         assert isinstance(p, DTensor)
+        self._reduced.add(id(p))
         held = self._grads.pop(id(p), None)
         buf = held[1] if held is not None else torch.zeros(p.shape, dtype=p.dtype, device=p.to_local().device)
         mesh = p.device_mesh

@@ -21,7 +21,6 @@ the first step steps the shards.
 """
 from __future__ import annotations
 
-import itertools
 from typing import Any, Collection
 
 import torch
@@ -36,15 +35,20 @@ __all__ = ["to_shard", "shard_own_share", "shard_parameter"]
 def to_shard(module: torch.nn.Module, local: Collection[str], shared: Collection[str], threshold: float) -> set[str]:
     """The names of the parameters this rank shards: of its ``local`` tensors, the parameters with at least
     ``threshold`` elements that no other stage reads (``shared``: the plan's shared parameters), every alias of each."""
-    aliases: dict[int, list[str]] = {}
-    for name, p in module.named_parameters(remove_duplicate=False):
-        aliases.setdefault(id(p), []).append(name)
     out: set[str] = set()
-    for names in aliases.values():
+    for names in _aliases(module).values():
         p = module.get_parameter(names[0])
         if any(n in local for n in names) and not any(n in shared for n in names) and p.numel() >= max(threshold, 1):
             out.update(names)
     return out
+
+
+def _aliases(module: torch.nn.Module) -> dict[int, list[str]]:
+    """id of each parameter of ``module`` -> every name it has (tied weights have several)."""
+    aliases: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append(name)
+    return aliases
 
 
 def shard_parameter(module: torch.nn.Module, names: list[str], mesh: Any,
@@ -74,23 +78,20 @@ def _submodule(module: torch.nn.Module, path: str) -> torch.nn.Module | None:
 
 
 def shard_own_share(module: torch.nn.Module, names: Collection[str], sharded: Collection[str], mesh: Any,
-                    device: torch.device | str, initialise: bool = True, shard_of: dict[str, int] | None = None,
+                    device: torch.device | str, initialise: bool = True, tp_ranks: dict[str, int] | None = None,
                     optimizer: torch.optim.Optimizer | None = None,
                     also: Collection[torch.nn.Module] = ()) -> dict[int, torch.nn.Parameter]:
     """Make this rank's tensors ``names`` real and shard those in ``sharded`` over ``mesh``, one owning module at a
-    time (see the module docstring; ``initialise`` and ``shard_of`` as for
+    time (see the module docstring; ``initialise`` and ``tp_ranks``, its ``shard_of``, as for
     :func:`smp.engine.materialize.materialize`), release every other tensor, and point ``optimizer``'s parameter
     groups and the modules ``also`` (:func:`shard_parameter`) at the shards. Returns id(old parameter) -> its shard."""
-    aliases: dict[int, list[str]] = {}
-    for name, t in itertools.chain(module.named_parameters(remove_duplicate=False),
-                                   module.named_buffers(remove_duplicate=False)):
-        aliases.setdefault(id(t), []).append(name)
+    aliases = _aliases(module)  # ids stay: materialize swaps data into the same parameter objects
     by_owner: dict[str, list[str]] = {}
     for name in sorted(names):
         by_owner.setdefault(name.rpartition(".")[0], []).append(name)
     replaced: dict[int, torch.nn.Parameter] = {}
     for group in by_owner.values():
-        materialize(module, group, device, initialise, shard_of)
+        materialize(module, group, device, initialise, tp_ranks)
         for name in group:
             p = module.get_parameter(name) if name in sharded else None
             if p is not None and not isinstance(p, DTensor):  # an alias of one sharded already is that shard
