@@ -14,6 +14,10 @@ microbatches, fp32:
 * (c) ``ours/layers``: that same equal-layer split on our runtime (is our runtime the reason we win?);
 * (d) ``ours/params``: the equal-parameter split (DeepSpeed's default) on our runtime;
 * (e) ``single``: one process running the whole model over the same microbatches;
+* (f) ``smp``: the same model (built again from the same seed) through ``smp.DistributedModel`` and an
+  ``@smp.step`` function that computes the loss and calls ``model.backward``, as an SMP v1 script does
+  (``pipeline_parallel_degree`` 2, SMP's ``"interleaved"`` 1F1B): smp plans it itself, the step's loss priced
+  (:mod:`smp.engine.step_loss`) and the ops timed (the default on a CPU), so (f)/(b) should match (a)/(b);
 * ``ideal``: the bubble-bound step of plan (a) from its stages' forward and backward times (the loss
   included) measured in one process (:func:`partitioner.measure_stages`), simulated for 1F1B with free
   communication.
@@ -184,6 +188,7 @@ def worker(rank: int, world: int, cfg: dict) -> dict | None:
             losses["single"] = total / m
 
     runs["single"] = run_single
+    runs["smp"], smp_model = _smp_variant(case, cfg, world, losses)
     wall: dict[str, list[float]] = {k: [] for k in runs}
     for fn in runs.values():  # warm-up
         for _ in range(cfg["warmup"]):
@@ -206,7 +211,29 @@ def worker(rank: int, world: int, cfg: dict) -> dict | None:
     times = partitioner.measure_stages(runners["ours"].split_model, mb_args, {}, repeats=3)
     return {"wall": {k: statistics.median(v) for k, v in wall.items()}, "losses": merged, "torch_error": torch_error,
             "stage_f": times.forward_s, "stage_b": times.backward_s,
-            "cuts": {k: [s.modules[0] for s in p.stages][1:] for k, p in plans.items()}}
+            "cuts": {k: [s.modules[0] for s in p.stages][1:]
+                     for k, p in {**plans, "smp": smp_model.runner.plan}.items()}}
+
+
+def _smp_variant(case: Case, cfg: dict, world: int, losses: dict[str, float]) -> tuple[Callable[[], None], Any]:
+    """(f): a fresh copy of the model under ``smp`` (a DistributedModel keeps only its rank's stage): the step, and
+    the DistributedModel."""
+    import smp
+
+    smp.init({"pipeline_parallel_degree": world, "microbatches": cfg["microbatches"], "pipeline": "interleaved"})
+    model = smp.DistributedModel(build_case(cfg["model"], cfg["batch"], cfg["quick"]).model)
+
+    @smp.step
+    def train_step(model: Any, args: tuple, target: torch.Tensor) -> torch.Tensor:
+        loss = case.loss_fn(model(*args), target)
+        model.backward(loss)
+        return loss
+
+    def run() -> None:
+        model.zero_grad(set_to_none=True)
+        losses["smp"] = float(train_step(model, case.args, case.target).reduce_mean())
+
+    return run, model
 
 
 def ideal_step(forward_s: list[float], backward_s: list[float], m: int) -> float:
@@ -242,7 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# end to end, 2 ranks (gloo, 1 thread each), fp32, batch {opts.batch} in {opts.microbatches} "
           f"microbatches, {opts.rounds} alternating rounds, medians; {load_average()}", flush=True)
     head = (f"{'model':<6} {'(a) ours':>9} {'(b) torch':>9} {'(c) layers':>10} {'(d) params':>10} {'(e) single':>10} "
-            f"{'ideal':>7} {'a/b':>6} {'c/b':>6} {'a/ideal':>7}  cuts (ours | layers | params)")
+            f"{'(f) smp':>9} {'ideal':>7} {'a/b':>6} {'f/b':>6} {'c/b':>6} {'a/ideal':>7}  "
+            "cuts (ours | layers | params | smp)")
     print(head)
     print("-" * len(head))
     misses = []
@@ -258,11 +286,11 @@ def main(argv: list[str] | None = None) -> int:
         ideal = ideal_step(res["stage_f"], res["stage_b"], opts.microbatches)
         ref = w.get("torch", w["ours/layers"])  # with no torch run, our runtime on torch's split stands in
         cell = {k: _ms(dict(w, ideal=ideal).get(k), 1 if opts.quick else 0)
-                for k in ("ours", "torch", "ours/layers", "ours/params", "single", "ideal")}
-        cuts = " | ".join(",".join(res["cuts"][k]) for k in ("ours", "ours/layers", "ours/params"))
+                for k in ("ours", "torch", "ours/layers", "ours/params", "single", "smp", "ideal")}
+        cuts = " | ".join(",".join(res["cuts"][k]) for k in ("ours", "ours/layers", "ours/params", "smp"))
         print(f"{name:<6} {cell['ours']:>9} {cell['torch']:>9} {cell['ours/layers']:>10} {cell['ours/params']:>10} "
-              f"{cell['single']:>10} {cell['ideal']:>7} {ref / w['ours']:>6.3f} "
-              f"{ref / w['ours/layers']:>6.3f} {ideal / w['ours']:>7.3f}  {cuts}", flush=True)
+              f"{cell['single']:>10} {cell['smp']:>9} {cell['ideal']:>7} {ref / w['ours']:>6.3f} "
+              f"{ref / w['smp']:>6.3f} {ref / w['ours/layers']:>6.3f} {ideal / w['ours']:>7.3f}  {cuts}", flush=True)
         if res["torch_error"]:
             print(f"       torch.distributed.pipelining could not split {name}: {res['torch_error']}; "
                   "a/b and c/b use (c) for (b)")

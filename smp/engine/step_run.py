@@ -89,7 +89,10 @@ def model_call(run: StepRun | None, model: Any, args: tuple, kwargs: dict) -> An
     micro.wait(lambda: micro.have_outputs or micro.abandoned)
     if micro.abandoned:
         raise _Abandon()
-    return micro.outputs
+    # The thread holds them from here: kept on the microbatch too, every microbatch's logits would live until the
+    # step ends (8 x 51 MB for GPT-2's vocabulary), and the allocator would fetch fresh pages for all that follows.
+    outputs, micro.outputs = micro.outputs, None
+    return outputs
 
 
 def model_backward(run: StepRun | None, tensors: Any, grad_tensors: Any = None) -> None:
