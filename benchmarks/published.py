@@ -11,19 +11,23 @@ Rows have a role:
 
 * ``calibrate`` -- ``--fit`` prints the efficiency factors of :func:`partitioner.devices.profile`
   (``compute_efficiency``, ``memory_efficiency``) that minimise the sum of squared log ratios predicted / published
-  over these rows (:func:`fit`, on :data:`GRID`). The fit over the five rows gives 0.8 / 0.7, pulled up by the
-  multi-node FSDP rows whose collectives FSDP overlaps with compute and our pricing does not; it predicts the
-  held-out rows worse than the profiles' 0.75 / 0.85, which are kept (docs/benchmarks.md has the table);
+  over these rows (:func:`fit`, on :data:`GRID`), then over each GPU's rows apart. The five rows give 0.6 / 0.7,
+  pulled down by torchtitan's three H100 rows (500 W HBM2e parts, their peak unpublished), which would make the
+  A100 rows and the held-out ones worse; the profiles' 0.75 / 0.85 are kept (docs/benchmarks.md has the table);
 * ``held-out`` -- Narayanan et al. (SC'21) Table 1, GPT 1.7B .. 1T on A100s: never used for the fit, printed apart
   as an independent check (issue 24);
 * ``excluded`` -- kept for the record but not priced: they use what our runtime lacks (context parallelism,
   Float8, torch.compile, asynchronous TP).
 
-What the runtime lacks is priced as the nearest thing it has, and said in each row's ``priced`` note: FSDP (ZeRO-3)
-as data parallelism with ZeRO-1 and the gradient all-reduce after the step (FSDP overlaps its collectives with
-compute, so rows on many nodes are predicted slower than published), selective activation checkpointing as none.
-Memory is not limited (``--device-memory unlimited``): the published runs fit with FSDP, which our dp does not
-model, and memory is not what is calibrated here.
+FSDP (ZeRO-3) rows are priced as what they are: sharded data parallelism over the row's ``sdp`` replicas (our
+runtime's ``sharded_data_parallel_degree``, :mod:`partitioner.sharded_dp`), every parameter sharded as FSDP does
+(threshold 1) and, as FSDP prefetches all-gathers and reduce-scatters during compute (``Row.overlap``), only what
+compute cannot hide exposed (:mod:`partitioner.overlap`, ``Pricing(overlap=True)``). Our runtime gathers
+synchronously at first use (:mod:`pipeline.param_gather`), so ``smp plan`` and the planner's best layout here price
+sdp without overlap. Selective activation checkpointing, which our runtime lacks (it checkpoints whole stages), is
+priced as torchtitan's "op" policy runs it (:class:`SelectiveCosts`: in each transformer block the backward
+recomputes every other matmul and every op but attention). Each row's ``priced`` note says how. Memory is not
+limited (``--device-memory unlimited``): memory is not what is calibrated here.
 
 Collectives (:mod:`partitioner.tp_cost`) are not fitted: the rows cannot separate link bandwidth from compute
 efficiency (FSDP hides its collectives; tp runs within a node). :data:`COLLECTIVES` keeps the published NCCL
@@ -44,16 +48,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import load_average  # noqa: E402
 from benchmarks.plan_scale import llama3  # noqa: E402
+from partitioner.cost import NodeCosts  # noqa: E402
 from partitioner.devices import DeviceRates, profile  # noqa: E402
+from partitioner.graph import OpGraph  # noqa: E402
+from partitioner.layout_costs import LayoutCosts  # noqa: E402
 
-__all__ = ["Source", "Row", "ROWS", "COLLECTIVES", "GRID", "fit", "gpt_tokens_per_s", "rates_of", "Predictor",
-           "main"]
+__all__ = ["Source", "Row", "ROWS", "COLLECTIVES", "GRID", "fit", "gpt_tokens_per_s", "rates_of",
+           "selective_share", "SelectiveCosts", "Predictor", "main"]
 
 
 @dataclass(frozen=True)
@@ -71,7 +79,9 @@ class Row:
     measured system; degrees ``tp``, ``pp``, ``dp`` (FSDP counted as dp); ``microbatch``: samples per microbatch
     (None: not published, the engine's best for the degrees); ``published``: the number, in ``unit``
     (``"tokens/s/GPU"`` or ``"TFLOP/s/GPU"``); ``checkpointing``: as published (none, selective, full);
-    ``priced``: how our runtime's nearest equivalent was priced; ``role``: calibrate, held-out or excluded."""
+    ``priced``: how our runtime's nearest equivalent was priced; ``role``: calibrate, held-out or excluded;
+    ``sdp``: the replicas FSDP shards over (1: plain data parallelism); ``overlap``: the published system overlaps
+    its sharded collectives with compute (FSDP's prefetch), priced so (:mod:`partitioner.overlap`)."""
 
     key: str
     source: Source
@@ -93,6 +103,8 @@ class Row:
     gpu_changes: tuple[tuple[str, float], ...] = ()
     priced: str = ""
     mfu: float | None = None  # the source's own MFU, where it gives one
+    sdp: int = 1
+    overlap: bool = False
 
 
 TITAN = Source("torchtitan, docs/performance.md (the runs of Liang et al., 'TorchTitan: One-stop PyTorch native "
@@ -106,26 +118,27 @@ SC21 = Source("Narayanan et al., 'Efficient Large-Scale Language Model Training 
 # torchtitan's Grand Teton H100s: HBM2e, 96 GB, 2.4 TB/s, 500 W (its docs); its peak FLOP/s is between the SXM's
 # and the NVL's and not published, so the SXM peak stays (torchtitan computes its MFU the same way).
 _TITAN_H100 = (("bytes_per_s", 2.4e12), ("grad_bytes_per_s", 2.4e12), ("memory_bytes", 96e9))
-_FSDP = "FSDP priced as dp + ZeRO-1 with the all-reduce after the step (no overlap)"
-_SEL = "selective AC priced as none"
+_FSDP = "FSDP priced as sdp = dp, every parameter sharded, collectives overlapped with compute"
+_SEL = "selective AC priced as torchtitan's op policy (every other matmul and the non-attention ops recomputed)"
 
 ROWS: tuple[Row, ...] = (
     Row("titan-8b-8", TITAN, "Table 1, row FSDP (8 GPUs, local batch 2, selective AC)", ("llama3", "8b"),
         "h100-80gb", 8, 1, 1, 8, 16, 8192, 5762, "tokens/s/GPU", "selective", "calibrate", microbatch=2,
-        gpu_changes=_TITAN_H100, priced=f"{_FSDP}; {_SEL}"),
+        gpu_changes=_TITAN_H100, priced=f"{_FSDP}; {_SEL}", sdp=8, overlap=True),
     Row("titan-8b-128", TITAN, "Table 3, row FSDP (128 GPUs, local batch 2, selective AC)", ("llama3", "8b"),
         "h100-80gb", 128, 1, 1, 128, 256, 8192, 5605, "tokens/s/GPU", "selective", "calibrate", microbatch=2,
-        gpu_changes=_TITAN_H100, priced=f"{_FSDP}; {_SEL}"),
+        gpu_changes=_TITAN_H100, priced=f"{_FSDP}; {_SEL}", sdp=128, overlap=True),
     Row("titan-405b-128", TITAN_2024, "'Llama 3.1 performance numbers', row Optimizations None (128 H100 94GB, "
         "FSDP 16 x TP 8, local batch 2, full AC; MFU 29.0%)", ("llama3", "405b"), "h100-80gb", 128, 8, 1, 16, 32,
         8192, 109, "tokens/s/GPU", "full", "calibrate", microbatch=2, gpu_changes=(("memory_bytes", 94e9),),
-        priced=_FSDP, mfu=0.290),
+        priced=_FSDP, mfu=0.290, sdp=16, overlap=True),
     Row("titan-a100-8b-64", TITAN_2024, "'Llama 3 performance numbers', 8B selective op (64 A100 80GB, FSDP, "
         "local batch 1; MFU 58.2%)", ("llama3", "8b"), "a100-80gb", 64, 1, 1, 64, 64, 8192, 2973,
-        "tokens/s/GPU", "selective", "calibrate", microbatch=1, priced=f"{_FSDP}; {_SEL}", mfu=0.582),
+        "tokens/s/GPU", "selective", "calibrate", microbatch=1, priced=f"{_FSDP}; {_SEL}", mfu=0.582, sdp=64,
+        overlap=True),
     Row("titan-a100-70b-64", TITAN_2024, "'Llama 3 performance numbers', 70B full AC (64 A100 80GB, FSDP, "
         "local batch 1; MFU 51.7%)", ("llama3", "70b"), "a100-80gb", 64, 1, 1, 64, 64, 8192, 331, "tokens/s/GPU",
-        "full", "calibrate", microbatch=1, priced=_FSDP, mfu=0.517),
+        "full", "calibrate", microbatch=1, priced=_FSDP, mfu=0.517, sdp=64, overlap=True),
     # Excluded: Float8 and torch.compile (titan Tables 1, 3, 4, 5), context parallelism (Tables 2, 6).
     Row("titan-70b-256-fp8", TITAN, "Table 4, row 2D (FSDP 32 x TP 8, torch.compile + Float8)", ("llama3", "70b"),
         "h100-80gb", 256, 8, 1, 32, 512, 8192, 829, "tokens/s/GPU", "full", "excluded", microbatch=16,
@@ -199,6 +212,30 @@ def build(row: Row) -> tuple[torch.nn.Module, tuple]:
         return transformers.OPTForCausalLM(cfg), (torch.zeros(1, row.seq, dtype=torch.long),)
 
 
+def selective_share(graph: OpGraph) -> np.ndarray:
+    """Per op, the share of its forward that torchtitan's op-level selective activation checkpointing recomputes in
+    the backward (``torchtitan/distributed/activation_checkpoint.py``: each block under ``layers`` is wrapped; its
+    policy saves the outputs of ``aten.mm`` but every second one, of attention and of reduce-scatters): half of a
+    block's matmuls, none of its attention, all its other ops; none outside the blocks (embedding, norm, head)."""
+    share = {"aten.linear": 0.5, "aten.mm": 0.5, "aten.matmul": 0.5, "aten.scaled_dot_product_attention": 0.0}
+    return np.array([share.get(kind, 1.0) if ".layers." in f".{module}." else 0.0
+                     for kind, module in zip(graph.kinds, graph.modules)])
+
+
+class SelectiveCosts(LayoutCosts):
+    """:class:`partitioner.layout_costs.LayoutCosts` whose backward seconds include the recomputation of
+    torchtitan's op-level selective activation checkpointing (:func:`selective_share` of each op's forward)."""
+
+    def costs(self, tp: int, size: int) -> NodeCosts:
+        """The per-op seconds, each op's backward with its recomputed share of its forward added (cached)."""
+        done: dict[tuple[int, int], NodeCosts] = self.__dict__.setdefault("_selective", {})
+        if (tp, size) not in done:
+            base = super().costs(tp, size)
+            extra = base.forward_s * selective_share(self.graph(tp, size))
+            done[tp, size] = dataclasses.replace(base, backward_s=base.backward_s + extra)
+        return done[tp, size]
+
+
 def fit(ratios: Callable[[float, float], Sequence[float]], compute: Sequence[float] = GRID["compute"],
         memory: Sequence[float] = GRID["memory"]) -> tuple[float, float, float]:
     """The grid point ``(compute, memory)`` whose predicted / published ``ratios`` have the least sum of squared
@@ -234,15 +271,18 @@ class Predictor:
 
     def scorer(self, rates: DeviceRates) -> Any:
         """A :class:`partitioner.layout_score.LayoutScorer` of this row's traces under ``rates``."""
-        from partitioner.layout_costs import LayoutCosts
         from partitioner.layout_score import LayoutScorer, Pricing
         from partitioner.options import UNLIMITED, PartitionOptions
+        from partitioner.sharded_dp import PERSISTENCE_THRESHOLD
         from smp.cli.commands.plan import pipeline_simulator
 
         c = self.costs
-        costs = LayoutCosts(c.lines, c.whole, rates, self.row.dtype, c.skipped, c.tokens_per_sample)
+        kind = SelectiveCosts if self.row.checkpointing == "selective" else LayoutCosts
+        costs = kind(c.lines, c.whole, rates, self.row.dtype, c.skipped, c.tokens_per_sample)
         options = PartitionOptions(rates=rates, dtype=self.row.dtype, device_memory=UNLIMITED)
-        return LayoutScorer(costs, Pricing(options, 8), pipeline_simulator)
+        # FSDP shards every parameter (no persistence threshold); overlap as the published system ran
+        threshold = 1 if self.row.sdp > 1 else PERSISTENCE_THRESHOLD
+        return LayoutScorer(costs, Pricing(options, 8, threshold, overlap=self.row.overlap), pipeline_simulator)
 
     def _space(self, fixed: bool) -> Any:
         from partitioner.layout_search import SearchSpace
@@ -255,8 +295,7 @@ class Predictor:
         ckpt = "full" if r.checkpointing == "full" else "none"
         return SearchSpace(devices=r.devices, global_batch=r.global_batch, ranks_per_node=8, tp=(r.tp,), pp=(r.pp,),
                            dp=(r.dp,), microbatch_size=tuple(self._sizes), schedules=("1f1b",),
-                           checkpointing=(ckpt,), zero1=(r.dp > 1 and "FSDP" in r.priced,), placements=("DPT",),
-                           max_stages=most)
+                           checkpointing=(ckpt,), zero1=(False,), sdp=(r.sdp,), placements=("DPT",), max_stages=most)
 
     def score(self, rates: DeviceRates) -> Any:
         """The published layout's :class:`partitioner.layout.Proposal` under ``rates`` (the best microbatch size
@@ -317,10 +356,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  traced {row.key} in {time.perf_counter() - t0:.0f} s", flush=True)
     if opts.fit:
         calib = [predictors[r.key] for r in chosen if r.role == "calibrate"]
-        c, m, loss = fit(lambda c, m: [_tokens(p.score(rates_of(p.row, c, m)), p.row) / published_tokens(p.row)
-                                       for p in calib])
-        print(f"# fit over {len(calib)} calibration rows: compute_efficiency {c}, memory_efficiency {m} "
-              f"(sum of squared log ratios {loss:.3f})")
+        for gpu in ("", *sorted({p.row.gpu for p in calib})):  # every row, then each GPU's rows apart
+            some = [p for p in calib if gpu in ("", p.row.gpu)]
+            c, m, loss = fit(lambda c, m: [_tokens(p.score(rates_of(p.row, c, m)), p.row) / published_tokens(p.row)
+                                           for p in some])  # noqa: B023 (called at once, in this iteration)
+            print(f"# fit over {len(some)} calibration rows{gpu and ' on ' + gpu}: compute_efficiency {c}, "
+                  f"memory_efficiency {m} (sum of squared log ratios {loss:.3f})")
     for role in ("calibrate", "held-out"):
         lines = []
         for row in (r for r in chosen if r.role == role):
@@ -350,7 +391,8 @@ def main(argv: list[str] | None = None) -> int:
 def _describe(proposal: Any, row: Row) -> str:
     lay = proposal.layout
     return (f"pp{lay.pp} tp{lay.tp} dp{lay.dp} {lay.microbatches}x{lay.microbatch_size} {lay.schedule}"
-            f"{' ckpt' if lay.checkpointing != 'none' else ''}{' zero1' if lay.zero1 else ''}: "
+            f"{' ckpt' if lay.checkpointing != 'none' else ''}{' zero1' if lay.zero1 else ''}"
+            f"{f' sdp{lay.sdp}' if lay.sdp > 1 else ''}: "
             f"{_tokens(proposal, row):,.0f} tok/s/GPU")
 
 

@@ -11,6 +11,10 @@ with it. So the CPU profile is measured once per machine and kept on disk (:func
 ``$XDG_CACHE_HOME/smp-engine/``, by default ``~/.cache/smp-engine/``), keyed by CPU model, torch version and
 intra-op thread count: every later process reads the same rates and makes the same plan.
 ``calibrate(refresh=True)``, or ``SMP_RECALIBRATE=1`` in the environment, measures again and replaces it.
+
+Two rates of the profile are not microbenchmarks but what our runtime pays beyond the ops
+(:mod:`pipeline.step_model`): per pass (:data:`CPU_PASS_OVERHEAD_S`) and per step (:data:`CPU_STEP_OVERHEAD_S`),
+fitted to real 2-rank steps of the zoo models at 2, 4 and 8 microbatches by ``benchmarks/step_model.py --fit``.
 """
 from __future__ import annotations
 
@@ -28,9 +32,16 @@ import torch
 
 from .devices import DeviceRates
 
-__all__ = ["calibrate", "best_time", "cost_clock", "cache_file", "RECALIBRATE_ENV"]
+__all__ = ["calibrate", "best_time", "cost_clock", "cache_file", "RECALIBRATE_ENV", "CPU_PASS_OVERHEAD_S",
+           "CPU_STEP_OVERHEAD_S"]
 
 RECALIBRATE_ENV = "SMP_RECALIBRATE"
+# A pass of a pipeline rank on a shared CPU costs about 1 ms more than its ops timed alone: two thread hand-offs
+# between the @smp.step function and the executor, posting gloo sends and receives, caches the other microbatches'
+# passes left cold. Fitted (least squares on the relative error, 24 runs) by benchmarks/step_model.py --fit.
+CPU_PASS_OVERHEAD_S = 1.0e-3
+CPU_STEP_OVERHEAD_S = 2.0e-3  # the step's arguments and results shared over the pipeline, its threads started
+_PROFILE_VERSION = 2  # bumped when the profile gains rates: older cached profiles are measured again
 
 
 def best_time(fn: Callable[[], object], repeats: int, clock: Callable[[], float] = time.perf_counter) -> float:
@@ -65,7 +76,8 @@ def _cpu_model() -> str:
 
 
 def _machine_key() -> dict[str, object]:
-    return {"cpu": _cpu_model(), "torch": torch.__version__, "threads": torch.get_num_threads()}
+    return {"cpu": _cpu_model(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "profile": _PROFILE_VERSION}
 
 
 def cache_file() -> Path:
@@ -157,6 +169,8 @@ def _measure(device: str) -> DeviceRates:
         bytes_per_s=r2(3 * n_big * 4 / add),
         op_overhead_s=r2(small),
         grad_bytes_per_s=r2(n_fresh * 4 / fresh),
+        pass_overhead_s=CPU_PASS_OVERHEAD_S if dev.type == "cpu" else 0.0,
+        step_overhead_s=CPU_STEP_OVERHEAD_S if dev.type == "cpu" else 0.0,
     )
 
 

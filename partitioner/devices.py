@@ -72,7 +72,9 @@ class DeviceRates:
     bandwidth; every op also costs ``op_overhead_s`` (a kernel launch). ``grad_bytes_per_s``: writing a
     step's fresh weight gradients. ``link``: the link between the stages of a pipeline (within a node);
     ``inter_node_link``: between nodes. Every field is a plain number or string, so a plan's ``rates``
-    JSON gives back the same object: ``DeviceRates(**plan.rates)``.
+    JSON gives back the same object: ``DeviceRates(**plan.rates)``. ``pass_overhead_s`` and
+    ``step_overhead_s``: what our runtime pays per pass (one stage's forward or backward of a microbatch) and per
+    step beyond the ops (:mod:`pipeline.step_model`; measured for the ``cpu`` profile, 0 for the others).
     """
 
     flops_per_s: float = 5.0e10
@@ -92,6 +94,8 @@ class DeviceRates:
     inter_node_link: str = "ethernet-10g"
     inter_node_bytes_per_s: float = 1.25e9
     inter_node_latency_s: float = 1.0e-4
+    pass_overhead_s: float = 0.0
+    step_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -102,7 +106,7 @@ class DeviceRates:
                 continue
             if value is None and "None" in f.type:
                 continue
-            zero_ok = f.name.endswith("latency_s") or f.name == "op_overhead_s"
+            zero_ok = f.name.endswith(("latency_s", "overhead_s"))
             if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or (
                     value < 0 if zero_ok else value <= 0):  # an infinite rate is free: tests use it
                 raise ValueError(f"DeviceRates.{f.name} must be a {'non-negative' if zero_ok else 'positive'} "

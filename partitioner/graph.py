@@ -60,7 +60,9 @@ class OpGraph:
     which a 16-bit training precision halves (:mod:`partitioner.precision`); None (synthetic graphs): all.
     ``members[i]`` lists the fx node names folded into op ``i`` (its getitems, asserts, buffer updates);
     ``fx`` holds what :mod:`partitioner.stage_modules` needs to rebuild executable stages (absent for synthetic
-    graphs).
+    graphs). ``timed``: the ops' :class:`partitioner.NodeCosts` once timed on this machine
+    (:func:`partitioner.measure`, by the first ``measure=True`` partition of the graph), which every later one reuses:
+    one graph, one set of measured costs (neither is saved).
     """
 
     names: list[str]
@@ -85,6 +87,7 @@ class OpGraph:
     param_float_bytes: np.ndarray | None = None
     members: list[tuple[str, ...]] | None = None
     fx: Any = None
+    timed: Any = None
 
     def __post_init__(self) -> None:
         n = len(self.names)
@@ -171,7 +174,7 @@ class OpGraph:
         arrays, lists = {}, {}
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name == "fx" or value is None:
+            if f.name in ("fx", "timed") or value is None:
                 continue
             if isinstance(value, np.ndarray):
                 arrays[f.name] = value

@@ -15,6 +15,12 @@ trace, exactly as ``smp inspect`` prices it.
 Seconds follow: the roofline of :func:`partitioner.cost.estimate` on the graph at that size, plus the tensor-parallel
 collectives (:mod:`partitioner.tp_cost`), whose seconds are affine in their bytes and so interpolated the same way.
 Each tp degree is a graph of tp rank 0 (:func:`partitioner.shard_program.shard_graph`), sharded from each trace.
+
+``timed`` (planning for this machine's CPU, the model with its weights): the two traces run on real inputs (the
+example's rows repeated to the size) and every op is timed (:func:`partitioner.measure`, as ``smp inspect`` on
+``cpu``); an op's seconds at other sizes are the line through its two timings (an op costs a fixed dispatch plus
+work per sample). A tp degree above 1 cannot run in one process, so its roofline is scaled by the whole model's
+timed / estimated seconds at that size, forward and backward apart.
 """
 from __future__ import annotations
 
@@ -33,9 +39,11 @@ from .graph import OpGraph
 from .shard_program import shard_graph
 from .sharding import find_sharding
 from .throughput import batch_counts
+from .timing import measure
 from .tracing import trace
 
-__all__ = ["BatchLine", "LayoutCosts", "layout_costs", "example_batch", "with_batch", "trace_sizes", "head_counts"]
+__all__ = ["BatchLine", "LayoutCosts", "layout_costs", "example_batch", "with_batch", "tiled", "trace_sizes",
+           "head_counts"]
 
 _PER_OP = ("flops", "out_bytes", "act_bytes", "move_bytes", "act_float_bytes", "move_float_bytes")
 _PER_VALUE = ("value_bytes", "value_float_bytes")
@@ -63,6 +71,17 @@ def with_batch(args: tuple, kwargs: dict, batch: int, size: int) -> tuple[tuple,
     return tuple(out_args), dict(out_kwargs)
 
 
+def tiled(args: tuple, kwargs: dict, batch: int, size: int) -> tuple[tuple, dict]:
+    """The example inputs with every tensor whose first dimension is ``batch`` given ``size`` rows of its own, the
+    example's rows repeated in order (real values: token ids stay in the vocabulary); other values are kept."""
+    rows = torch.arange(size) % batch
+
+    def tile(t: torch.Tensor) -> torch.Tensor:
+        return t if t.dim() == 0 or t.shape[0] != batch else t[rows.to(t.device)]
+
+    return pytree.tree_map_only(torch.Tensor, tile, (tuple(args), dict(kwargs)))
+
+
 def trace_sizes(batch: int, sizes: Iterable[int]) -> tuple[int, ...]:
     """The microbatch sizes to trace for ``sizes`` when the example inputs have ``batch`` samples: the one size
     needed, or two to draw the line through (``batch`` and ``2 batch``; 2 and 4 for a batch of 1)."""
@@ -87,6 +106,7 @@ class BatchLine:
 
     traced: dict[int, OpGraph]
     line: tuple[int, int] | None = None
+    timed: dict[int, NodeCosts] | None = None  # per traced size, the ops timed on this machine
 
     def graph(self, size: int) -> OpGraph:
         """The graph at microbatch size ``size``: its own trace, or the line's arrays at ``size`` (``fx`` and the
@@ -104,6 +124,14 @@ class BatchLine:
     def seconds(self, size: int, rates: DeviceRates, dtype: str) -> NodeCosts:
         """Per-op seconds at ``size`` (:func:`partitioner.cost.estimate` on its trace, or on the interpolated graph
         with the tp collectives' seconds interpolated)."""
+        if self.timed is not None:
+            if size in self.timed:
+                return self.timed[size]
+            assert self.line is not None  # graph() raises first otherwise
+            lo_t, hi_t = (self.timed[b] for b in self.line)
+            return NodeCosts(np.maximum(_at(lo_t.forward_s, hi_t.forward_s, self.line, size), 0.0),
+                             np.maximum(_at(lo_t.backward_s, hi_t.backward_s, self.line, size), 0.0),
+                             lo_t.needs_grad, measured=True)
         if size in self.traced:
             return estimate(self.traced[size], rates, dtype)
         assert self.line is not None  # graph() raises first otherwise
@@ -151,10 +179,18 @@ class LayoutCosts:
         return self._graphs[key]
 
     def costs(self, tp: int, size: int) -> NodeCosts:
-        """tp rank 0's per-op seconds at microbatch size ``size``."""
+        """tp rank 0's per-op seconds at microbatch size ``size`` (timed: see the module docstring)."""
         key = (tp, size)
         if key not in self._costs:
-            self._costs[key] = self.lines[tp].seconds(size, self.rates, self.dtype)
+            costs = self.lines[tp].seconds(size, self.rates, self.dtype)
+            if tp > 1 and self.whole.timed is not None:  # the roofline, scaled to the whole model's timed seconds
+                timed = self.whole.seconds(size, self.rates, self.dtype)
+                roof = BatchLine(self.whole.traced, self.whole.line).seconds(size, self.rates, self.dtype)
+                f = timed.forward_s.sum() / max(roof.forward_s.sum(), 1e-30)
+                b = timed.backward_s.sum() / max(roof.backward_s.sum(), 1e-30)
+                costs = dataclasses.replace(costs, forward_s=costs.forward_s * f, backward_s=costs.backward_s * b,
+                                            measured=True)
+            self._costs[key] = costs
         return self._costs[key]
 
     def model_flops(self, size: int) -> float:
@@ -183,17 +219,24 @@ def _shard(graph: OpGraph, tp: int) -> tuple[OpGraph | None, str]:
 
 
 def layout_costs(model: torch.nn.Module, args: tuple, kwargs: dict, *, sizes: Iterable[int], tp_degrees: Iterable[int],
-                 rates: DeviceRates, dtype: str, progress: Callable[[str], None] = lambda m: None) -> LayoutCosts:
+                 rates: DeviceRates, dtype: str, progress: Callable[[str], None] = lambda m: None,
+                 timed: bool = False) -> LayoutCosts:
     """Trace ``model`` (example inputs ``args``/``kwargs``: one microbatch) at the sizes :func:`trace_sizes` picks
     for microbatch ``sizes``, shard each trace for every degree of ``tp_degrees`` (those that cannot split the model
-    are skipped, with the reason), and return the :class:`LayoutCosts` that prices any of those sizes and degrees."""
+    are skipped, with the reason), and return the :class:`LayoutCosts` that prices any of those sizes and degrees;
+    ``timed``: the ops timed on this machine at the traced sizes (see the module docstring)."""
     wanted = sorted(set(sizes))
     batch = example_batch(args, kwargs)
+    times: dict[int, NodeCosts] = {}
 
     def traced_at(size: int) -> OpGraph:
-        progress(f"tracing at microbatch size {size}")
-        a, k = with_batch(args, kwargs, batch, size)
-        return trace(model, a, k)
+        progress(f"tracing at microbatch size {size}" + (" and timing its ops" if timed else ""))
+        if not timed:
+            return trace(model, *with_batch(args, kwargs, batch, size))
+        a, k = tiled(args, kwargs, batch, size)
+        graph = trace(model, a, k)
+        times[size] = measure(graph, a, k, rates=rates)
+        return graph
 
     whole = {b: traced_at(b) for b in trace_sizes(batch, wanted)}
     line: tuple[int, int] | None = (min(whole), max(whole)) if len(whole) == 2 else None
@@ -207,7 +250,7 @@ def layout_costs(model: torch.nn.Module, args: tuple, kwargs: dict, *, sizes: It
     skipped: dict[int, str] = {}
     for tp in sorted(set(tp_degrees)):
         if tp == 1:
-            lines[1] = BatchLine(dict(whole), line)
+            lines[1] = BatchLine(dict(whole), line, dict(times) if timed else None)
             continue
         progress(f"sharding for tensor parallelism of degree {tp}")
         shards: dict[int, OpGraph] = {}
@@ -220,4 +263,5 @@ def layout_costs(model: torch.nn.Module, args: tuple, kwargs: dict, *, sizes: It
         else:
             lines[tp] = BatchLine(shards, line)
     per_sample = tokens / samples if tokens is not None and samples else None
-    return LayoutCosts(lines, BatchLine(dict(whole), line), rates, dtype, skipped, per_sample)
+    return LayoutCosts(lines, BatchLine(dict(whole), line, dict(times) if timed else None), rates, dtype, skipped,
+                       per_sample)

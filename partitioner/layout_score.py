@@ -23,7 +23,8 @@ What neither command prices, the layout adds, as the runtime runs it:
   :func:`partitioner.sharded_dp.sharded_dp` as ``smp simulate --sdp`` prices it: the stages cut without the memory
   budget (the sharded ranks are held to it), each stage's all-gathers added to its forward and backward, each
   rank's reduce-scatter and all-reduce after its pipeline end (instead of the plain all-reduce), its memory the
-  sharded rank's peak; the sharding group's link is the intra-node one when its D replicas share a node;
+  sharded rank's peak; the sharding group's link is the intra-node one when its D replicas share a node (our
+  runtime's collectives do not overlap compute; ``Pricing.overlap``: FSDP's do, :mod:`partitioner.overlap`);
 * throughput and MFU over the job, by :func:`partitioner.throughput.from_counts` (the one definition).
 
 The simulator is passed in (``simulate``, a :class:`PipelineSimulator`): the partitioner does not import the
@@ -57,6 +58,7 @@ from .layout_costs import LayoutCosts
 from .memory import StageMemory, stage_memory
 from .objective import MemoryBudgetError, stage_crossings
 from .options import UNLIMITED, PartitionOptions
+from .overlap import sdp_links, sdp_passes
 from .plan import PartitionPlan
 from .portfolio import partition
 from .precision import activation_bytes, param_memory_parts
@@ -84,18 +86,20 @@ class PipelineSimulator(Protocol):
 
     def __call__(self, schedule: str, ranks: int, microbatches: int, virtual_stages: int, forward_s: list[float],
                  backward_s: list[float], comm_s: dict[tuple[int, int], float],
-                 deps: list[tuple[int, int]]) -> SimOutcome: ...
+                 deps: list[tuple[int, int]], rates: DeviceRates) -> SimOutcome: ...
 
 
 @dataclass(frozen=True)
 class Pricing:
     """What every layout is priced under: the partitioner's ``options`` (device, precision, links, memory budget,
     optimizer, memory weight; microbatches and pipeline are each layout's), ``ranks_per_node`` and, under sdp, the
-    elements below which a parameter stays whole (``sdp_threshold``, SMP's ``sdp_param_persistence_threshold``)."""
+    elements below which a parameter stays whole (``sdp_threshold``, SMP's ``sdp_param_persistence_threshold``);
+    ``overlap``: sdp's collectives overlap with compute as in FSDP (:mod:`partitioner.overlap`; not our runtime)."""
 
     options: PartitionOptions
     ranks_per_node: int
     sdp_threshold: int = PERSISTENCE_THRESHOLD
+    overlap: bool = False
 
     @property
     def rates(self) -> DeviceRates:
@@ -272,11 +276,12 @@ class LayoutScorer:
         bwd = np.array([s.backward_s for s in plan.stages]) + (fwd if ckpt else 0.0)
         tp_f, tp_b = (np.bincount(stage, weights=x, minlength=k) if x is not None else np.zeros(k)
                       for x in (costs.tp_forward_s, costs.tp_backward_s))
-        # sdp: each stage's all-gathers, in its forward and (as long) its backward, every microbatch
-        gather = np.array([r.gather_forward_s for r in self.sharded(layout, plan)]) if layout.sdp > 1 else 0.0
+        # sdp: each stage's all-gathers in its forward and backward, every microbatch (overlapped: what is exposed)
+        link = sdp_links(layout, self.rates, self.inter, self.pricing.ranks_per_node)[0]
+        gf, gb, tail = sdp_passes(layout, plan, graph, self.pricing.sdp_threshold, link, fwd, bwd, self.pricing.overlap)
         crossing = stage_crossings(graph, stage, k, o.dtype)
         deps = sorted(crossing)
-        sim = self._sim(layout, fwd + gather, bwd + gather, self.stage_comm(layout, crossing), deps)
+        sim = self._sim(layout, fwd + gf, bwd + gb, self.stage_comm(layout, crossing), deps)
         quiet = self._sim(layout, np.maximum(fwd - tp_f, 0.0), np.maximum(bwd - tp_b - (tp_f if ckpt else 0.0), 0.0),
                           {}, deps)  # the same step with free communication
         memory = stage_memory(plan, graph, sim.peak_in_flight)
@@ -287,8 +292,9 @@ class LayoutScorer:
         if layout.sdp > 1:  # the sharded ranks' state, and their reduce-scatter and all-reduce instead
             sharded = self.sharded(layout, plan, sim.peak_in_flight)
             held = [(r.peak_bytes - r.activation_bytes, acts) for r, (_, acts) in zip(sharded, held)]
-            reduce = [r.end_of_step_s for r in sharded]
-        step = max(end + ar for end, ar in zip(sim.rank_end_s, reduce))
+            reduce = [r.end_of_step_s if tail is None else r.all_reduce_s + tail[r.rank] for r in sharded]
+        # after each rank's pipeline its all-reduce; the step's fixed cost (pipeline.step_model) stays
+        step = max(end + ar for end, ar in zip(sim.rank_end_s, reduce)) + sim.step_s - max(sim.rank_end_s)
         worst = max(range(pp), key=lambda r: sum(held[r]))
         tp_step = m * max(sum(tp_f[s] + tp_b[s] + (tp_f[s] if ckpt else 0.0) for s in mine) for mine in ranks)
         samples = layout.global_batch
@@ -308,9 +314,7 @@ class LayoutScorer:
         on ``plan``: per stage, or with ``in_flight`` (the schedule's peak per stage) per pipeline rank. The sharding
         group, sdp replicas, and all dp replicas run on the intra-node link when they share a node (replicas are
         pp x tp ranks apart under "DPT", tp under "PDT"), else on the inter-node one."""
-        apart = layout.tp * (layout.pp if layout.placement == "DPT" else 1)
-        link, replica_link = (self.rates if n * apart <= self.pricing.ranks_per_node else self.inter
-                              for n in (layout.sdp, layout.dp))
+        link, replica_link = sdp_links(layout, self.rates, self.inter, self.pricing.ranks_per_node)
         return sharded_dp(plan, self.costs.graph(layout.tp, layout.microbatch_size), layout.sdp, replicas=layout.dp,
                           threshold=self.pricing.sdp_threshold, link=link, replica_link=replica_link,
                           stage_rank=None if in_flight is None else [s % layout.pp for s in range(layout.stages)],
@@ -319,7 +323,7 @@ class LayoutScorer:
     def _sim(self, layout: Layout, fwd: Any, bwd: Any, comm: dict[tuple[int, int], float],
              deps: list[tuple[int, int]]) -> SimOutcome:
         return self.simulate(layout.schedule, layout.pp, layout.microbatches, layout.virtual_stages,
-                             [float(x) for x in fwd], [float(x) for x in bwd], comm, deps)
+                             [float(x) for x in fwd], [float(x) for x in bwd], comm, deps, self.rates)
 
     def _rank_memory(self, layout: Layout, mine: Sequence[StageMemory], received: Sequence[int]) -> tuple[float, float]:
         """(parameter state, activations at the peak) of a pipeline rank holding stages ``mine``: ZeRO-1 divides the

@@ -79,7 +79,9 @@ def make_problem(graph_or_model: Any, num_stages: int, options: PartitionOptions
             raise ValueError(f"measure=True times every op in this process, but the graph is sharded for tensor "
                              f"parallelism of degree {tp_degree(graph)}: its collectives need the tp group; leave "
                              "measure off (the estimate prices the collectives) or pass measured costs=")
-        costs = measure_costs(graph, args, kwargs, rates=rates)
+        if graph.timed is None:
+            graph.timed = measure_costs(graph, args, kwargs, rates=rates)
+        costs = graph.timed
     else:
         costs = estimate(graph, rates, opts.dtype)
     return Problem(graph=graph, costs=costs, num_stages=num_stages, rates=rates, options=opts)

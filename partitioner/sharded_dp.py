@@ -21,7 +21,8 @@ activations as without sharding (:func:`partitioner.stage_memory`). Bytes per pa
 :func:`partitioner.tp_cost.all_gather_s` (a reduce-scatter moves the same bytes in the same steps) and
 :func:`partitioner.tp_cost.all_reduce_s` on the ``link`` of the sharding group: one collective per sharded
 parameter, one coalesced all-reduce of the whole parameters' gradients (as the engine averages data-parallel
-gradients).
+gradients). They are priced whole, not overlapped with compute: the runtime (:mod:`pipeline.param_gather`) waits for
+each one where it is issued; :mod:`partitioner.overlap` prices FSDP's overlapped collectives, for published runs.
 """
 from __future__ import annotations
 

@@ -22,17 +22,18 @@ __all__ = ["simulate_stages", "analyse", "plan_sim"]
 
 
 def simulate_stages(schedule_name: str, microbatches: int, forward_s: Sequence[float], backward_s: Sequence[float],
-                    *, deps: Sequence[tuple[int, int]] | None = None, comm: dict[tuple[int, int], float] | None = None,
-                    num_ranks: int | None = None, virtual_stages: int = 1) -> Any:
-    """Build the named schedule and run it through :func:`pipeline.simulate.simulate`."""
+                    rates: Any, *, deps: Sequence[tuple[int, int]] | None = None,
+                    comm: dict[tuple[int, int], float] | None = None, num_ranks: int | None = None,
+                    virtual_stages: int = 1) -> Any:
+    """Build the named schedule and predict its step under ``rates`` (:func:`pipeline.step_model.predict_step`)."""
     from pipeline.schedule import make_schedule
-    from pipeline.simulate import simulate
+    from pipeline.step_model import predict_step
 
     ranks = num_ranks or len(forward_s)
     kwargs = {"virtual_stages": virtual_stages} if virtual_stages != 1 else {}
     schedule = make_schedule(schedule_name, ranks, microbatches, **kwargs)
-    return simulate(schedule, list(forward_s), list(backward_s), comm_s=dict(comm or {}),
-                    stage_deps=list(deps) if deps is not None else None)
+    return predict_step(schedule, list(forward_s), list(backward_s), rates, comm_s=dict(comm or {}),
+                        stage_deps=list(deps) if deps is not None else None)
 
 
 def plan_sim(plan: Any, graph: Any, opts: Options, forward_s: Sequence[float] | None = None,
@@ -47,7 +48,7 @@ def plan_sim(plan: Any, graph: Any, opts: Options, forward_s: Sequence[float] | 
     comm = {e: rates.comm_s(b, messages=c) for e, (b, c) in crossing.items()}
     fwd = forward_s if forward_s is not None else [s.forward_s for s in plan.stages]
     bwd = backward_s if backward_s is not None else [s.backward_s for s in plan.stages]
-    return simulate_stages(opts.schedule, opts.microbatches, fwd, bwd, deps=sorted(crossing), comm=comm)
+    return simulate_stages(opts.schedule, opts.microbatches, fwd, bwd, rates, deps=sorted(crossing), comm=comm)
 
 
 def analyse(graph: Any, opts: Options, *, target: Target | None = None,

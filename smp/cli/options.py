@@ -9,6 +9,7 @@ SMP's names and ours (:data:`partitioner.pipelines.PIPELINE_NAMES`). Argument ty
 from __future__ import annotations
 
 import argparse
+import copy
 import difflib
 import functools
 import math
@@ -183,6 +184,9 @@ def add_plan_args(p: argparse.ArgumentParser, *, microbatches_required: bool = F
                    type=positive_int, default=keep,
                    help="with --sdp: parameters of fewer than N elements stay whole on every replica (SMP's "
                         "sdp_param_persistence_threshold, default 1000000)")
+    p.add_argument("--estimate", action="store_true",
+                   help="price the ops with the cost model's roofline also on --device cpu, where by default each "
+                        "op's forward and backward is timed on this machine (what the ranks will pay)")
     p.add_argument("--max-actions", type=positive_int, default=DEFAULT_MAX_ACTIONS,
                    help=f"refuse to simulate more schedule actions (stages x microbatches x passes, all schedules "
                         f"together) than this (default {DEFAULT_MAX_ACTIONS:.0e}, a few minutes and GB)")
@@ -251,9 +255,21 @@ class Options:
         from partitioner.options import PartitionOptions
 
         given = {f.name: getattr(ns, f.name) for f in fields(PartitionOptions) if hasattr(ns, f.name)}
+        # On this machine's CPU the ops are timed (one tensor- and sdp-rank's graph runs in this process).
+        given.setdefault("measure", hasattr(ns, "estimate") and not ns.estimate and given.get("device", "cpu") == "cpu"
+                         and given.get("dtype", "fp32") == "fp32" and getattr(ns, "tp", 1) == 1
+                         and getattr(ns, "sdp", 1) == 1)
         return cls(ns.partitions, ns.smp_pipeline, measure_stages=getattr(ns, "measure_stages", False),
                    max_actions=getattr(ns, "max_actions", DEFAULT_MAX_ACTIONS), tp=getattr(ns, "tp", 1),
                    sdp=getattr(ns, "sdp", 1), sdp_threshold=getattr(ns, "sdp_threshold", None), **given)
+
+    def with_partition(self, **changes: Any) -> "Options":
+        """These options with ``changes`` to the partitioner's (:class:`partitioner.PartitionOptions` fields)."""
+        from partitioner.options import PartitionOptions
+
+        other = copy.copy(self)
+        object.__setattr__(other, "partition", PartitionOptions.of(self.partition, **changes))
+        return other
 
     @property
     def stage_options(self) -> Any:

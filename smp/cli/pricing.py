@@ -46,6 +46,12 @@ class PipelineCosts:
     sdp_end_s: list[float] = field(default_factory=list)  # sdp reduce-scatter and all-reduce, once per step
     sdp: list[Any] = field(default_factory=list)  # per stage: partitioner.sharded_dp.ShardedRank
 
+    def device_rates(self) -> Any:
+        """The plan's :class:`partitioner.DeviceRates` (the defaults when it records none)."""
+        from partitioner import DeviceRates
+
+        return DeviceRates.from_dict(self.rates) if self.rates else DeviceRates()
+
 
 def pipeline_costs(graph: Any, opts: Options, stages: int, *, exact: bool = True,
                    sdp_link: Any = None) -> PipelineCosts:
@@ -125,7 +131,7 @@ def _link_comm(costs: PipelineCosts, stage_rank: Sequence[int], ranks_per_node: 
     """Seconds per boundary: 0 on one rank, the plan's link within a node, the inter-node link across."""
     from partitioner import DeviceRates
 
-    intra = DeviceRates.from_dict(costs.rates) if costs.rates else DeviceRates()
+    intra = costs.device_rates()
     inter = DeviceRates(link_bytes_per_s=inter_bw, link_latency_s=inter_lat)
     comm = {}
     for (s, t), (b, c) in costs.edge_bytes.items():
@@ -157,8 +163,8 @@ def sim_row(name: str, costs: PipelineCosts, microbatches: int, ranks: int, rank
     fwd, bwd = costs.forward_s, costs.backward_s
     stage_rank = [s % ranks for s in range(len(fwd))]
     comm = _link_comm(costs, stage_rank, ranks_per_node, *inter)
-    sim = simulate_stages(name, microbatches, fwd, bwd, deps=costs.deps, comm=comm, num_ranks=ranks,
-                          virtual_stages=virtual)
+    sim = simulate_stages(name, microbatches, fwd, bwd, costs.device_rates(), deps=costs.deps, comm=comm,
+                          num_ranks=ranks, virtual_stages=virtual)
     peak = _peak_activation_bytes(sim.schedule, costs.act_bytes) if costs.act_bytes else None
     step, bubble = sim.step_s, sim.bubble
     if costs.sdp_end_s:

@@ -56,8 +56,10 @@ def check_budget(ranks: Sequence[Any], budget: float | None, degree: int) -> Non
 
 def with_end_of_step(sim: Any, end_s: Sequence[float]) -> tuple[float, float]:
     """The step and bubble of a simulated schedule (:class:`pipeline.simulate.SimResult`) when each rank then
-    spends ``end_s[rank]`` on the step's reduce-scatter and all-reduce (counted busy)."""
-    step = max((e[-1] if e else 0.0) + x for e, x in zip(sim.ends, end_s))
+    spends ``end_s[rank]`` on the step's reduce-scatter and all-reduce (counted busy); the step's fixed cost
+    (:func:`pipeline.step_model.predict_step`) is kept."""
+    last = [e[-1] if e else 0.0 for e in sim.ends]
+    step = max(t + x for t, x in zip(last, end_s)) + sim.step_s - max(last, default=0.0)
     busy = sum(sim.busy_s) + sum(end_s)
     return step, (1.0 - busy / (len(sim.busy_s) * step) if step > 0 else 0.0)
 

@@ -15,13 +15,13 @@ import logging
 import os
 import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from smp.cli.errors import CLIError
 
-__all__ = ["Target", "parse_target", "load_target", "trace_target"]
+__all__ = ["Target", "parse_target", "load_target", "trace_target", "pricing_threads", "priced_options"]
 
 SHAPE = "(model, example_args) or (model, args, kwargs)"
 
@@ -151,8 +151,39 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-def trace_target(target: Target, progress: Callable[[str], None]) -> Any:
-    """The target's :class:`partitioner.OpGraph`; torch.export's own logs are kept out of the terminal."""
+@contextlib.contextmanager
+def pricing_threads(device: str, ranks: int) -> Iterator[None]:
+    """While a job of ``ranks`` ranks on ``device`` is priced, and they are several on this machine's CPU: torch's
+    intra-op threads as each rank will have them, one (``smp launch`` sets ``OMP_NUM_THREADS=1`` for more than one
+    process), so that the timed ops and the calibrated rates (:func:`partitioner.calibrate`, kept per thread count)
+    are the ranks'."""
+    import torch
+
+    if device != "cpu" or ranks < 2:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def priced_options(opts: Any, target: Target) -> Any:
+    """``opts`` as ``target`` can be priced: a model on the meta device cannot run, so its ops are not timed but
+    estimated (as with ``--estimate``), and a warning says so."""
+    if opts.partition.measure and any(t.is_meta for t in (*target.model.parameters(), *target.model.buffers())):
+        print(f"smp: warning: {target.spec} is on the meta device, so its ops cannot be timed on this machine: the "
+              "cost model prices them (as with --estimate)", file=sys.stderr, flush=True)
+        return opts.with_partition(measure=False)
+    return opts
+
+
+def trace_target(target: Target, progress: Callable[[str], None], opts: Any = None) -> Any:
+    """The target's :class:`partitioner.OpGraph`; torch.export's own logs are kept out of the terminal. When
+    ``opts`` time the ops (``measure``: on ``--device cpu`` unless ``--estimate``; see :func:`priced_options`), they
+    are timed here, once (:attr:`partitioner.OpGraph.timed`)."""
     import partitioner
 
     progress(f"tracing {target.spec} with torch.export")
@@ -168,4 +199,7 @@ def trace_target(target: Target, progress: Callable[[str], None]) -> Any:
         finally:
             logging.disable(logging.NOTSET)
     progress(f"traced {graph.describe()}")
+    if opts is not None and opts.partition.measure:
+        progress("timing every op's forward and backward on this machine (--estimate: the cost model instead)")
+        graph.timed = partitioner.measure(graph, target.args, target.kwargs, rates=opts.partition.resolve_rates())
     return graph

@@ -15,6 +15,7 @@ class Thresholds:
 
     imbalance: float = 1.10
     drift: float = 0.25
+    step_drift: float = 0.25      # StepDrift: the median step this far from the plan's predicted step
     straggler: float = 1.2
     outlier: float = 1.5
     data: float = 0.10

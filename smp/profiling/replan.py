@@ -25,22 +25,24 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from partitioner import DeviceRates, NodeCosts, OpGraph, PartitionOptions, PartitionPlan, estimate, partition
-from pipeline.profile_description import GRAPH_FILE, plan_edges
+from pipeline.profile_description import GRAPH_FILE, plan_edges, rates_of
 from pipeline.schedule import Schedule
-from pipeline.simulate import simulate
+from pipeline.step_model import predict_step
 from smp.profiling.measurements import Measurements, ProfileError, load_profile
 
 __all__ = ["Replan", "fit_costs", "replan", "replan_profile", "replan_to_file"]
 
 @dataclass
 class Replan:
-    """A new plan from measurements, and the steps the simulator predicts for the old and the new plan
-    (both under the costs fitted to the measurements; ``measured_step_s``: the profile's median step)."""
+    """A new plan from measurements, and the steps the step model (:mod:`pipeline.step_model`) predicts for the old
+    and the new plan, both under the costs fitted to the measurements; ``measured_step_s``: the profile's median step;
+    ``planned_step_s``: the old plan's own prediction, the report's."""
 
     plan: PartitionPlan
     old_step_s: float
     new_step_s: float
     measured_step_s: float
+    planned_step_s: float
 
     @property
     def gain(self) -> float:
@@ -52,8 +54,9 @@ class Replan:
         moved = sum(old.assignment[n] != s for n, s in self.plan.assignment.items())
         stages = ", ".join(f"stage {s.index}: {s.nodes} ops {s.modules[0]} .. {s.modules[-1]}"
                            for s in self.plan.stages)
-        return (f"predicted step {self.old_step_s * 1e3:.2f} ms with the profiled plan (measured "
-                f"{self.measured_step_s * 1e3:.2f} ms), {self.new_step_s * 1e3:.2f} ms re-planned: "
+        return (f"the profiled plan predicted a {self.planned_step_s * 1e3:.2f} ms step and measured "
+                f"{self.measured_step_s * 1e3:.2f} ms; with the stage costs measured, the step model predicts "
+                f"{self.old_step_s * 1e3:.2f} ms for it and {self.new_step_s * 1e3:.2f} ms re-planned: "
                 f"{self.gain:.2f}x; {moved} ops move\n{stages}")
 
 
@@ -91,8 +94,9 @@ def fit_costs(graph: OpGraph, costs: NodeCosts, stage: np.ndarray, forward_s: li
 
 def _step(schedule: Schedule, plan: PartitionPlan, graph: OpGraph) -> float:
     edges = plan_edges(plan, graph)
-    return simulate(schedule, [s.forward_s for s in plan.stages], [s.backward_s for s in plan.stages],
-                    comm_s={(s, t): c for s, t, c in edges}, stage_deps=[(s, t) for s, t, _ in edges] or None).step_s
+    return predict_step(schedule, [s.forward_s for s in plan.stages], [s.backward_s for s in plan.stages],
+                        rates_of(plan.rates), comm_s={(s, t): c for s, t, c in edges},
+                        stage_deps=[(s, t) for s, t, _ in edges] or None).step_s
 
 
 def replan(m: Measurements, graph: OpGraph) -> Replan:
@@ -108,7 +112,7 @@ def replan(m: Measurements, graph: OpGraph) -> Replan:
     measured = statistics.median(p.step_s for p in m.phases.values()) if m.phases else 0.0
     # The old plan under the fitted costs has the measured stage times: the simulator's replay of them.
     return Replan(plan=new, old_step_s=m.replayed.step_s, new_step_s=_step(m.schedule, new, graph),
-                  measured_step_s=measured)
+                  measured_step_s=measured, planned_step_s=m.predicted.step_s)
 
 
 def replan_profile(directory: str | os.PathLike[str]) -> tuple[Replan, Measurements]:

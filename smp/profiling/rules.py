@@ -8,6 +8,8 @@ IOBottleneck, LowGPUUtilization), each rule reads :class:`smp.profiling.measurem
 * **PlanDrift**: a stage's measured cost differs from its planned cost by more than 25%, after both are
   scaled to the same total (a device uniformly faster or slower than the cost model thought moves no
   boundary; an op the model misjudges does).
+* **StepDrift**: the median step differs from the plan's predicted step (:mod:`pipeline.step_model`) by more than
+  25%: the prediction every command printed for this run was off, whatever the stages' shares.
 * **Straggler**: with data parallelism, one rank's compute for the same stage is > 1.2x its replicas'.
 * **StepOutlier**: an iteration (the gap before the step, the optimizer, the step) > 1.5x the median;
   it says which phase grew: forward, backward, wait or data.
@@ -75,6 +77,26 @@ def _plan_drift(m: Measurements, t: Thresholds) -> Finding:
                    "(`smp replan DIR -o plan.json`, or \"auto_repartition\"), or time the ops when partitioning "
                    "(smp.DistributedModel(model, trace_execution_times=True))",
                    {"drift": drift, "overall_ratio": overall, "stages": off})
+
+
+def _step_drift(m: Measurements, t: Thresholds) -> Finding:
+    measured = statistics.median(p.step_s for p in m.phases.values()) if m.phases else 0.0
+    predicted, replayed = m.predicted.step_s, m.replayed.step_s
+    if measured <= 0 or predicted <= 0:
+        return Finding("StepDrift", False, "no measured or predicted step to compare")
+    ratio = measured / predicted
+    summary = (f"the median step took {_ms(measured)}, {ratio:.2f}x the {_ms(predicted)} the plan predicted "
+               f"(threshold ±{t.step_drift:.0%}); the step model with the measured stage costs gives {_ms(replayed)}")
+    if abs(replayed / measured - 1) <= t.step_drift:
+        advice = ("the stages cost what the run measured, not what the plan priced them at: time the ops when "
+                  "partitioning (smp.DistributedModel(model, trace_execution_times=True), the default on a CPU with "
+                  "the model's weights; `smp inspect --measure` for a look), or re-plan from these measurements "
+                  "(`smp replan DIR -o plan.json`), whose predictions start from them")
+    else:
+        advice = ("the step spends time the passes do not account for: see the CommBound, DataBound and Bubble "
+                  "findings and the trace (trace.json); another job on the host slows every rank alike")
+    return Finding("StepDrift", abs(ratio - 1) > t.step_drift, summary, advice,
+                   {"measured_s": measured, "predicted_s": predicted, "replayed_s": replayed, "ratio": ratio})
 
 
 def _straggler(m: Measurements, t: Thresholds) -> Finding:
@@ -181,7 +203,8 @@ def _bubble(m: Measurements, t: Thresholds) -> Finding:
 
 
 RULES: tuple[Callable[[Measurements, Thresholds], Finding], ...] = (
-    _stage_imbalance, _plan_drift, _straggler, _step_outlier, _data_bound, _comm_bound, _bubble, *SYSTEM_RULES)
+    _stage_imbalance, _plan_drift, _step_drift, _straggler, _step_outlier, _data_bound, _comm_bound, _bubble,
+    *SYSTEM_RULES)
 
 
 def evaluate(m: Measurements, thresholds: Thresholds | None = None) -> list[Finding]:

@@ -43,15 +43,21 @@ def test_simulate_past_the_model_scales_stage_times(tmp_path: Path, capsys) -> N
 
 
 def test_scaling_formula_is_what_the_simulator_gives_for_equal_stages() -> None:
-    """The formula `smp simulate` prints for large cells: equal stages, free communication."""
+    """The formula `smp simulate` prints for large cells: equal stages, free communication, with and without the
+    runtime's per-pass and per-step costs."""
+    from partitioner import DeviceRates
     from smp.cli.analysis import simulate_stages
+    from smp.cli.commands.simulate import formula_step
 
-    for name in ("gpipe", "1f1b"):
-        for p, m in ((4, 8), (8, 3), (16, 32)):
-            T = 0.024
-            sim = simulate_stages(name, m, [T / 3 / p] * p, [2 * T / 3 / p] * p)
-            assert sim.step_s == pytest.approx((m + p - 1) * T / p)
-            assert sim.bubble == pytest.approx((p - 1) / (m + p - 1))
+    for rates in (DeviceRates(), DeviceRates(pass_overhead_s=1e-3, step_overhead_s=2e-3)):
+        for name in ("gpipe", "1f1b"):
+            for p, m in ((4, 8), (8, 3), (16, 32)):
+                T = 0.024
+                sim = simulate_stages(name, m, [T / 3 / p] * p, [2 * T / 3 / p] * p, rates)
+                assert sim.step_s == pytest.approx(formula_step(p, m, T, rates))
+                if not rates.pass_overhead_s:
+                    assert sim.step_s == pytest.approx((m + p - 1) * T / p)
+                    assert sim.bubble == pytest.approx((p - 1) / (m + p - 1))
 
 
 @pytest.mark.slow

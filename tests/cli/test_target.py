@@ -34,3 +34,48 @@ def test_the_missing_factory_hint_lists_classes_as_classes(factory_file: Path, c
     functions, classes = line.split("functions defined there: ")[1].split(" (classes, not factories: ")
     assert functions.split(", ") == ["broken", "build", "build_kwargs", "exits", "single_tensor", "wrong"]
     assert classes.startswith("Net)")
+
+
+META_MLP = '''
+import torch
+
+
+def build():
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8))
+    return model, (torch.zeros(4, 8),)
+'''
+
+
+def test_on_this_cpu_the_ops_are_timed_unless_estimate_is_asked(tmp_path: Path, capsys) -> None:
+    """`--device cpu` (the default) prices the plan from the ops timed here; `--estimate` from the roofline; a meta
+    model cannot be timed: the roofline prices it, with a warning, as --estimate does without one."""
+    import json
+
+    from smp.cli import main
+
+    for extra, timed in (([], True), (["--estimate"], False)):
+        out = tmp_path / f"plan{len(extra)}.json"
+        assert main(["inspect", "zoo:mlp", "-p", "2", "-m", "2", "-q", "--json", str(out), *extra]) == 0
+        assert json.loads(out.read_text())["options"]["measured"] is timed
+    (tmp_path / "meta.py").write_text(META_MLP)
+    target = f"{tmp_path / 'meta.py'}:build"
+    assert main(["inspect", target, "-p", "2", "-q", "--json", str(tmp_path / "meta.json")]) == 0
+    err = capsys.readouterr().err
+    assert "on the meta device, so its ops cannot be timed" in err and "--estimate" in err
+    assert json.loads((tmp_path / "meta.json").read_text())["options"]["measured"] is False
+    assert main(["inspect", target, "-p", "2", "-q", "--estimate"]) == 0
+    assert "meta device" not in capsys.readouterr().err
+
+
+def test_a_cpu_pipeline_is_priced_with_one_thread_per_rank_as_smp_launch_runs_it() -> None:
+    import torch
+
+    from smp.cli.target import pricing_threads
+
+    before = torch.get_num_threads()
+    with pricing_threads("cpu", 2):
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == before
+    with pricing_threads("cpu", 1), pricing_threads("h100-80gb", 2):
+        assert torch.get_num_threads() == before  # one rank, or another device: this process's threads

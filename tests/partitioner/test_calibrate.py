@@ -51,7 +51,7 @@ def test_profile_is_measured_once_and_cached_per_machine(cache_home, monkeypatch
     assert path.parent == cache_home / "smp-engine" and path.exists()
     data = json.loads(path.read_text())
     assert data["key"] == {"cpu": calibrate_mod._cpu_model(), "torch": torch.__version__,
-                           "threads": torch.get_num_threads()}
+                           "threads": torch.get_num_threads(), "profile": calibrate_mod._PROFILE_VERSION}
     assert DeviceRates.from_dict(data["rates"]) == rates and rates.name == "cpu"
     # A later process reads the file instead of measuring: changed figures there are what it gets.
     _calibrate_then_fake_the_cache()

@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 
-from benchmarks.published import COLLECTIVES, GRID, ROWS, fit, gpt_tokens_per_s, rates_of
+from benchmarks.published import COLLECTIVES, GRID, ROWS, fit, gpt_tokens_per_s, rates_of, selective_share
 from partitioner.devices import LINKS, PROFILES, profile
 
 
@@ -58,3 +59,20 @@ def test_profiles_efficiencies_lie_on_the_fit_grid():
 def test_collective_references_name_known_links():
     for link, _, lo, hi in COLLECTIVES:
         assert link in LINKS and 0 < lo <= hi
+
+
+def test_fsdp_rows_are_priced_as_sharded_data_parallelism_that_overlaps():
+    for row in ROWS:
+        if row.role != "excluded" and "FSDP" in row.where:
+            assert row.sdp == row.dp and row.overlap, row.key  # torchtitan's FSDP shards over all its dp ranks
+        if row.key.startswith("sc21-"):
+            assert row.sdp == 1 and not row.overlap, row.key  # Megatron's plain data parallelism
+
+
+def test_selective_checkpointing_recomputes_torchtitans_op_policy_in_the_blocks():
+    block = "model.layers.0"
+    graph = SimpleNamespace(kinds=["aten.embedding", "aten.linear", "aten.scaled_dot_product_attention", "aten.mul",
+                                   "aten.linear"],
+                            modules=["model.embed_tokens", f"{block}.self_attn.q_proj", f"{block}.self_attn",
+                                     f"{block}.mlp", "lm_head"])
+    assert list(selective_share(graph)) == [0.0, 0.5, 0.0, 1.0, 0.0]  # embedding and output head: outside

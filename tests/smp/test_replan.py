@@ -94,9 +94,13 @@ def test_replan_needs_the_graph_of_the_profiled_plan(misjudged, tmp_path):
 
 
 # -- in flight -------------------------------------------------------------------------------------------------
+# Enough work per pass that balancing the stages beats the runtime's per-pass cost (pipeline.step_model).
+WIDTH, BATCH = 512, 256
+
+
 def _mlp() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(*[nn.Sequential(nn.Linear(128, 128), nn.Tanh()) for _ in range(8)])
+    return nn.Sequential(*[nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(8)])
 
 
 def _train(rank: int, workdir: str, cfg: dict, steps: int, place_first: bool = False):
@@ -119,7 +123,7 @@ def _train(rank: int, workdir: str, cfg: dict, steps: int, place_first: bool = F
     losses, first_stage = [], []
     for i in range(steps):
         g = torch.Generator().manual_seed(100 + i)
-        x, y = torch.randn(32, 128, generator=g), torch.randn(32, 128, generator=g)
+        x, y = torch.randn(BATCH, WIDTH, generator=g), torch.randn(BATCH, WIDTH, generator=g)
         x, y = x.chunk(smp.dp_size())[smp.dp_rank()], y.chunk(smp.dp_size())[smp.dp_rank()]
         losses.append(train_step(model, x, y).reduce_mean().item())
         opt.step()

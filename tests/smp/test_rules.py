@@ -15,9 +15,10 @@ def plan():
     return sp.plan_of()[0]
 
 
-def _balanced(plan):
-    """Measured stage costs in the plan's proportions (any scale), a few microseconds apart."""
-    return {"forward_s": [s.forward_s * 3 for s in plan.stages], "backward_s": [s.backward_s * 3 for s in plan.stages]}
+def _balanced(plan, scale: float = 1.0):
+    """Measured stage costs in the plan's proportions (as planned, or ``scale`` times that)."""
+    return {"forward_s": [s.forward_s * scale for s in plan.stages],
+            "backward_s": [s.backward_s * scale for s in plan.stages]}
 
 
 def fired(m, **thresholds):
@@ -26,10 +27,10 @@ def fired(m, **thresholds):
 
 def test_a_balanced_run_fires_nothing(plan):
     findings = evaluate(measure(*sp.make(plan, **_balanced(plan))))
-    assert [f.rule for f in findings][:7] == ["StageImbalance", "PlanDrift", "Straggler", "StepOutlier",
+    assert [f.rule for f in findings][:8] == ["StageImbalance", "PlanDrift", "StepDrift", "Straggler", "StepOutlier",
                                               "DataBound", "CommBound", "Bubble"]
     assert not [f for f in findings if f.fired], [str(f) for f in findings]
-    assert len(RULES) == 11  # and the system monitor's four: tests/smp/test_system_rules.py
+    assert len(RULES) == 12  # and the system monitor's four: tests/smp/test_system_rules.py
 
 
 def test_stage_imbalance_names_the_stages_and_their_modules(plan):
@@ -40,16 +41,29 @@ def test_stage_imbalance_names_the_stages_and_their_modules(plan):
 
 
 def test_plan_drift_sees_a_stage_the_cost_model_misjudged_not_a_uniformly_slower_device(plan):
-    base = _balanced(plan)
+    base = _balanced(plan, 3.0)
     assert "PlanDrift" not in fired(measure(*sp.make(plan, **base)))
     skewed = dict(base, backward_s=[base["backward_s"][0], base["backward_s"][1] * 3])
     f = fired(measure(*sp.make(plan, **skewed)))["PlanDrift"]
     assert f.numbers["stages"] and "trace_execution_times" in f.recommendation
 
 
+def test_step_drift_says_the_predicted_step_missed_and_why(plan):
+    """Every stage 3x slower than planned: the shares hold (PlanDrift quiet), the predicted step does not; the step
+    model with the measured stage costs explains the run, so the advice is to time the ops. A step that loses
+    time outside its passes gets the other advice."""
+    f = fired(measure(*sp.make(plan, **_balanced(plan, 3.0))))["StepDrift"]
+    assert f.numbers["ratio"] > 2 and abs(f.numbers["replayed_s"] / f.numbers["measured_s"] - 1) < 0.25
+    assert f"{f.numbers['ratio']:.2f}x the" in f.summary
+    assert "trace_execution_times=True" in f.recommendation and "smp replan" in f.recommendation
+    assert "StepDrift" not in fired(measure(*sp.make(plan, **_balanced(plan, 1.2))))
+    slow = fired(measure(*sp.make(plan, **_balanced(plan), slow={0: 3.0, 1: 3.0})), step_drift=0.25)
+    assert "StepDrift" in slow or "PlanDrift" in slow
+
+
 def test_straggler_needs_replicas_and_names_the_slow_rank(plan):
     base = _balanced(plan)
-    assert "one pipeline" in evaluate(measure(*sp.make(plan, **base)))[2].summary
+    assert "one pipeline" in evaluate(measure(*sp.make(plan, **base)))[3].summary
     f = fired(measure(*sp.make(plan, **base, replicas=2, slow={3: 1.5})))["Straggler"]
     assert f.numbers["ranks"] == [3] and "rank 3" in f.summary and "1.50x" in f.summary
     assert "Straggler" not in fired(measure(*sp.make(plan, **base, replicas=2, slow={3: 1.1})))
@@ -76,4 +90,4 @@ def test_bubble_compares_with_the_prediction(plan):
     m = measure(*sp.make(plan, **_balanced(plan)))
     assert "Bubble" not in fired(m)
     assert "Bubble" in fired(m, bubble=-0.5)  # a threshold below the prediction: the measured bubble exceeds it
-    assert "(p - 1) / (m + p - 1)" in evaluate(m)[6].recommendation
+    assert "(p - 1) / (m + p - 1)" in evaluate(m)[7].recommendation

@@ -19,8 +19,8 @@ def plan():
 
 def _run(plan, *, gap_s=0.0, rss_step=0.0, **monitor):
     """Measurements of a balanced run (the plan's proportions) with the given monitor samples."""
-    events, counters, info = sp.make(plan, forward_s=[s.forward_s * 3 for s in plan.stages],
-                                     backward_s=[s.backward_s * 3 for s in plan.stages], gap_s=gap_s,
+    events, counters, info = sp.make(plan, forward_s=[s.forward_s for s in plan.stages],
+                                     backward_s=[s.backward_s for s in plan.stages], gap_s=gap_s,
                                      rss_step=rss_step)
     return measure(events, counters + sp.monitor(events, info, **monitor), info)
 
@@ -32,7 +32,7 @@ def _findings(m, **thresholds):
 def test_the_system_rules_follow_the_pipeline_rules_and_a_healthy_run_fires_none(plan):
     # The ranks fill both cores (a healthy job on a small host) and the step never waits on data.
     m = _run(plan, busy=98.0, ranks_cores=1.95)
-    assert [f.rule for f in evaluate(m)][-4:] == SYSTEM and len(RULES) == 11
+    assert [f.rule for f in evaluate(m)][-4:] == SYSTEM and len(RULES) == 12
     assert not [f for f in evaluate(m) if f.fired], [str(f) for f in evaluate(m)]
     assert m.system[0].core_busy.shape[1] == 2 and m.system[0].host == "h"
 

@@ -23,7 +23,7 @@ from smp.cli.commands.launch import launch
 from smp.cli.errors import CLIError
 from smp.cli.options import Options, positive_int
 from smp.cli.plan_table import format_report, pipeline_title
-from smp.cli.target import load_target, trace_target
+from smp.cli.target import load_target, pricing_threads, trace_target
 from smp.cli.text import Progress
 
 __all__ = ["register", "run", "DemoRun", "DEMO_STEPS", "TRAIN_SCRIPT"]
@@ -65,7 +65,7 @@ def _demo_plan(run: DemoRun) -> int:
     print(f"smp demo: GPT-2 (built-in small config, random weights) in {o.partitions} pipeline stages, "
           f"{o.microbatches} microbatches, {pipeline_title(o.pipeline, o.schedule)}")
     target = load_target("zoo:gpt2", progress=run.progress)
-    run.graph = trace_target(target, run.progress)
+    run.graph = trace_target(target, run.progress, o)
     run.plan, run.sim = analyse(run.graph, o, target=target, progress=run.progress)
     print()
     print(format_report(run.plan, run.graph))
@@ -121,11 +121,13 @@ DEMO_STEPS: list[Callable[[DemoRun], int]] = [_demo_plan, _demo_schedule, _demo_
 
 def run(ns: argparse.Namespace) -> int:
     """Run ``smp demo`` on parsed arguments."""
-    opts = Options(ns.partitions, ns.smp_pipeline, microbatches=ns.microbatches)
+    # The ops are timed on this machine, one thread as each rank runs (what the ranks will pay).
+    opts = Options(ns.partitions, ns.smp_pipeline, microbatches=ns.microbatches, measure=True)
     check_work(opts)
     demo = DemoRun(ns, opts, Progress(ns.quiet))
-    for step in DEMO_STEPS:
-        code = step(demo)
-        if code:
-            return code
+    with pricing_threads(opts.partition.device, opts.partitions):
+        for step in DEMO_STEPS:
+            code = step(demo)
+            if code:
+                return code
     return 0

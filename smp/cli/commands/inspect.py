@@ -17,7 +17,7 @@ from smp.cli.limits import check_actions, schedule_actions
 from smp.cli.options import Options, add_plan_args, add_target_args, check_output
 from smp.cli.plan_table import format_report
 from smp.cli.sharded_dp import price_plan, sdp_lines
-from smp.cli.target import load_target, trace_target
+from smp.cli.target import load_target, priced_options, pricing_threads, trace_target
 from smp.cli.tensor_parallel import replicated_warnings, shard_target, tp_lines, warn
 from smp.cli.text import Progress
 
@@ -60,9 +60,15 @@ def run(ns: argparse.Namespace) -> int:
     check_output(ns.timeline, "--timeline", (".png", ".json"))
     opts = Options.from_args(ns)
     check_work(opts)
+    with pricing_threads(opts.partition.device, opts.partitions * opts.tp * opts.sdp):
+        return _inspect(ns, opts)
+
+
+def _inspect(ns: argparse.Namespace, opts: Options) -> int:
     progress = Progress(ns.quiet)
     target = load_target(ns.target, size=ns.size, batch=ns.batch, progress=progress)
-    whole = trace_target(target, progress)
+    opts = priced_options(opts, target)
+    whole = trace_target(target, progress, opts)
     graph, sharding = shard_target(whole, opts.tp, progress)
     if sharding is not None:
         warn(replicated_warnings(sharding))

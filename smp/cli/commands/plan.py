@@ -30,7 +30,7 @@ from partitioner.devices import DEVICES, LINKS, PRECISIONS
 from partitioner.units import format_bytes, format_seconds
 from smp.cli.errors import CLIError
 from smp.cli.options import RANKS_PER_NODE, add_target_args, budget, check_output, positive_int
-from smp.cli.target import load_target
+from smp.cli.target import load_target, pricing_threads
 from smp.cli.text import Progress, table
 
 __all__ = ["register", "run", "pipeline_simulator", "smp_config", "CONFIG_SCHEDULES"]
@@ -79,6 +79,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="ZeRO-1, the optimizer state sharded over the dp replicas: auto (try both, default), on, off")
     p.add_argument("--placement", choices=("auto", "cluster", "PDT"), default="auto",
                    help="rank order of the axes: cluster (DPT, SMP's default), PDT, or auto (both)")
+    p.add_argument("--estimate", action="store_true",
+                   help="on --device cpu, price the ops with the cost model's roofline instead of timing them here")
     p.add_argument("--exhaustive", action="store_true",
                    help="price every layout the bounds cannot rule out (slower; by default the walk stops once "
                         "the optimistic estimate reaches the K-th best)")
@@ -90,15 +92,15 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def pipeline_simulator(schedule: str, ranks: int, microbatches: int, virtual_stages: int, forward_s: list[float],
                        backward_s: list[float], comm_s: dict[tuple[int, int], float],
-                       deps: list[tuple[int, int]]) -> Any:
+                       deps: list[tuple[int, int]], rates: Any) -> Any:
     """The :class:`partitioner.layout_score.PipelineSimulator` of ``smp plan``: the schedule ``smp simulate``
     builds, simulated the same way (:func:`smp.cli.analysis.simulate_stages`)."""
     from partitioner.layout_score import SimOutcome
     from pipeline.schedule import peak_in_flight
     from smp.cli.analysis import simulate_stages
 
-    sim = simulate_stages(schedule, microbatches, forward_s, backward_s, deps=deps, comm=comm_s, num_ranks=ranks,
-                          virtual_stages=virtual_stages)
+    sim = simulate_stages(schedule, microbatches, forward_s, backward_s, rates, deps=deps, comm=comm_s,
+                          num_ranks=ranks, virtual_stages=virtual_stages)
     return SimOutcome(sim.step_s, sim.bubble, [e[-1] if e else 0.0 for e in sim.ends], peak_in_flight(sim.schedule))
 
 
@@ -168,9 +170,6 @@ def _space(ns: argparse.Namespace, rpn: int) -> Any:
 
 def run(ns: argparse.Namespace) -> int:
     """Run ``smp plan`` on parsed arguments."""
-    from partitioner.layout_costs import head_counts, layout_costs
-    from partitioner.layout_score import LayoutScorer, Pricing
-    from partitioner.layout_search import candidates, search, tp_choices
     from partitioner.options import PartitionOptions
 
     check_output(ns.json, "--json", (".json",))
@@ -185,6 +184,16 @@ def run(ns: argparse.Namespace) -> int:
     progress = Progress(ns.quiet)
     start = time.perf_counter()
     target = load_target(ns.target, size=ns.size, batch=ns.batch, progress=progress)
+    with pricing_threads(ns.device, ns.devices):
+        return _plan(ns, target, space, options, rpn, progress, start)
+
+
+def _plan(ns: argparse.Namespace, target: Any, space: Any, options: Any, rpn: int, progress: Any,
+          start: float) -> int:
+    from partitioner.layout_costs import head_counts, layout_costs
+    from partitioner.layout_score import LayoutScorer, Pricing
+    from partitioner.layout_search import candidates, search, tp_choices
+
     tps = [t for t in tp_choices(ns.devices, rpn, head_counts(target.model)) if ns.tp in (None, t)]
     if not tps:
         raise CLIError(f"no tensor-parallel degree divides --devices {ns.devices}, --ranks-per-node {rpn} and the "
@@ -194,8 +203,11 @@ def run(ns: argparse.Namespace) -> int:
         raise CLIError(f"no pp x tp x dp = {ns.devices} splits --global-batch {ns.global_batch} into equal "
                        "microbatches with these fixed degrees; change the batch, the devices or the degrees")
     pricing = Pricing(options, rpn)
+    # On this machine's CPU the ops are timed, as smp inspect does (a meta model cannot be: the roofline then).
+    timed = (ns.device == "cpu" and ns.dtype == "fp32" and not ns.estimate
+             and not any(t.is_meta for t in (*target.model.parameters(), *target.model.buffers())))
     costs = layout_costs(target.model, target.args, target.kwargs, sizes=sizes, tp_degrees=tps,
-                         rates=pricing.rates, dtype=ns.dtype, progress=progress)
+                         rates=pricing.rates, dtype=ns.dtype, progress=progress, timed=timed)
     for tp, why in sorted(costs.skipped.items()):
         progress(f"tp {tp} left out: {why}")
     whole = next(iter(costs.whole.traced.values()))

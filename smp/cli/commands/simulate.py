@@ -29,11 +29,11 @@ from smp.cli.options import (
 from smp.cli.plan_table import pipeline_title, priced_for
 from smp.cli.pricing import PipelineCosts, pipeline_costs, sim_row
 from smp.cli.sharded_dp import check_budget, group_link, record, sdp_lines
-from smp.cli.target import load_target, trace_target
+from smp.cli.target import load_target, priced_options, pricing_threads, trace_target
 from smp.cli.tensor_parallel import replicated_warnings, shard_target, tp_lines, warn
 from smp.cli.text import Progress, ms, table
 
-__all__ = ["register", "run", "COMPARED", "check_work"]
+__all__ = ["register", "run", "COMPARED", "check_work", "formula_step"]
 
 # --schedules name -> pipeline.schedule name.
 COMPARED = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved-virtual": "interleaved-virtual", "zero-bubble": "zb-h1"}
@@ -107,10 +107,15 @@ def check_work(opts: Options, compared: list[str], V: int) -> None:
 
 def run(ns: argparse.Namespace) -> int:
     """Run ``smp simulate`` on parsed arguments."""
-    from partitioner import DeviceRates
-
     check_output(ns.json, "--json", (".json",))
     opts = Options.from_args(ns)
+    with pricing_threads(opts.partition.device, opts.partitions * opts.tp * opts.sdp):
+        return _simulate(ns, opts)
+
+
+def _simulate(ns: argparse.Namespace, opts: Options) -> int:
+    from partitioner import DeviceRates
+
     compared = _schedule_list(ns.schedules, opts.schedule)
     P, M, V, rpn = opts.partitions, opts.microbatches, ns.virtual_stages, ns.ranks_per_node
     if rpn % opts.tp:
@@ -119,7 +124,8 @@ def run(ns: argparse.Namespace) -> int:
     check_work(opts, compared, V)
     progress = Progress(ns.quiet)
     target = load_target(ns.target, size=ns.size, batch=ns.batch, progress=progress)
-    whole = trace_target(target, progress)
+    opts = priced_options(opts, target)
+    whole = trace_target(target, progress, opts)
     graph, sharding = shard_target(whole, opts.tp, progress)
     if sharding is not None:
         warn(replicated_warnings(sharding))
@@ -225,8 +231,11 @@ def _print(spec: str, graph: Any, opts: Options, costs: PipelineCosts, rpn: int,
     print(f"winner: {best}{gain}")
     print()
     simulated = all(r["simulated"] for r in scaling)
+    rates = costs.device_rates()
+    runtime = (f" + 2 o) + s with the runtime's o = {ms(rates.pass_overhead_s)} ms per pass and s = "
+               f"{ms(rates.step_overhead_s)} ms per step" if rates.pass_overhead_s or rates.step_overhead_s else ")")
     how = ("simulated with the links above" if simulated else
-           "equal stages, compute only: (m + p - 1) T/p per step, bubble (p - 1)/(m + p - 1)")
+           f"equal stages, compute only: (m + p - 1) (T/p{runtime} per step, bubble (p - 1)/(m + p - 1)")
     print(f"how it scales with p and m ({opts.schedule}; a microbatch costs T = {ms(T)} ms of compute, T/p per "
           f"stage; {how}):")
     grid = {(r["p"], r["m"]): r for r in scaling}
@@ -241,12 +250,19 @@ def _print(spec: str, graph: Any, opts: Options, costs: PipelineCosts, rpn: int,
               f"{format_seconds(formula)})")
 
 
+def formula_step(p: int, m: int, total_s: float, rates: Any) -> float:
+    """The step of GPipe or 1F1B over p equal stages of a model whose microbatch costs ``total_s``, communication
+    free: (m + p - 1) (T/p + 2 o) + s, with the runtime's per-pass and per-step costs o and s of ``rates``
+    (:mod:`pipeline.step_model`), what the simulator gives."""
+    return (m + p - 1) * (total_s / p + 2 * rates.pass_overhead_s) + rates.step_overhead_s
+
+
 def _scaling(graph: Any, opts: Options, costs: PipelineCosts, rpn: int, inter: tuple[float, float],
              main_row: dict[str, Any], sdp_link: Callable[[int], Any]) -> list[dict[str, Any]]:
     """The chosen schedule at p in {P/4, P/2, P} x m in {M/4, M/2, M}: simulated with the same pricing rule
     and links as the main result when every cell has p * m <= SCALING_SIM_MAX; otherwise, for every cell, the
-    equal-stage compute-only formula step = (m + p - 1) T / p, bubble = (p - 1) / (m + p - 1), which the
-    simulator reproduces when communication is free."""
+    equal-stage compute-only formula (:func:`formula_step`), bubble = (p - 1) / (m + p - 1), which the simulator
+    reproduces when communication is free."""
     P, M = opts.partitions, opts.microbatches
     total = sum(costs.forward_s) + sum(costs.backward_s)
     ps, ms_, simulated = _scaling_cells(P, M)
@@ -255,8 +271,8 @@ def _scaling(graph: Any, opts: Options, costs: PipelineCosts, rpn: int, inter: t
     for p in ps:
         for m in ms_:
             if not simulated:
-                out.append({"p": p, "m": m, "step_s": (m + p - 1) * total / p, "bubble": (p - 1) / (m + p - 1),
-                            "simulated": False})
+                out.append({"p": p, "m": m, "step_s": formula_step(p, m, total, costs.device_rates()),
+                            "bubble": (p - 1) / (m + p - 1), "simulated": False})
                 continue
             if (p, m) == (P, M):
                 r = main_row

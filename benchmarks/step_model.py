@@ -1,0 +1,227 @@
+"""The step model against real steps: predicted vs measured step of the zoo models trained through ``@smp.step``.
+
+For each zoo model (``smp.zoo``, small size, random weights), on 2 gloo ranks of this host (one thread per rank, as
+``smp launch`` runs them; rank r pinned to core r, ``--no-pin`` to not), fp32: ``smp.init`` with
+``pipeline_parallel_degree`` 2, ``--microbatches`` microbatches of the zoo's example batch (``--batch``) and SMP's
+``"interleaved"`` pipeline; ``smp.DistributedModel`` with the ops timed on this machine (what a CPU run plans with)
+and an ``@smp.step`` function that calls the model, the zoo's loss and ``model.backward``, as a user writes it.
+
+* ``predicted``: the plan the run made, priced by :func:`pipeline.step_model.predict_step` (its stages' op seconds,
+  the per-pass and per-step costs of this machine's ``cpu`` profile, the transfers), what ``smp inspect`` and the
+  profile's report print for it;
+* ``measured``: the median ``@smp.step`` call, timed from a barrier to a barrier (``--steps`` steps after two
+  warm-up steps; the optimizer is not in it, as it is not in the report's step).
+
+Goal (issue 24, item 5): every row within 25 %. ``--fit`` also prints the per-pass and per-step costs that fit the
+rows best (least squares on the relative error), what :mod:`partitioner.calibration` keeps for this machine.
+
+``--plan``: the layouts ``smp plan`` proposes for 2 CPU ranks, run. For ``--plan-model`` (GPT-2) and a global batch of
+``--plan-batch``, ``smp plan --devices 2`` (its best layout) and ``smp plan --devices 2 --pp 2`` (the best with two
+pipeline stages) each write a JSON and an smp config; each config then trains through ``smp.init(config)`` and
+``@smp.step`` on 2 ranks (each rank its share of the global batch), and its median step (barrier to barrier, the
+optimizer not in it) is printed beside the plan's ``step_s``. Goal (issue 24, item 2): within 15 %.
+
+Run: ``python benchmarks/step_model.py [--models gpt2 bert ...] [--steps 9] [--microbatches 4] [--fit] [--plan]``:
+a few seconds per model on two idle cores.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import load_average, pin  # noqa: E402
+from smp.testing import run_ranks  # noqa: E402
+from smp.zoo import NAMES  # noqa: E402
+
+GOAL = 0.25
+PLAN_GOAL = 0.15
+
+
+def _step_function(z: Any) -> Any:
+    """The ``@smp.step`` function a user writes for zoo model ``z``: the model, its loss, ``model.backward``."""
+    import smp
+
+    @smp.step
+    def train_step(model: Any, args: tuple, kwargs: dict, target: torch.Tensor) -> torch.Tensor:
+        loss = z.loss_fn(model(*args, **kwargs), target)
+        model.backward(loss)
+        return loss
+
+    return train_step
+
+
+def worker(rank: int, world: int, cfg: dict) -> dict[str, Any] | None:
+
+    import smp
+    from smp import zoo
+
+    torch.set_num_threads(1)
+    pin(rank, cfg)
+    m = cfg["microbatches"]
+    smp.init({"pipeline_parallel_degree": world, "microbatches": m, "pipeline": "interleaved"})
+    z = zoo.build(cfg["model"], batch=cfg["batch"] * m)
+    model = smp.DistributedModel(z.model, trace_execution_times=True)
+    train_step = _step_function(z)
+
+    timed = _timed_steps(rank, cfg, z, model, train_step)
+    return {**timed, **_plan_rows(model)} if rank == 0 else None
+
+
+def plan_worker(rank: int, world: int, cfg: dict) -> float | None:
+    """Train ``cfg["model"]`` with the smp config ``smp plan`` wrote; rank 0 returns the median step."""
+    import smp
+    from smp import zoo
+
+    torch.set_num_threads(1)
+    pin(rank, cfg)
+    smp.init(cfg["config"])
+    z = zoo.build(cfg["model"], batch=cfg["global_batch"] // smp.dp_size())
+    model = smp.DistributedModel(z.model)
+    train_step = _step_function(z)
+
+    timed = _timed_steps(rank, cfg, z, model, train_step)
+    return timed["measured_s"] if rank == 0 else None
+
+
+def plan_rows(args: argparse.Namespace) -> list[tuple[str, float, float]]:
+    """(layout, predicted step, measured step) of smp plan's proposal and its best with --pp 2, each run."""
+    import tempfile
+
+    from smp.cli import main as smp_main
+
+    rows = []
+    for label, extra in (("proposal", []), ("--pp 2", ["--pp", "2"])):
+        with tempfile.TemporaryDirectory() as tmp:
+            out, cfg_file = Path(tmp, "plan.json"), Path(tmp, "config.json")
+            code = smp_main(["plan", f"zoo:{args.plan_model}", "--devices", "2", "--global-batch",
+                             str(args.plan_batch), "--top", "1", "-q", "--json", str(out), "--config", str(cfg_file),
+                             *extra])
+            if code:
+                raise SystemExit(f"smp plan {label} failed ({code})")
+            best = json.loads(out.read_text())["layouts"][0]
+            cfg = {"model": args.plan_model, "steps": args.steps, "global_batch": args.plan_batch, "pin": args.pin,
+                   "config": json.loads(cfg_file.read_text())}
+            measured = run_ranks(plan_worker, 2, cfg, timeout=900, pg_timeout=300)[0]
+        layout = (f"{label}: pp{best['pp']} tp{best['tp']} dp{best['dp']} sdp{best['sdp']}, {best['microbatches']} x "
+                  f"{best['microbatch_size']}, {best['schedule']}")
+        rows.append((layout, best["step_s"], measured))
+    return rows
+
+
+def _timed_steps(rank: int, cfg: dict, z: Any, model: Any, train_step: Any, batch: tuple | None = None) -> dict:
+    """The median of ``cfg["steps"]`` steps after two warm-up steps, each from a barrier to a barrier."""
+    import torch.distributed as dist
+
+    args, kwargs, target = batch or (z.args, z.kwargs, z.target)
+    times = []
+    for i in range(cfg["steps"] + 2):
+        z.model.zero_grad(set_to_none=True)
+        dist.barrier()
+        t0 = time.perf_counter()
+        train_step(model, args, kwargs, target)
+        dist.barrier()
+        if i >= 2:  # two warm-up steps: the first partitions
+            times.append(time.perf_counter() - t0)
+        if i == 0:
+            pin(rank, cfg)  # gloo's threads, started since
+    return {"measured_s": statistics.median(times)}
+
+
+def _plan_rows(model: Any) -> dict:
+    """What the step model needs of the run's plan: stage seconds, the bytes crossing, rates and schedule."""
+    from partitioner.objective import stage_crossings
+
+    plan = model.runner.plan
+    graph = plan.traced_graph()
+    crossing = stage_crossings(graph, plan.stage_of_ops(graph), plan.num_stages)
+    return {"forward_s": [s.forward_s for s in plan.stages],
+            "backward_s": [s.backward_s for s in plan.stages], "crossing": sorted(crossing.items()),
+            "rates": plan.rates, "pipeline": plan.options["pipeline"]}
+
+
+def predicted(row: dict[str, Any], microbatches: int, rates: Any = None) -> float:
+    """The step the step model predicts for the run's plan (under ``rates``, else the plan's own), as
+    :func:`pipeline.profile_description.predict` prices a profiled plan."""
+    from pipeline.profile_description import rates_of
+    from pipeline.schedule import make_schedule
+    from pipeline.step_model import predict_step
+
+    rates = rates or rates_of(row["rates"])
+    comm = {(s, t): rates.comm_s(b, messages=c) for (s, t), (b, c) in row["crossing"]}
+    schedule = make_schedule(row["pipeline"], len(row["forward_s"]), microbatches)
+    return predict_step(schedule, row["forward_s"], row["backward_s"], rates, comm_s=comm,
+                        stage_deps=sorted(comm) or None).step_s
+
+
+def fit(rows: list[dict[str, Any]], microbatches: int) -> tuple[float, float]:
+    """The per-pass and per-step seconds that minimise the squared relative errors of the rows (a grid, then a
+    finer one around its best)."""
+    from pipeline.profile_description import rates_of
+
+    base = rates_of(rows[0]["rates"])
+
+    def loss(p: float, s: float) -> float:
+        rates = dataclasses.replace(base, pass_overhead_s=p, step_overhead_s=s)
+        return sum((predicted(r, microbatches, rates) / r["measured_s"] - 1) ** 2 for r in rows)
+
+    best = min(((p * 1e-4, s * 1e-4) for p in range(0, 21) for s in range(0, 101, 5)), key=lambda ps: loss(*ps))
+    fine = [(best[0] + dp * 2e-5, best[1] + ds * 1e-4) for dp in range(-5, 6) for ds in range(-5, 6)]
+    return min((ps for ps in fine if ps[0] >= 0 and ps[1] >= 0), key=lambda ps: loss(*ps))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", nargs="+", default=list(NAMES), choices=NAMES)
+    ap.add_argument("--steps", type=int, default=9, help="timed steps per model")
+    ap.add_argument("--microbatches", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=4, help="samples per microbatch (the zoo's example batch)")
+    ap.add_argument("--fit", action="store_true", help="also print the per-pass and per-step costs that fit best")
+    ap.add_argument("--save", metavar="FILE", help="also write the measured rows as JSON")
+    ap.add_argument("--plan", action="store_true", help="also run the layouts smp plan proposes for 2 CPU ranks")
+    ap.add_argument("--plan-model", default="gpt2", choices=NAMES, help="the zoo model --plan plans (default gpt2)")
+    ap.add_argument("--plan-batch", type=int, default=16, help="--plan's global batch (default 16)")
+    ap.add_argument("--no-pin", dest="pin", action="store_false", help="do not pin rank r to core r")
+    args = ap.parse_args(argv)
+    print(f"step model vs @smp.step: zoo models (small), 2 ranks (gloo), SMP 'interleaved' (1F1B), "
+          f"{args.microbatches} microbatches of {args.batch}, 1 thread per rank, fp32, ops timed on this machine")
+    print(f"before: {load_average()}")
+    rows = []
+    for name in args.models:
+        cfg = {"model": name, "steps": args.steps, "microbatches": args.microbatches, "batch": args.batch,
+               "pin": args.pin}
+        res = run_ranks(worker, 2, cfg, timeout=900, pg_timeout=300)[0]
+        rows.append({"model": name, **res})
+    if args.save:
+        Path(args.save).write_text(json.dumps(rows))
+    print(f"{'model':<10} {'predicted ms':>12} {'measured ms':>12} {'error':>8}  within {GOAL:.0%}")
+    for r in rows:
+        p = predicted(r, args.microbatches)
+        err = p / r["measured_s"] - 1
+        print(f"{r['model']:<10} {p * 1e3:>12.2f} {r['measured_s'] * 1e3:>12.2f} {err:>+8.1%}  "
+              f"{'yes' if abs(err) <= GOAL else 'NO'}")
+    if args.plan:
+        print(f"\nsmp plan --devices 2 --global-batch {args.plan_batch} for zoo:{args.plan_model}, each layout's "
+              f"config trained on 2 ranks (goal: within {PLAN_GOAL:.0%})")
+        for layout, predicted_s, measured_s in plan_rows(args):
+            err = predicted_s / measured_s - 1
+            print(f"  {layout}: predicted {predicted_s * 1e3:.2f} ms, measured {measured_s * 1e3:.2f} ms, {err:+.1%}"
+                  f" {'yes' if abs(err) <= PLAN_GOAL else 'NO'}")
+    if args.fit:
+        p, s = fit(rows, args.microbatches)
+        print(f"best fit: pass_overhead_s = {p:.2e}, step_overhead_s = {s:.2e}")
+    print(f"after: {load_average()}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,60 @@
+"""``partitioner.overlap``: FSDP-style overlapped collectives expose only what compute cannot hide; our runtime's
+pricing (no overlap) is unchanged by it."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from partitioner.layout import Layout
+from partitioner.layout_costs import layout_costs
+from partitioner.layout_score import LayoutScorer, Pricing
+from partitioner.options import PartitionOptions
+from partitioner.overlap import StageCollectives, exposed_s, fsdp_unit, overlapped, stage_collectives
+from partitioner.sharded_dp import sharded_params
+from smp import zoo
+from smp.cli.commands.plan import pipeline_simulator
+
+OPTIONS = PartitionOptions(device="h100-80gb", dtype="bf16")
+
+
+@pytest.fixture(scope="module")
+def costs():
+    z = zoo.build("gpt2", batch=2)
+    return layout_costs(z.model, z.args, z.kwargs, sizes=[2], tp_degrees=[1], rates=OPTIONS.resolve_rates(),
+                        dtype="bf16")
+
+
+def test_the_two_stream_bound_hides_what_compute_covers() -> None:
+    assert exposed_s(10.0, 4.0, first_s=1.0, last_s=0.5) == 1.5  # hidden but the first and the last
+    assert exposed_s(2.0, 4.0, first_s=1.0) == pytest.approx(1.0 + 1.0)  # 3 s after the first, 2 s of compute
+    assert exposed_s(0.0, 4.0) == 4.0 and exposed_s(5.0, 0.0) == 0.0
+
+
+def test_fsdp_units_are_the_blocks_of_a_layer_list_and_the_root() -> None:
+    assert fsdp_unit("model.layers.3.mlp.up_proj.weight") == "model.layers.3"
+    assert fsdp_unit("transformer.h.11.attn.c_attn.weight") == "transformer.h.11"
+    assert fsdp_unit("lm_head.weight") == "" and fsdp_unit("model.norm.weight") == ""
+
+
+def test_overlapped_passes_and_the_reduce_scatter_tail() -> None:
+    c = StageCollectives(gathers_s=(1.0, 2.0, 3.0), scatters_s=(0.5, 1.0, 1.0))
+    fwd, bwd, tail = overlapped([c, StageCollectives((), ())], [10.0, 1.0], [1.0, 1.0])
+    assert fwd[0] == 1.0 and bwd[0] == 3.0 + max(0.0, 6.0 - 3.0 - 1.0)  # backward: compute hides 1 s of 3
+    # the last backward: the first gather, the last reduce-scatter, and what 1 s of compute leaves of the rest
+    assert tail[0] == pytest.approx(3.0 + 0.5 + max(0.0, 8.5 - 3.0 - 0.5 - 1.0) - bwd[0])
+    assert fwd[1] == bwd[1] == tail[1] == 0.0
+
+
+def test_overlap_prices_no_more_than_our_runtime_and_no_less_than_compute(costs) -> None:
+    layout = Layout(pp=1, tp=1, dp=4, sdp=4, microbatch_size=2, microbatches=1)
+    ours, fsdp = (LayoutScorer(costs, Pricing(OPTIONS, 2, 1000, overlap=o), pipeline_simulator) for o in (False, True))
+    plain = ours.score(Layout(pp=1, tp=1, dp=1, microbatch_size=2, microbatches=1))
+    a, b = ours.score(layout), fsdp.score(layout)
+    assert plain.step_s <= b.step_s < a.step_s  # across two nodes: overlap hides some, never the compute
+    assert b.memory_bytes == a.memory_bytes  # memory is the sharded ranks' either way
+    plan, graph = fsdp.plan(layout), costs.graph(1, 2)
+    units = stage_collectives(plan, graph, 4, 1000, fsdp.inter)
+    sharded = [n for n, on in zip(graph.param_names, sharded_params(graph, plan.stage_of_ops(graph), 1, 4, 1000)) if on]
+    blocks = {fsdp_unit(n) for n in sharded}
+    assert len(units) == 1 and len(units[0].gathers_s) == len(blocks) < len(sharded)  # per unit, not per parameter
+    assert np.isclose(sum(units[0].gathers_s), sum(units[0].scatters_s))  # bf16 weights and gradients alike
