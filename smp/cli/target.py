@@ -173,7 +173,9 @@ def pricing_threads(device: str, ranks: int) -> Iterator[None]:
 def priced_options(opts: Any, target: Target) -> Any:
     """``opts`` as ``target`` can be priced: a model on the meta device cannot run, so its ops are not timed but
     estimated (as with ``--estimate``), and a warning says so."""
-    if opts.partition.measure and any(t.is_meta for t in (*target.model.parameters(), *target.model.buffers())):
+    from smp.engine.materialize import has_meta
+
+    if opts.partition.measure and has_meta(target.model):
         print(f"smp: warning: {target.spec} is on the meta device, so its ops cannot be timed on this machine: the "
               "cost model prices them (as with --estimate)", file=sys.stderr, flush=True)
         return opts.with_partition(measure=False)

@@ -20,7 +20,7 @@ from pipeline import PipelineRunner
 from pipeline.p2p import named_failures
 from pipeline.param_gather import GatheredParams
 from smp.engine import mixed_precision as precision
-from smp.engine.materialize import keep_own_share, tensor_ids
+from smp.engine.materialize import has_meta, keep_own_share, tensor_ids
 from smp.engine.pipeline_model import PipelineModel
 from smp.engine.sharded_dp import shard_own_share, to_shard
 from smp.engine.step_loss import step_loss
@@ -41,7 +41,7 @@ def times_ops(requested: bool | None, st: State, model: torch.nn.Module) -> bool
         return requested
     cfg = st.config
     return (st.device.type == "cpu" and not (cfg.bf16 or cfg.fp16) and st.topology.tp == 1
-            and not any(t.is_meta for t in (*model.parameters(), *model.buffers())))
+            and not has_meta(model))
 
 
 def shared_plan(model: torch.nn.Module, args: tuple, kwargs: dict, num_stages: int,

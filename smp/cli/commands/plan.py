@@ -193,6 +193,7 @@ def _plan(ns: argparse.Namespace, target: Any, space: Any, options: Any, rpn: in
     from partitioner.layout_costs import head_counts, layout_costs
     from partitioner.layout_score import LayoutScorer, Pricing
     from partitioner.layout_search import candidates, search, tp_choices
+    from smp.engine.materialize import has_meta
 
     tps = [t for t in tp_choices(ns.devices, rpn, head_counts(target.model)) if ns.tp in (None, t)]
     if not tps:
@@ -204,8 +205,7 @@ def _plan(ns: argparse.Namespace, target: Any, space: Any, options: Any, rpn: in
                        "microbatches with these fixed degrees; change the batch, the devices or the degrees")
     pricing = Pricing(options, rpn)
     # On this machine's CPU the ops are timed, as smp inspect does (a meta model cannot be: the roofline then).
-    timed = (ns.device == "cpu" and ns.dtype == "fp32" and not ns.estimate
-             and not any(t.is_meta for t in (*target.model.parameters(), *target.model.buffers())))
+    timed = ns.device == "cpu" and ns.dtype == "fp32" and not ns.estimate and not has_meta(target.model)
     costs = layout_costs(target.model, target.args, target.kwargs, sizes=sizes, tp_degrees=tps,
                          rates=pricing.rates, dtype=ns.dtype, progress=progress, timed=timed)
     for tp, why in sorted(costs.skipped.items()):
