@@ -32,8 +32,8 @@ import torch
 
 from .devices import DeviceRates
 
-__all__ = ["calibrate", "best_time", "cost_clock", "cache_file", "RECALIBRATE_ENV", "CPU_PASS_OVERHEAD_S",
-           "CPU_STEP_OVERHEAD_S"]
+__all__ = ["calibrate", "best_time", "cost_clock", "cache_dir", "cache_file", "machine_key", "write_atomically",
+           "RECALIBRATE_ENV", "CPU_PASS_OVERHEAD_S", "CPU_STEP_OVERHEAD_S"]
 
 RECALIBRATE_ENV = "SMP_RECALIBRATE"
 # A pass of a pipeline rank on a shared CPU costs about 1 ms more than its ops timed alone: two thread hand-offs
@@ -75,15 +75,21 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def _machine_key() -> dict[str, object]:
+def machine_key() -> dict[str, object]:
+    """What a measurement of this machine is kept under: CPU model, torch version, intra-op threads, profile version."""
     return {"cpu": _cpu_model(), "torch": torch.__version__, "threads": torch.get_num_threads(),
             "profile": _PROFILE_VERSION}
 
 
+def cache_dir() -> Path:
+    """Where measurements of this machine are kept: ``$XDG_CACHE_HOME/smp-engine`` (``~/.cache/smp-engine``)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "smp-engine"
+
+
 def cache_file() -> Path:
     """Where this machine's CPU profile is kept: one file per (CPU model, torch version, thread count)."""
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "smp-engine"
-    digest = hashlib.sha256(json.dumps(_machine_key(), sort_keys=True).encode()).hexdigest()[:16]
+    base = cache_dir()
+    digest = hashlib.sha256(json.dumps(machine_key(), sort_keys=True).encode()).hexdigest()[:16]
     return base / f"cpu-rates-{digest}.json"
 
 
@@ -106,7 +112,7 @@ def calibrate(device: str = "cpu", *, refresh: bool = False) -> DeviceRates:
 
 def _cpu_profile(path: Path, refresh: bool) -> DeviceRates:
     """The cached profile at ``path`` if it is this machine's, else a new measurement written there."""
-    key = _machine_key()
+    key = machine_key()
     if not refresh:
         try:
             data = json.loads(path.read_text())
@@ -115,14 +121,20 @@ def _cpu_profile(path: Path, refresh: bool) -> DeviceRates:
         except (OSError, ValueError, TypeError, KeyError, AttributeError):
             pass  # missing or unreadable: measure and write it again
     rates = _measure("cpu")
+    write_atomically(path, {"key": key, "rates": rates.to_dict()})
+    return rates
+
+
+def write_atomically(path: Path, data: object) -> None:
+    """``data`` as JSON at ``path``, replacing it at once (a concurrent reader sees the old file or the new one);
+    a read-only home is no error: the measurement is just not kept."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as fh:
-            json.dump({"key": key, "rates": rates.to_dict()}, fh, indent=1, sort_keys=True)
-        os.replace(fh.name, path)  # atomic: a concurrent reader sees the old file or the new one
+            json.dump(data, fh, sort_keys=True)
+        os.replace(fh.name, path)
     except OSError:
-        pass  # a read-only home: plans are still made, just measured per process
-    return rates
+        pass
 
 
 @cache

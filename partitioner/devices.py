@@ -167,8 +167,8 @@ def _gpu(name: str, fp32: float, tf32: float, bf16: float, memory_bytes: float, 
     return DeviceRates(
         name=name, flops_per_s=fp32, tf32_flops_per_s=tf32, bf16_flops_per_s=bf16, fp16_flops_per_s=bf16,
         bytes_per_s=bytes_per_s, grad_bytes_per_s=bytes_per_s, memory_bytes=memory_bytes, op_overhead_s=5e-6,
-        # Checked against published runs in benchmarks/published.py (docs/benchmarks.md): kept, as a refit there
-        # is pulled by collectives FSDP overlaps and our runtime does not, and misses the held-out SC'21 rows more.
+        # Checked against published runs in benchmarks/published.py (docs/benchmarks.md): the A100 calibration rows fit
+        # 0.75 themselves; the H100 rows ran on power-capped parts, which carry their own efficiency there.
         compute_efficiency=0.75, memory_efficiency=0.85,
     ).with_links(link, inter_node_link)
 

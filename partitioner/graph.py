@@ -60,9 +60,9 @@ class OpGraph:
     which a 16-bit training precision halves (:mod:`partitioner.precision`); None (synthetic graphs): all.
     ``members[i]`` lists the fx node names folded into op ``i`` (its getitems, asserts, buffer updates);
     ``fx`` holds what :mod:`partitioner.stage_modules` needs to rebuild executable stages (absent for synthetic
-    graphs). ``timed``: the ops' :class:`partitioner.NodeCosts` once timed on this machine
-    (:func:`partitioner.measure`, by the first ``measure=True`` partition of the graph), which every later one reuses:
-    one graph, one set of measured costs (neither is saved).
+    graphs). ``timed``: the ops' :class:`partitioner.NodeCosts` timed on this machine
+    (:func:`partitioner.op_times.timed_costs`, by the first ``measure=True`` partition of the graph), which every later
+    one reuses (neither ``fx`` nor ``timed`` is saved).
     """
 
     names: list[str]

@@ -17,10 +17,10 @@ collectives (:mod:`partitioner.tp_cost`), whose seconds are affine in their byte
 Each tp degree is a graph of tp rank 0 (:func:`partitioner.shard_program.shard_graph`), sharded from each trace.
 
 ``timed`` (planning for this machine's CPU, the model with its weights): the two traces run on real inputs (the
-example's rows repeated to the size) and every op is timed (:func:`partitioner.measure`, as ``smp inspect`` on
-``cpu``); an op's seconds at other sizes are the line through its two timings (an op costs a fixed dispatch plus
-work per sample). A tp degree above 1 cannot run in one process, so its roofline is scaled by the whole model's
-timed / estimated seconds at that size, forward and backward apart.
+example's rows repeated to the size) and every op is timed (:func:`partitioner.op_times.timed_costs`, as ``smp
+inspect`` on ``cpu``); an op's seconds at other sizes are the line through its two timings (an op costs a fixed
+dispatch plus work per sample). A tp degree above 1 cannot run in one process, so its roofline is scaled by the whole
+model's timed / estimated seconds at that size, forward and backward apart.
 """
 from __future__ import annotations
 
@@ -36,10 +36,10 @@ import torch.utils._pytree as pytree
 from .cost import NodeCosts, estimate
 from .devices import DeviceRates
 from .graph import OpGraph
+from .op_times import timed_costs
 from .shard_program import shard_graph
 from .sharding import find_sharding
 from .throughput import batch_counts
-from .timing import measure
 from .tracing import trace
 
 __all__ = ["BatchLine", "LayoutCosts", "layout_costs", "example_batch", "with_batch", "tiled", "trace_sizes",
@@ -235,7 +235,7 @@ def layout_costs(model: torch.nn.Module, args: tuple, kwargs: dict, *, sizes: It
             return trace(model, *with_batch(args, kwargs, batch, size))
         a, k = tiled(args, kwargs, batch, size)
         graph = trace(model, a, k)
-        times[size] = measure(graph, a, k, rates=rates)
+        times[size] = timed_costs(graph, a, k, rates)
         return graph
 
     whole = {b: traced_at(b) for b in trace_sizes(batch, wanted)}

@@ -35,11 +35,11 @@ from .dp import dp_partition
 from .graph import OpGraph
 from .metis import metis_partition
 from .objective import Evaluation, Problem, budget_error, choose, evaluate, roomy_budget
+from .op_times import timed_costs
 from .options import UNLIMITED, PartitionOptions
 from .plan import PartitionPlan, make_plan
 from .refine import refine
 from .split_points import marker_stages
-from .timing import measure as measure_costs
 from .tp_cost import tp_degree
 from .tracing import trace
 
@@ -80,7 +80,7 @@ def make_problem(graph_or_model: Any, num_stages: int, options: PartitionOptions
                              f"parallelism of degree {tp_degree(graph)}: its collectives need the tp group; leave "
                              "measure off (the estimate prices the collectives) or pass measured costs=")
         if graph.timed is None:
-            graph.timed = measure_costs(graph, args, kwargs, rates=rates)
+            graph.timed = timed_costs(graph, args, kwargs, rates)
         costs = graph.timed
     else:
         costs = estimate(graph, rates, opts.dtype)

@@ -30,7 +30,7 @@ from .mutation import written_inputs
 from .program import flatten_inputs
 from .stage_modules import MODEL_INPUT, SplitModel, check_runnable
 
-__all__ = ["measure", "measure_stages", "run_stages", "StageTimes"]
+__all__ = ["measure", "measure_stages", "run_stages", "StageTimes", "untimeable", "UntimeableGraphError"]
 
 
 def _keeps_random_streams(fn: Callable) -> Callable:
@@ -42,6 +42,21 @@ def _keeps_random_streams(fn: Callable) -> Callable:
         with torch.random.fork_rng(devices=gpus):
             return fn(*args, **kwargs)
     return wrapper
+
+
+class UntimeableGraphError(ValueError):
+    """A traced graph whose ops cannot run one at a time outside their context (see :func:`untimeable`)."""
+
+
+# functorch's vmap enters and leaves a transform level around the ops it batches (transformers builds attention masks
+# with it): run one at a time, an entered level stays entered, and every later op, sends included, runs under it.
+_TRANSFORM_OPS = ("_vmap_increment_nesting", "_vmap_decrement_nesting", "_add_batch_dim", "_remove_batch_dim")
+
+
+def untimeable(graph: OpGraph) -> str:
+    """Why ``graph``'s ops cannot be timed one by one (:func:`measure`), or "" when they can."""
+    found = sorted({k for k in graph.kinds if k.rpartition(".")[2] in _TRANSFORM_OPS})
+    return f"the graph holds functorch transform ops ({', '.join(found)})" if found else ""
 
 
 @_keeps_random_streams
@@ -61,6 +76,10 @@ def measure(graph: OpGraph, args: tuple, kwargs: dict | None = None, *, repeats:
     """
     if graph.fx is None:
         raise ValueError("measure() needs a traced graph (partitioner.trace), not a synthetic one")
+    why = untimeable(graph)
+    if why:
+        raise UntimeableGraphError(f"the ops cannot be timed one by one: {why}; price them with the cost model "
+                                   "(measure=False, smp's trace_execution_times=False, the CLI's --estimate)")
     check_runnable(graph.fx.module, "time the ops (measure=True)", (args, kwargs))
     rates = rates or calibrate()
     fx = graph.fx

@@ -202,6 +202,9 @@ def trace_target(target: Target, progress: Callable[[str], None], opts: Any = No
             logging.disable(logging.NOTSET)
     progress(f"traced {graph.describe()}")
     if opts is not None and opts.partition.measure:
-        progress("timing every op's forward and backward on this machine (--estimate: the cost model instead)")
-        graph.timed = partitioner.measure(graph, target.args, target.kwargs, rates=opts.partition.resolve_rates())
+        from partitioner.op_times import timed_costs
+
+        progress("timing every op's forward and backward on this machine, or reading them from its cache "
+                 "(--estimate: the cost model instead)")
+        graph.timed = timed_costs(graph, target.args, target.kwargs, opts.partition.resolve_rates())
     return graph

@@ -56,6 +56,19 @@ def test_profiles_efficiencies_lie_on_the_fit_grid():
     assert rates_of(ROWS[0]).bytes_per_s == 2.4e12  # torchtitan's HBM2e H100s, not the SXM datasheet
 
 
+def test_only_calibration_rows_carry_a_fitted_device_efficiency():
+    """torchtitan's power-capped H100s reach their own share of the SXM peak, fitted on their calibration rows (its
+    excluded rows, not priced, run on them too); the held-out rows keep the profiles' efficiencies."""
+    from benchmarks.published import TITAN_H100_COMPUTE
+
+    assert TITAN_H100_COMPUTE in GRID["compute"]
+    for row in ROWS:
+        fitted = "compute_efficiency" in dict(row.gpu_changes)
+        assert not fitted or (row.role != "held-out" and rates_of(row).compute_efficiency == TITAN_H100_COMPUTE)
+        if row.role == "held-out":
+            assert rates_of(row).compute_efficiency == profile(row.gpu).compute_efficiency
+
+
 def test_collective_references_name_known_links():
     for link, _, lo, hi in COLLECTIVES:
         assert link in LINKS and 0 < lo <= hi

@@ -1,0 +1,88 @@
+"""``partitioner.op_times``: a graph's ops are timed once per machine; later processes read the same costs, so they
+make the same plan; another graph, or SMP_RECALIBRATE, times them again."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import partitioner.op_times as op_times
+from partitioner import DeviceRates, partition, trace
+from partitioner.calibration import RECALIBRATE_ENV
+
+
+def _mlp_graph(width: int):
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Tanh()) for _ in range(6)])
+    x = torch.randn(8, width)
+    return trace(net, (x,)), (x,)
+
+
+@pytest.fixture
+def timings(tmp_path, monkeypatch) -> list[int]:
+    """A fresh cache folder; counts the real timings."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv(RECALIBRATE_ENV, raising=False)
+    calls: list[int] = []
+    real = op_times.measure
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(op_times, "measure", counted)
+    return calls
+
+
+def test_the_ops_are_timed_once_and_every_later_process_plans_alike(timings, monkeypatch) -> None:
+    rates = DeviceRates()
+    graph, args = _mlp_graph(32)
+    first = op_times.timed_costs(graph, args, {}, rates)
+    again, _ = _mlp_graph(32)  # another process tracing the same model
+    second = op_times.timed_costs(again, args, {}, rates)
+    assert len(timings) == 1 and second.measured
+    assert np.array_equal(first.forward_s, second.forward_s) and np.array_equal(first.backward_s, second.backward_s)
+    plans = [partition(g, 3, rates=rates, measure=True, example_inputs=args).assignment for g in (graph, again)]
+    assert plans[0] == plans[1]
+    other, other_args = _mlp_graph(48)  # other shapes: other costs
+    op_times.timed_costs(other, other_args, {}, rates)
+    assert len(timings) == 2
+    monkeypatch.setenv(RECALIBRATE_ENV, "1")
+    op_times.timed_costs(graph, args, {}, rates)
+    assert len(timings) == 3
+
+
+def test_an_unreadable_cache_file_is_timed_again(timings) -> None:
+    rates = DeviceRates()
+    graph, args = _mlp_graph(16)
+    op_times.timed_costs(graph, args, {}, rates)
+    (path,) = list((op_times.cache_dir()).glob("op-times-*.json"))
+    path.write_text("{not json")
+    costs = op_times.timed_costs(graph, args, {}, rates)
+    assert len(timings) == 2 and len(costs.forward_s) == graph.num_nodes
+
+
+class _Vmapped(torch.nn.Module):
+    """A model that batches part of its forward with torch.vmap, as transformers builds attention masks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(torch.vmap(lambda row: row * 2 + 1)(x))
+
+
+def test_a_graph_whose_ops_cannot_run_one_at_a_time_is_estimated_with_a_warning(timings) -> None:
+    """Run one at a time, vmap's entered level would stay entered and every later op (a pipeline's sends) run under
+    it; so such a graph is priced by the cost model, and measure() itself refuses it with the way out."""
+    from partitioner.timing import UntimeableGraphError, measure
+
+    x = torch.randn(3, 4)
+    graph = trace(_Vmapped(), (x,))
+    with pytest.warns(UserWarning, match="functorch transform ops .* the cost model prices its ops"):
+        costs = op_times.timed_costs(graph, (x,), {}, DeviceRates())
+    assert not costs.measured and not timings
+    with pytest.raises(UntimeableGraphError, match="cannot be timed one by one.*--estimate"):
+        measure(graph, (x,))
+    assert torch.vmap(lambda r: r + 1)(x).shape == x.shape  # no transform level was left behind
