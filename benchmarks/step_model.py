@@ -86,7 +86,7 @@ def plan_worker(rank: int, world: int, cfg: dict) -> float | None:
     pin(rank, cfg)
     smp.init(cfg["config"])
     z = zoo.build(cfg["model"], batch=cfg["global_batch"] // smp.dp_size())
-    model = smp.DistributedModel(z.model)
+    model = smp.DistributedModel(z.model, trace_execution_times=True)  # the ops priced as smp plan priced them
     train_step = _step_function(z)
 
     timed = _timed_steps(rank, cfg, z, model, train_step)

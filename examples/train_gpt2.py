@@ -102,7 +102,8 @@ def main(argv: list[str] | None = None) -> None:
         for line in where:
             print("  " + line)
 
-    model = smp.DistributedModel(build_model(args))
+    # The ops timed on rank 0 (SMP's option): the plan, and the step it predicts, are what this machine pays.
+    model = smp.DistributedModel(build_model(args), trace_execution_times=True)
 
     def show_plan(model: smp.DistributedModel, optimizer) -> None:
         if lead:

@@ -1,8 +1,8 @@
 """``smp.DistributedModel``: a torch module whose forward and backward run as a pipeline.
 
 The model is partitioned at the first ``@smp.step`` call, traced with that step's first microbatch:
-automatically through :func:`partitioner.partition` (honouring ``memory_weight``/``optimize``; op times measured
-with ``trace_execution_times``, by default on a CPU: :func:`smp.engine.planning.times_ops`), or by hand
+automatically through :func:`partitioner.partition` (honouring ``memory_weight``/``optimize``; with
+``trace_execution_times``, op times measured on rank 0: :mod:`partitioner.op_times`), or by hand
 (``smp.partition(i)`` contexts, ``smp.set_partition``, ``auto_partition=False`` + ``default_partition``). Each rank
 then keeps its stage of a :class:`pipeline.PipelineRunner`. The stages hold the user's own parameter tensors, so
 optimizers built over ``model.parameters()`` and ``state_dict`` keys work unchanged.
@@ -30,7 +30,7 @@ from smp.checkpoint.tp_state import TPLayout, check_partial, cut_model_state, wh
 from smp.engine import mixed_precision as precision
 from smp.engine import step_run
 from smp.engine.materialize import tensor_ids
-from smp.engine.planning import own_tensors, shared_plan, smp_runner, times_ops
+from smp.engine.planning import own_tensors, shared_plan, smp_runner
 from smp.engine.tp_shards import shard_specs
 from smp.engine.weights import load_local, weight_cuts
 from smp.placement import manual_stages
@@ -48,7 +48,7 @@ class DistributedModel(torch.nn.Module):
     _SMP_IGNORED = {"backward_passes_per_step", "gradient_as_bucket_view", "broadcast_buffers",
                     "bucket_cap_mb", "find_unused_parameters", "overlapping_allreduce", "trace_memory_usage"}
 
-    def __init__(self, module: torch.nn.Module, trace_device: str = "cpu", trace_execution_times: bool | None = None,
+    def __init__(self, module: torch.nn.Module, trace_device: str = "cpu", trace_execution_times: bool = False,
                  average_grads_across_microbatches: bool = True, **kwargs: Any):
         st = state.get()
         if st.model is not None:
@@ -158,8 +158,8 @@ class DistributedModel(torch.nn.Module):
             return PartitionPlan.from_json(cfg.partition_file).bind(
                 self._trace(call), f"partition_file {cfg.partition_file!r}", pp)
         if cfg.auto_partition:
-            measure = times_ops(self.trace_execution_times, st, self.module)
-            plan = shared_plan(self.module, call.args, call.kwargs, pp, PartitionOptions.of(options, measure=measure),
+            plan = shared_plan(self.module, call.args, call.kwargs, pp,
+                               PartitionOptions.of(options, measure=self.trace_execution_times),
                                st.world_group, cfg.timeout_s, tp=(st.topology.tp, st.topology.tp_rank(st.rank)),
                                shardable=self.shardable, step=True)
         else:

@@ -20,7 +20,7 @@ from pipeline import PipelineRunner
 from pipeline.p2p import named_failures
 from pipeline.param_gather import GatheredParams
 from smp.engine import mixed_precision as precision
-from smp.engine.materialize import has_meta, keep_own_share, tensor_ids
+from smp.engine.materialize import keep_own_share, tensor_ids
 from smp.engine.pipeline_model import PipelineModel
 from smp.engine.sharded_dp import shard_own_share, to_shard
 from smp.engine.step_loss import step_loss
@@ -28,20 +28,7 @@ from smp.engine.tp_shards import install_shards, shard_owners, shard_specs
 from smp.engine.weights import load_local, weight_cuts
 from smp.runtime.state import State
 
-__all__ = ["shared_plan", "pipeline_runner", "smp_runner", "own_tensors", "times_ops"]
-
-
-def times_ops(requested: bool | None, st: State, model: torch.nn.Module) -> bool:
-    """Whether rank 0 times every op to partition (``DistributedModel(trace_execution_times=...)``): as asked, or by
-    default (None) when the ops run here as the ranks will run them: on a CPU (the engine's ``cpu`` device is this
-    machine, measured), in fp32, without tensor parallelism, with the model's weights present (not delayed
-    initialisation). There the cost model's roofline misjudges small ops by up to 2x, and the plan's predicted step
-    (:mod:`pipeline.step_model`) would miss the run by as much."""
-    if requested is not None:
-        return requested
-    cfg = st.config
-    return (st.device.type == "cpu" and not (cfg.bf16 or cfg.fp16) and st.topology.tp == 1
-            and not has_meta(model))
+__all__ = ["shared_plan", "pipeline_runner", "smp_runner", "own_tensors"]
 
 
 def shared_plan(model: torch.nn.Module, args: tuple, kwargs: dict, num_stages: int,

@@ -89,9 +89,9 @@ def _step_drift(m: Measurements, t: Thresholds) -> Finding:
                f"(threshold ±{t.step_drift:.0%}); the step model with the measured stage costs gives {_ms(replayed)}")
     if abs(replayed / measured - 1) <= t.step_drift:
         advice = ("the stages cost what the run measured, not what the plan priced them at: time the ops when "
-                  "partitioning (smp.DistributedModel(model, trace_execution_times=True), the default on a CPU with "
-                  "the model's weights; `smp inspect --measure` for a look), or re-plan from these measurements "
-                  "(`smp replan DIR -o plan.json`), whose predictions start from them")
+                  "partitioning (smp.DistributedModel(model, trace_execution_times=True); on a CPU the cost model "
+                  "misjudges small ops by up to 2x), or re-plan from these measurements (`smp replan DIR -o "
+                  "plan.json`), whose predictions start from them")
     else:
         advice = ("the step spends time the passes do not account for: see the CommBound, DataBound and Bubble "
                   "findings and the trace (trace.json); another job on the host slows every rank alike")

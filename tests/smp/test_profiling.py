@@ -37,7 +37,7 @@ def _train(cfg: dict, steps: int, *, first_alone=False, sleep=0.0, busy=False, b
     net = _mlp()
     if first_alone:
         smp.set_partition(net[0], 0)
-    model = smp.DistributedModel(net)
+    model = smp.DistributedModel(net, trace_execution_times=True)  # the plan's predicted step is this machine's
     opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-4))
 
     @smp.step
@@ -180,7 +180,7 @@ def _one_rank(rank: int, world: int, root: str, mode: str) -> None:
 
     steps = 12 if mode == "busy loader" else 7  # the loader's: a window of a few seconds, tens of samples
     smp.init({"pipeline_parallel_degree": 1, "profile": {"dir": root, "steps": [1, steps], "monitor_s": 0.1}})
-    model = smp.DistributedModel(_mlp())
+    model = smp.DistributedModel(_mlp(), trace_execution_times=True)  # the plan's step is this machine's
     opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-4))
 
     @smp.step

@@ -107,8 +107,7 @@ def _train(rank: int, world: int, weights: str | None, pipeline: str, steps: int
             net = _tiny_llama()
         real = model_mod.load_local
         model_mod.load_local = lambda *a, **k: reads.append(real(*a, **k)) or reads[-1]  # record what is read
-    # Both priced by the cost model (a model built with weights would time its ops on a CPU, and may cut elsewhere).
-    model = smp.DistributedModel(net, trace_execution_times=False)
+    model = smp.DistributedModel(net)
     if weights is not None:
         model.load_weights(weights)
     opt = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2))
