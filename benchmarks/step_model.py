@@ -86,7 +86,8 @@ def plan_worker(rank: int, world: int, cfg: dict) -> float | None:
     pin(rank, cfg)
     smp.init(cfg["config"])
     z = zoo.build(cfg["model"], batch=cfg["global_batch"] // smp.dp_size())
-    model = smp.DistributedModel(z.model, trace_execution_times=True)  # the ops priced as smp plan priced them
+    # The ops priced as smp plan priced them (timed; a tensor-parallel stage cannot be timed in one process)
+    model = smp.DistributedModel(z.model, trace_execution_times=cfg["config"].get("tensor_parallel_degree", 1) == 1)
     train_step = _step_function(z)
 
     timed = _timed_steps(rank, cfg, z, model, train_step)
