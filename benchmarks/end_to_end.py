@@ -17,7 +17,7 @@ microbatches, fp32:
 * (f) ``smp``: the same model (built again from the same seed) through ``smp.DistributedModel`` and an
   ``@smp.step`` function that computes the loss and calls ``model.backward``, as an SMP v1 script does
   (``pipeline_parallel_degree`` 2, SMP's ``"interleaved"`` 1F1B): smp plans it itself, the step's loss priced
-  (:mod:`smp.engine.step_loss`) and the ops timed (the default on a CPU), so (f)/(b) should match (a)/(b);
+  (:mod:`smp.engine.step_loss`) and the ops timed (``trace_execution_times=True``), so (f)/(b) should match (a)/(b);
 * ``ideal``: the bubble-bound step of plan (a) from its stages' forward and backward times (the loss
   included) measured in one process (:func:`partitioner.measure_stages`), simulated for 1F1B with free
   communication.
@@ -221,7 +221,8 @@ def _smp_variant(case: Case, cfg: dict, world: int, losses: dict[str, float]) ->
     import smp
 
     smp.init({"pipeline_parallel_degree": world, "microbatches": cfg["microbatches"], "pipeline": "interleaved"})
-    model = smp.DistributedModel(build_case(cfg["model"], cfg["batch"], cfg["quick"]).model)
+    model = smp.DistributedModel(build_case(cfg["model"], cfg["batch"], cfg["quick"]).model,
+                                 trace_execution_times=True)  # the ops timed, as plan (a) times them
 
     @smp.step
     def train_step(model: Any, args: tuple, target: torch.Tensor) -> torch.Tensor:
