@@ -153,11 +153,11 @@ def _plan_rows(model: Any) -> dict:
 def predicted(row: dict[str, Any], microbatches: int, rates: Any = None) -> float:
     """The step the step model predicts for the run's plan (under ``rates``, else the plan's own), as
     :func:`pipeline.profile_description.predict` prices a profiled plan."""
-    from pipeline.profile_description import rates_of
+    from partitioner import DeviceRates
     from pipeline.schedule import make_schedule
     from pipeline.step_model import predict_step
 
-    rates = rates or rates_of(row["rates"])
+    rates = rates or DeviceRates.from_dict(row["rates"])
     comm = {(s, t): rates.comm_s(b, messages=c) for (s, t), (b, c) in row["crossing"]}
     schedule = make_schedule(row["pipeline"], len(row["forward_s"]), microbatches)
     return predict_step(schedule, row["forward_s"], row["backward_s"], rates, comm_s=comm,
@@ -167,9 +167,9 @@ def predicted(row: dict[str, Any], microbatches: int, rates: Any = None) -> floa
 def fit(rows: list[dict[str, Any]], microbatches: int) -> tuple[float, float]:
     """The per-pass and per-step seconds that minimise the squared relative errors of the rows (a grid, then a
     finer one around its best)."""
-    from pipeline.profile_description import rates_of
+    from partitioner import DeviceRates
 
-    base = rates_of(rows[0]["rates"])
+    base = DeviceRates.from_dict(rows[0]["rates"])
 
     def loss(p: float, s: float) -> float:
         rates = dataclasses.replace(base, pass_overhead_s=p, step_overhead_s=s)

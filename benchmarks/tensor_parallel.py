@@ -150,7 +150,7 @@ def predict(runner: Any, rank: int, microbatches: int, replicas: int = 1) -> dic
     from pipeline.simulate import simulate
 
     plan, graph = runner.plan, runner.plan.traced_graph()
-    rates = DeviceRates(**plan.rates) if plan.rates else DeviceRates()
+    rates = DeviceRates.from_dict(plan.rates)
     crossing = stage_crossings(graph, plan.stage_of_ops(graph), plan.num_stages, "fp32")
     schedule = make_schedule("1f1b", plan.num_stages, microbatches)
     fwd, bwd = [s.forward_s for s in plan.stages], [s.backward_s for s in plan.stages]

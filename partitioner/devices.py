@@ -145,8 +145,10 @@ class DeviceRates:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "DeviceRates":
-        """The rates of :meth:`to_dict`'s dict (a plan's ``rates``); unknown keys are an error."""
+    def from_dict(cls, data: dict[str, Any] | None) -> "DeviceRates":
+        """The rates of :meth:`to_dict`'s dict (a plan's ``rates``; None or empty, a plan that records none: the
+        defaults); unknown keys are an error."""
+        data = data or {}
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:

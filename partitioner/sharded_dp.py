@@ -160,7 +160,7 @@ def sharded_dp(plan: PartitionPlan, graph: OpGraph, degree: int, *, replicas: in
     stage_rank = list(range(k)) if stage_rank is None else [int(r) for r in stage_rank]
     if len(stage_rank) != k:
         raise ValueError(f"stage_rank has {len(stage_rank)} entries for {k} stages: give each stage's rank")
-    link = link or (DeviceRates.from_dict(plan.rates) if plan.rates else DeviceRates())
+    link = link or DeviceRates.from_dict(plan.rates)
     replica_link = replica_link or link
     stage = plan.stage_of_ops(graph)
     shard = sharded_params(graph, stage, k, degree, threshold)

@@ -18,7 +18,7 @@ from pipeline.simulate import SimResult, compute_only
 from pipeline.step_model import predict_step
 from pipeline.timeline import Counter, Event, to_png_panels
 
-__all__ = ["run_description", "plan_edges", "rates_of", "merge", "schedule_of", "predict", "write_gantt", "TRACE_FILE",
+__all__ = ["run_description", "plan_edges", "merge", "schedule_of", "predict", "write_gantt", "TRACE_FILE",
            "PROFILE_FILE", "GRAPH_FILE", "TIMELINE_FILE"]
 
 TRACE_FILE = "trace.json"
@@ -47,7 +47,7 @@ def run_description(runner: Any) -> dict[str, Any]:
 def plan_edges(plan: Any, graph: Any) -> list[list[Any]]:
     """[producer stage, consumer stage, predicted seconds per microbatch] of every stage edge of ``plan``:
     the bytes crossing it over the plan's link rates."""
-    rates = rates_of(plan.rates)
+    rates = DeviceRates.from_dict(plan.rates)
     stage = plan.stage_of_ops(graph)
     crossing = stage_crossings(graph, stage, plan.num_stages)
     return [[s, t, rates.comm_s(b, messages=c)] for (s, t), (b, c) in crossing.items()]
@@ -67,11 +67,6 @@ def schedule_of(info: dict[str, Any]) -> Schedule:
                     [[Action.parse(a) for a in order] for order in s["actions"]], s["split_backward"])
 
 
-def rates_of(recorded: dict[str, Any] | None) -> DeviceRates:
-    """The :class:`partitioner.DeviceRates` a plan records (its ``rates``; the defaults when it has none)."""
-    return DeviceRates.from_dict(recorded) if recorded else DeviceRates()
-
-
 def predict(info: dict[str, Any], forward_s: Sequence[float] | None = None,
             backward_s: Sequence[float] | None = None) -> SimResult:
     """The described step predicted by :func:`pipeline.step_model.predict_step` from the plan's stage times (or
@@ -80,7 +75,7 @@ def predict(info: dict[str, Any], forward_s: Sequence[float] | None = None,
     edges = info["edges"]
     return predict_step(schedule_of(info), forward_s if forward_s is not None else [s["forward_s"] for s in stages],
                         backward_s if backward_s is not None else [s["backward_s"] for s in stages],
-                        rates_of(info["plan"].get("rates")), comm_s={(s, t): c for s, t, c in edges},
+                        DeviceRates.from_dict(info["plan"].get("rates")), comm_s={(s, t): c for s, t, c in edges},
                         stage_deps=[(s, t) for s, t, _ in edges] or None)
 
 

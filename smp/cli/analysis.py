@@ -43,7 +43,7 @@ def plan_sim(plan: Any, graph: Any, opts: Options, forward_s: Sequence[float] | 
     from partitioner import DeviceRates
     from partitioner.objective import stage_crossings
 
-    rates = DeviceRates(**plan.rates) if plan.rates else DeviceRates()
+    rates = DeviceRates.from_dict(plan.rates)
     crossing = stage_crossings(graph, plan.stage_of_ops(graph), plan.num_stages, opts.partition.dtype)
     comm = {e: rates.comm_s(b, messages=c) for e, (b, c) in crossing.items()}
     fwd = forward_s if forward_s is not None else [s.forward_s for s in plan.stages]

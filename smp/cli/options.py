@@ -24,8 +24,8 @@ from partitioner.units import UNLIMITED, parse_duration, parse_size
 from smp.cli.errors import CLIError
 from smp.cli.limits import DEFAULT_MAX_ACTIONS
 
-__all__ = ["Options", "Parser", "add_target_args", "add_plan_args", "positive_int", "size", "duration", "budget",
-           "check_output", "RANKS_PER_NODE"]
+__all__ = ["Options", "times_ops", "Parser", "add_target_args", "add_plan_args", "positive_int", "size", "duration",
+           "budget", "check_output", "RANKS_PER_NODE"]
 
 RANKS_PER_NODE = 8  # devices per node unless told (`smp simulate --ranks-per-node`): a p4d/p5 instance's GPUs
 
@@ -204,6 +204,12 @@ def check_output(path: str | None, flag: str, exts: Sequence[str]) -> None:
         raise CLIError(f"{flag} {path!r}: folder {folder!r} does not exist")
 
 
+def times_ops(device: str, dtype: str, estimate: bool) -> bool:
+    """Whether a command prices the ops by timing them here: on this machine's CPU (``--device cpu``) in fp32, unless
+    ``--estimate`` (:mod:`partitioner.op_times`; the cost model's roofline otherwise)."""
+    return device == "cpu" and dtype == "fp32" and not estimate
+
+
 @dataclass(frozen=True, init=False)
 class Options:
     """A plan request: ``partitions`` stages under ``partition``, the :class:`partitioner.PartitionOptions`
@@ -255,10 +261,10 @@ class Options:
         from partitioner.options import PartitionOptions
 
         given = {f.name: getattr(ns, f.name) for f in fields(PartitionOptions) if hasattr(ns, f.name)}
-        # On this machine's CPU the ops are timed (one tensor- and sdp-rank's graph runs in this process).
-        given.setdefault("measure", hasattr(ns, "estimate") and not ns.estimate and given.get("device", "cpu") == "cpu"
-                         and given.get("dtype", "fp32") == "fp32" and getattr(ns, "tp", 1) == 1
-                         and getattr(ns, "sdp", 1) == 1)
+        # Timed only where one tensor- and sdp-rank's graph runs in this process.
+        given.setdefault("measure", hasattr(ns, "estimate") and times_ops(given.get("device", "cpu"),
+                                                                           given.get("dtype", "fp32"), ns.estimate)
+                         and getattr(ns, "tp", 1) == 1 and getattr(ns, "sdp", 1) == 1)
         return cls(ns.partitions, ns.smp_pipeline, measure_stages=getattr(ns, "measure_stages", False),
                    max_actions=getattr(ns, "max_actions", DEFAULT_MAX_ACTIONS), tp=getattr(ns, "tp", 1),
                    sdp=getattr(ns, "sdp", 1), sdp_threshold=getattr(ns, "sdp_threshold", None), **given)

@@ -50,7 +50,7 @@ class PipelineCosts:
         """The plan's :class:`partitioner.DeviceRates` (the defaults when it records none)."""
         from partitioner import DeviceRates
 
-        return DeviceRates.from_dict(self.rates) if self.rates else DeviceRates()
+        return DeviceRates.from_dict(self.rates)
 
 
 def pipeline_costs(graph: Any, opts: Options, stages: int, *, exact: bool = True,

@@ -33,7 +33,7 @@ def group_link(rates: dict[str, Any], degree: int, ranks_apart: int, ranks_per_n
     link (``inter``: its bandwidth and latency, default the rates')."""
     from partitioner import DeviceRates
 
-    intra = DeviceRates.from_dict(rates) if rates else DeviceRates()
+    intra = DeviceRates.from_dict(rates)
     if degree * ranks_apart <= ranks_per_node:
         return intra
     bw, lat = inter or (intra.inter_node_bytes_per_s, intra.inter_node_latency_s)

@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from partitioner import DeviceRates, NodeCosts, OpGraph, PartitionOptions, PartitionPlan, estimate, partition
-from pipeline.profile_description import GRAPH_FILE, plan_edges, rates_of
+from pipeline.profile_description import GRAPH_FILE, plan_edges
 from pipeline.schedule import Schedule
 from pipeline.step_model import predict_step
 from smp.profiling.measurements import Measurements, ProfileError, load_profile
@@ -95,7 +95,7 @@ def fit_costs(graph: OpGraph, costs: NodeCosts, stage: np.ndarray, forward_s: li
 def _step(schedule: Schedule, plan: PartitionPlan, graph: OpGraph) -> float:
     edges = plan_edges(plan, graph)
     return predict_step(schedule, [s.forward_s for s in plan.stages], [s.backward_s for s in plan.stages],
-                        rates_of(plan.rates), comm_s={(s, t): c for s, t, c in edges},
+                        DeviceRates.from_dict(plan.rates), comm_s={(s, t): c for s, t, c in edges},
                         stage_deps=[(s, t) for s, t, _ in edges] or None).step_s
 
 

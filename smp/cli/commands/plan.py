@@ -29,7 +29,7 @@ from typing import Any
 from partitioner.devices import DEVICES, LINKS, PRECISIONS
 from partitioner.units import format_bytes, format_seconds
 from smp.cli.errors import CLIError
-from smp.cli.options import RANKS_PER_NODE, add_target_args, budget, check_output, positive_int
+from smp.cli.options import RANKS_PER_NODE, add_target_args, budget, check_output, positive_int, times_ops
 from smp.cli.target import load_target, pricing_threads
 from smp.cli.text import Progress, table
 
@@ -204,8 +204,8 @@ def _plan(ns: argparse.Namespace, target: Any, space: Any, options: Any, rpn: in
         raise CLIError(f"no pp x tp x dp = {ns.devices} splits --global-batch {ns.global_batch} into equal "
                        "microbatches with these fixed degrees; change the batch, the devices or the degrees")
     pricing = Pricing(options, rpn)
-    # On this machine's CPU the ops are timed, as smp inspect does (a meta model cannot be: the roofline then).
-    timed = ns.device == "cpu" and ns.dtype == "fp32" and not ns.estimate and not has_meta(target.model)
+    # Timed as smp inspect times them (a meta model cannot run: the roofline then).
+    timed = times_ops(ns.device, ns.dtype, ns.estimate) and not has_meta(target.model)
     costs = layout_costs(target.model, target.args, target.kwargs, sizes=sizes, tp_degrees=tps,
                          rates=pricing.rates, dtype=ns.dtype, progress=progress, timed=timed)
     for tp, why in sorted(costs.skipped.items()):
