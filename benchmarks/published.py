@@ -156,7 +156,8 @@ ROWS: tuple[Row, ...] = (
     # activation recomputation): the published TFLOP/s count Eq. 3's FLOPs, recomputation included.
     *(Row(f"sc21-{name}", SC21, f"Table 1, {name} row", ("gpt", layers, hidden, heads), "a100-80gb", t * p * d, t,
           p, d, batch, 2048, tflops, "TFLOP/s/GPU", "full", "held-out",
-          priced="1F1B, full recomputation; microbatch not in Table 1: the engine's best for the degrees")
+          priced="1F1B, full recomputation, attention from score matrices (eager); microbatch not in Table 1: the "
+                 "engine's best for the degrees")
       for name, heads, hidden, layers, t, p, d, batch, tflops in (
           ("1.7B", 24, 2304, 24, 1, 1, 32, 512, 137), ("3.6B", 32, 3072, 30, 2, 1, 32, 512, 138),
           ("7.5B", 32, 4096, 36, 4, 1, 32, 512, 142), ("18.4B", 48, 6144, 40, 8, 1, 32, 1024, 135),
@@ -211,9 +212,12 @@ def build(row: Row) -> tuple[torch.nn.Module, tuple]:
     _, layers, hidden, heads = row.model
     # OPT is GPT-3's block (pre-LayerNorm, learned positions, a 4h MLP) written with nn.Linear, which the
     # tensor-parallel sharding splits; GPT-2's fused Conv1D projections it does not.
+    # SC'21's Megatron-LM computed attention from explicit score matrices (batched matmuls around its fused
+    # scale-mask-softmax; FlashAttention came a year later): traced eager, the b x heads x s x s scores and their
+    # memory-bound passes are priced, which weigh most at the smallest hidden sizes.
     cfg = transformers.OPTConfig(vocab_size=51200, max_position_embeddings=row.seq, hidden_size=hidden,
                                  num_hidden_layers=layers, num_attention_heads=heads, ffn_dim=4 * hidden,
-                                 word_embed_proj_dim=hidden, use_cache=False)
+                                 word_embed_proj_dim=hidden, use_cache=False, attn_implementation="eager")
     with torch.device("meta"):
         return transformers.OPTForCausalLM(cfg), (torch.zeros(1, row.seq, dtype=torch.long),)
 

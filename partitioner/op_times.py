@@ -8,6 +8,13 @@ to the cache folder of :mod:`partitioner.calibration`, keyed by the graph's fing
 and bytes, its edges and parameters), the machine (:func:`partitioner.calibration.machine_key`, which includes the
 thread count) and the device rates; every later process, ``smp inspect`` and the run alike, reads the same costs and
 makes the same plan. ``SMP_RECALIBRATE=1`` times them again.
+
+A machine's speed is not a constant: a laptop on battery, a shared VM whose host got busy (on the 2-core VM this
+project tests on, the same forward and backward took 9 ms in one half hour and 16 ms in the next). So each entry
+keeps, beside the op times, the seconds of a fixed reference workload timed right after them (:func:`probe_s`);
+a later read times the workload again and keeps the entry only while the machine runs it within
+:data:`STALE` of that speed, else times the ops again: the same plan while the machine is as it was, fresh
+costs when it is not.
 """
 from __future__ import annotations
 
@@ -18,14 +25,17 @@ import warnings
 from typing import Any
 
 import numpy as np
+import torch
 
-from .calibration import RECALIBRATE_ENV, cache_dir, machine_key, write_atomically
+from .calibration import RECALIBRATE_ENV, cache_dir, cost_clock, machine_key, write_atomically
 from .cost import NodeCosts, estimate
 from .devices import DeviceRates
 from .graph import OpGraph
 from .timing import measure, untimeable
 
-__all__ = ["timed_costs", "fingerprint"]
+__all__ = ["timed_costs", "fingerprint", "probe_s", "STALE"]
+
+STALE = 0.25  # an entry is stale once the reference workload runs this much faster or slower than beside it
 
 
 def fingerprint(graph: OpGraph, rates: DeviceRates) -> str:
@@ -50,12 +60,33 @@ def timed_costs(graph: OpGraph, args: tuple, kwargs: dict, rates: DeviceRates) -
     if os.environ.get(RECALIBRATE_ENV, "") in ("", "0"):
         try:
             data: Any = json.loads(path.read_text())
-            if len(data["forward_s"]) == graph.num_nodes == len(data["backward_s"]) == len(data["needs_grad"]):
+            if (len(data["forward_s"]) == graph.num_nodes == len(data["backward_s"]) == len(data["needs_grad"])
+                    and abs(probe_s() / float(data["probe_s"]) - 1.0) <= STALE):
                 return NodeCosts(np.asarray(data["forward_s"], np.float64), np.asarray(data["backward_s"], np.float64),
                                  np.asarray(data["needs_grad"], bool), measured=True)
-        except (OSError, ValueError, TypeError, KeyError):
-            pass  # missing or unreadable: time them and write it again
+        except (OSError, ValueError, TypeError, KeyError, ZeroDivisionError):
+            pass  # missing, unreadable or stale: time them and write it again
     costs = measure(graph, args, kwargs, rates=rates)
     write_atomically(path, {"forward_s": costs.forward_s.tolist(), "backward_s": costs.backward_s.tolist(),
-                            "needs_grad": costs.needs_grad.tolist()})
+                            "needs_grad": costs.needs_grad.tolist(), "probe_s": probe_s()})
     return costs
+
+
+def probe_s(repeats: int = 15) -> float:
+    """Seconds of a fixed reference workload on this thread, as :func:`partitioner.measure` clocks ops (the fastest of
+    ``repeats`` after a warm-up: within about 10 % from one call to the next): a linear layer, a convolution and
+    elementwise ops, forward and backward, a few milliseconds in all. Its inputs come from a generator of its own
+    (the caller's random streams are untouched)."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 256, generator=gen, requires_grad=True)
+    w = torch.randn(256, 256, generator=gen, requires_grad=True)
+    img = torch.randn(4, 16, 32, 32, generator=gen, requires_grad=True)
+    k = torch.randn(16, 16, 3, 3, generator=gen, requires_grad=True)
+    clock = cost_clock(torch.device("cpu"))
+    times = []
+    for _ in range(repeats + 1):
+        t0 = clock()
+        y = torch.nn.functional.gelu(x @ w).softmax(-1).sum() + torch.conv2d(img, k, padding=1).relu().mean()
+        y.backward()
+        times.append(clock() - t0)
+    return min(times[1:])

@@ -41,8 +41,13 @@ class PartitionOptions:
     activations held in flight; ``optimizer`` (``adam``, ``adamw``, ``sgd``, ``none``) the optimizer state
     per trainable byte. ``rates``: a hand-made :class:`DeviceRates` to price ops with instead of
     ``device``'s. ``measure``: time every op on this machine instead of estimating it (``device="cpu"``,
-    ``dtype="fp32"`` only). ``split_heavy_linears``: compute a linear layer that outweighs half a stage's
-    share (a large vocabulary's LM head) in column chunks that the stages share (:mod:`partitioner.chunk`);
+    ``dtype="fp32"`` only). ``time_prices``: cut the stages as the other options say, then price the chosen cut by
+    timing its ops on this machine (as ``measure`` does, cached on disk: :mod:`partitioner.op_times`), so the plan's
+    predicted step counts what this CPU pays while the cut stays the cost model's (deterministic; SMP's
+    ``trace_execution_times=False``); where the ops cannot run here one by one (no weights, functorch transforms,
+    tensor-parallel shards, autocast, another device's profile) the cost model's prices stay.
+    ``split_heavy_linears``: compute a linear layer that outweighs half a stage's share (a large vocabulary's LM
+    head) in column chunks that the stages share (:mod:`partitioner.chunk`);
     off by default: the chunks' outputs cross the link to the stage that computes the loss, and the plan is
     kept only when it is better with that priced in (``benchmarks/end_to_end.py --split-heavy-linears``).
     ``seed``: METIS's seed (plans are deterministic for a seed).
@@ -60,6 +65,7 @@ class PartitionOptions:
     inter_node_link: str | None = None
     rates: DeviceRates | None = None
     measure: bool = False
+    time_prices: bool = False
     split_heavy_linears: bool = False
     seed: int = 0
 

@@ -23,6 +23,7 @@ markers are honoured (:mod:`partitioner.split_points`), not searched over.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Any
 
 import numpy as np
@@ -40,6 +41,7 @@ from .options import UNLIMITED, PartitionOptions
 from .plan import PartitionPlan, make_plan
 from .refine import refine
 from .split_points import marker_stages
+from .timing import untimeable
 from .tp_cost import tp_degree
 from .tracing import trace
 
@@ -123,7 +125,20 @@ def partition(graph_or_model: Any, num_stages: int, options: PartitionOptions | 
     q = next(q for q, _, ev in found if ev is best)
     if q.budget is not None and np.any(best.memory > q.budget):
         raise budget_error(q, _least_memory(q))
+    args, kwargs = _split_inputs(example_inputs, example_kwargs)
+    if q.options.time_prices and not q.costs.measured and (args or kwargs) and _timeable(q):  # priced as it runs here
+        q = make_problem(q.graph, num_stages, q.options, measure=True, example_inputs=args, example_kwargs=kwargs)
+        best = evaluate(q, best.stage)
     return make_plan(q, best, name)
+
+
+def _timeable(p: Problem) -> bool:
+    """Whether ``time_prices`` (:class:`PartitionOptions`) can time ``p``'s ops in this process: a traced model with
+    weights, priced for this CPU in fp32, without tensor-parallel collectives, autocast or functorch transforms."""
+    o, fx = p.options, p.graph.fx
+    return (o.device == "cpu" and o.dtype == "fp32" and o.rates is None and fx is not None
+            and tp_degree(p.graph) == 1 and not torch.is_autocast_enabled("cpu") and not untimeable(p.graph)
+            and not any(t.is_meta for t in itertools.chain(fx.module.parameters(), fx.module.buffers())))
 
 
 def _candidates(p: Problem) -> list[tuple[str, Evaluation]]:

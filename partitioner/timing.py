@@ -158,6 +158,9 @@ def measure(graph: OpGraph, args: tuple, kwargs: dict | None = None, *, repeats:
     # A view's backward, timed alone, builds a zero tensor of its base's size; in a stage, the views of one
     # weight share one (partitioner.chunk.merge_weight_slices), so the estimate (its share) stands in.
     bwd = np.where(view_ops(graph), est.backward_s, bwd)
+    if fx.loss is None:  # a loss priced from outside the trace (price_loss: @smp.step's) is not here to time
+        outputs = np.asarray(graph.kinds) == "output"
+        fwd, bwd = np.where(outputs, est.forward_s, fwd), np.where(outputs, est.backward_s, bwd)
     return NodeCosts(forward_s=fwd, backward_s=np.where(est.needs_grad, bwd, 0.0), needs_grad=est.needs_grad,
                      measured=True)
 

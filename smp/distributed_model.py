@@ -150,7 +150,7 @@ class DistributedModel(torch.nn.Module):
         st = state.get()
         cfg = st.config
         options = PartitionOptions(microbatches=cfg.microbatches, memory_weight=cfg.effective_memory_weight,
-                                   pipeline=cfg.schedule)
+                                   pipeline=cfg.schedule, time_prices=st.device.type == "cpu")
         plan = self._saved_plan(call, pp)
         if plan is not None:
             return plan

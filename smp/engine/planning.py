@@ -82,7 +82,8 @@ def pipeline_runner(model: torch.nn.Module, args: tuple = (), kwargs: dict | Non
     tp_group = next((g for g in runner_kwargs.get("tp_groups") or [] if dist.get_rank() in g), [dist.get_rank()])
     tp = (len(tp_group), tp_group.index(dist.get_rank()))
     plan = shared_plan(model, tuple(args), dict(kwargs or {}), stages,
-                       PartitionOptions.of(options, microbatches=microbatches), loss=loss, tp=tp)
+                       PartitionOptions.of(options, microbatches=microbatches, time_prices=_on_cpu(runner_kwargs)),
+                       loss=loss, tp=tp)
     install_shards(model, plan.traced_graph())
     local = own_tensors(plan, mine.index(dist.get_rank()), len(mine))
     keep_own_share(model, local, runner_kwargs.get("device") or "cpu", initialise=weights is None,
@@ -92,6 +93,11 @@ def pipeline_runner(model: torch.nn.Module, args: tuple = (), kwargs: dict | Non
     runner_kwargs.setdefault("autocast", precision.active_autocast())  # traced under it: the stages run under it
     runner_kwargs.setdefault("model", model)  # batches of other shapes run stages traced again from it
     return PipelineRunner(plan, microbatches=microbatches, virtual_stages=virtual_stages, **runner_kwargs)
+
+
+def _on_cpu(runner_kwargs: dict[str, Any]) -> bool:
+    """Whether the pipeline's stages run on the CPU (``device`` of :class:`pipeline.PipelineRunner`)."""
+    return torch.device(runner_kwargs.get("device") or "cpu").type == "cpu"
 
 
 def own_tensors(plan: PartitionPlan, rank: int, ranks: int) -> set[str]:

@@ -14,12 +14,14 @@ from tests.cli.helpers import REPO, smp_env
 @pytest.mark.slow
 def test_a_short_run_prints_predicted_beside_measured_and_the_plans_layouts_run() -> None:
     done = subprocess.run([sys.executable, "benchmarks/step_model.py", "--models", "mlp", "gpt2", "--steps", "2",
-                           "--fit", "--plan", "--plan-model", "mlp", "--no-pin"], cwd=REPO,
+                           "--repeats", "2", "--fit", "--plan", "--plan-model", "mlp", "--no-pin"], cwd=REPO,
                           env=dict(smp_env(), OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout}\n{done.stderr[-4000:]}"
     out = done.stdout
     for model in ("mlp", "gpt2"):
-        assert re.search(rf"^{model}\s+\d+\.\d\d\s+\d+\.\d\d\s+[+-]\d+\.\d%\s+(yes|NO)$", out, re.M), out
+        for cut in ("timed", "cost model"):  # the median of two runs, then each run's error
+            row = rf"^{model}\s+{cut}\s+\d+\.\d\d\s+\d+\.\d\d\s+[+-]\d+\.\d%\s+(yes|NO)\s+[+-]\d+% [+-]\d+%$"
+            assert re.search(row, out, re.M), out
     assert re.search(r"best fit: pass_overhead_s = \d\.\d\de-0\d, step_overhead_s = \d\.\d\de-0\d", out), out
     assert re.search(r"proposal: pp\d tp\d dp\d sdp\d, .*predicted \d+\.\d\d ms, measured \d+\.\d\d ms", out), out
     assert re.search(r"--pp 2: pp2 tp1 dp1 sdp1, .*predicted \d+\.\d\d ms, measured \d+\.\d\d ms", out), out

@@ -89,3 +89,14 @@ def test_selective_checkpointing_recomputes_torchtitans_op_policy_in_the_blocks(
                             modules=["model.embed_tokens", f"{block}.self_attn.q_proj", f"{block}.self_attn",
                                      f"{block}.mlp", "lm_head"])
     assert list(selective_share(graph)) == [0.0, 0.5, 0.0, 1.0, 0.0]  # embedding and output head: outside
+
+
+def test_sc21_models_compute_attention_from_score_matrices_as_2021_megatron_did():
+    """SC'21 predates FlashAttention: its models are built eager, so the s x s scores and their memory-bound passes
+    are priced, as that system ran them."""
+    from benchmarks.published import build
+
+    sc21 = next(r for r in ROWS if r.key == "sc21-1.7B")
+    model, (ids,) = build(sc21)
+    assert model.config._attn_implementation == "eager" and ids.shape == (1, 2048)
+    assert model.config.hidden_size == 2304 and model.config.num_hidden_layers == 24

@@ -62,6 +62,32 @@ def test_an_unreadable_cache_file_is_timed_again(timings) -> None:
     assert len(timings) == 2 and len(costs.forward_s) == graph.num_nodes
 
 
+def test_an_entry_is_timed_again_once_the_machine_runs_at_another_speed(timings, monkeypatch) -> None:
+    """A laptop on battery or a busy shared host: the reference workload beside the entry says the op times are no
+    longer this machine's now, so they are timed again; within the tolerance the entry (and the plan) stays."""
+    rates = DeviceRates()
+    graph, args = _mlp_graph(24)
+    speed = [1e-3]
+    monkeypatch.setattr(op_times, "probe_s", lambda: speed[0])
+    op_times.timed_costs(graph, args, {}, rates)
+    speed[0] = 1e-3 * (1 + op_times.STALE * 0.8)  # noise: kept
+    op_times.timed_costs(graph, args, {}, rates)
+    assert len(timings) == 1
+    speed[0] = 1.6e-3  # the machine runs 1.6x slower than when the ops were timed
+    op_times.timed_costs(graph, args, {}, rates)
+    assert len(timings) == 2
+    op_times.timed_costs(graph, args, {}, rates)  # the new entry holds the new speed
+    assert len(timings) == 2
+
+
+def test_the_reference_workload_keeps_the_callers_random_streams() -> None:
+    torch.manual_seed(7)
+    expected = torch.rand(3)
+    torch.manual_seed(7)
+    assert op_times.probe_s(repeats=2) > 0
+    assert torch.equal(torch.rand(3), expected)
+
+
 class _Vmapped(torch.nn.Module):
     """A model that batches part of its forward with torch.vmap, as transformers builds attention masks."""
 

@@ -354,3 +354,32 @@ def test_partition_cuts_by_the_costs_it_is_given():
     assert all(plan.assignment[n] == 0 for n, m in zip(graph.names, graph.modules) if m in "01234" and m)
     with pytest.raises(ValueError, match="costs has 3 ops but the graph has"):
         partition(graph, 2, costs=NodeCosts(np.ones(3), np.ones(3), np.ones(3, bool)))
+
+
+def test_time_prices_keeps_the_cost_models_cut_and_prices_it_as_timed(tmp_path, monkeypatch):
+    """SMP's trace_execution_times=False on a CPU: the stages are cut by the cost model (deterministic), and the plan's
+    stage seconds, from which every prediction of the run comes, are the ops timed on this machine; a model without
+    weights, which cannot run here, keeps the estimate."""
+    import numpy as np
+
+    from partitioner import partition, trace
+    from partitioner.op_times import timed_costs
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU()) for _ in range(6)])
+    x = torch.randn(16, 64)
+    graph = trace(model, (x,))
+    estimated = partition(graph, 3, microbatches=4)
+    timed = partition(graph, 3, microbatches=4, time_prices=True, example_inputs=(x,))
+    assert timed.assignment == estimated.assignment
+    assert timed.options["measured"] and not estimated.options["measured"]
+    costs = timed_costs(graph, (x,), {}, partitioner.calibrate())  # the entry the plan read
+    stage = timed.stage_of_ops(graph)
+    for s in timed.stages:
+        assert s.forward_s == pytest.approx(float(np.sum(costs.forward_s[stage == s.index])))
+        assert s.backward_s == pytest.approx(float(np.sum(costs.backward_s[stage == s.index])))
+    with torch.device("meta"):
+        empty = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(6)])
+    meta = trace(empty, (torch.randn(16, 64, device="meta"),))
+    assert not partition(meta, 3, time_prices=True, example_inputs=(x,)).options["measured"]

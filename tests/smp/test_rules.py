@@ -2,6 +2,8 @@
 balanced run. (The same cases from real runs: tests/smp/test_profiling.py.)"""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from pipeline.timeline import Event
@@ -56,6 +58,9 @@ def test_step_drift_says_the_predicted_step_missed_and_why(plan):
     assert f.numbers["ratio"] > 2 and abs(f.numbers["replayed_s"] / f.numbers["measured_s"] - 1) < 0.25
     assert f"{f.numbers['ratio']:.2f}x the" in f.summary
     assert "trace_execution_times=True" in f.recommendation and "smp replan" in f.recommendation
+    timed = dataclasses.replace(plan, options={**plan.options, "measured": True})  # its ops were timed: stale times
+    f = fired(measure(*sp.make(timed, **_balanced(timed, 3.0))))["StepDrift"]
+    assert "SMP_RECALIBRATE=1" in f.recommendation and "trace_execution_times" not in f.recommendation
     assert "StepDrift" not in fired(measure(*sp.make(plan, **_balanced(plan, 1.2))))
     slow = fired(measure(*sp.make(plan, **_balanced(plan), slow={0: 3.0, 1: 3.0})), step_drift=0.25)
     assert "StepDrift" in slow or "PlanDrift" in slow

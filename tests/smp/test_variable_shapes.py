@@ -12,10 +12,10 @@ from smp.testing import run_ranks
 from tests.pipeline.test_runner_shapes import BATCHES, batches, build, reference
 
 
-def _train(rank: int, world: int, kind: str, config: dict) -> dict:
+def _train(rank: int, world: int, kind: str, config: dict, timed: bool = False) -> dict:
     import smp
     smp.init({"pipeline_parallel_degree": 2, "microbatches": 2, "timeout_s": 60, **config})
-    model = smp.DistributedModel(build(kind))
+    model = smp.DistributedModel(build(kind), trace_execution_times=timed)
     opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
 
     @smp.step
@@ -39,9 +39,13 @@ def _train(rank: int, world: int, kind: str, config: dict) -> dict:
             "cache": (len(shapes.sets), shapes.size, shapes.evictions)}
 
 
-@pytest.mark.parametrize("kind", ["gpt2", pytest.param("llama", marks=pytest.mark.slow)])  # Llama: also tests/pipeline
-def test_smp_step_three_lengths_and_a_short_batch_is_exact(kind):
-    got = run_ranks(_train, 2, kind, {"shape_cache_size": 3}, timeout=240)
+@pytest.mark.parametrize("kind,timed", [("gpt2", False),  # Llama: also tests/pipeline
+                                        pytest.param("llama", False, marks=pytest.mark.slow),
+                                        pytest.param("llama", True, marks=pytest.mark.slow)])
+def test_smp_step_three_lengths_and_a_short_batch_is_exact(kind, timed):
+    """``timed``: the cut made from op timings, which moves the boundary next to the index math that Llama's trace at a
+    batch of one names otherwise (ops elided there): the other shapes' stages are matched by structure, not name."""
+    got = run_ranks(_train, 2, kind, {"shape_cache_size": 3}, timed, timeout=240)
     want_losses, want_grads, want_weights = reference(kind, batches(BATCHES), 2, 0.1)
     for out in got:
         assert torch.allclose(torch.tensor(out["losses"]), torch.tensor(want_losses), rtol=1e-5), out["losses"]
