@@ -37,7 +37,7 @@ def _train(cfg: dict, steps: int, *, first_alone=False, sleep=0.0, busy=False, b
     net = _mlp()
     if first_alone:
         smp.set_partition(net[0], 0)
-    model = smp.DistributedModel(net)  # SMP's default: the cost model's cut, priced by its ops timed here
+    model = smp.DistributedModel(net, trace_execution_times=True)  # the cut balanced by this machine's op times
     opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-4))
 
     @smp.step
@@ -93,10 +93,12 @@ def _fired(directory) -> dict:
 def test_a_balanced_run_fires_no_rule_and_profiling_costs_under_two_percent(runs):
     m = load_profile(runs / "balanced")
     fired = _fired(runs / "balanced")
-    # The plan's stage costs hold; a host busy with other jobs (the suite beside it) may still slow the whole step,
-    # which StepDrift reports as time outside the passes, not as a misjudged plan.
+    # The plan's stage shares hold; a host busy with other jobs (the suite beside it) may still slow the whole step,
+    # which StepDrift reports as time outside the passes or as the host running at another speed than when rank 0
+    # timed the ops, not as a misjudged plan.
     drift = fired.pop("StepDrift", None)
-    assert drift is None or "passes do not account for" in drift.recommendation, str(drift)
+    excused = ("passes do not account for", "another speed")
+    assert drift is None or any(why in drift.recommendation for why in excused), str(drift)
     assert not fired, [str(f) for f in evaluate(m)]
     assert m.steps == [1, 2, 3, 4, 5, 6] and m.ranks == [0, 1]
     assert 0 < m.overhead < 0.02
