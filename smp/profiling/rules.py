@@ -87,11 +87,12 @@ def _step_drift(m: Measurements, t: Thresholds) -> Finding:
     ratio = measured / predicted
     summary = (f"the median step took {_ms(measured)}, {ratio:.2f}x the {_ms(predicted)} the plan predicted "
                f"(threshold ±{t.step_drift:.0%}); the step model with the measured stage costs gives {_ms(replayed)}")
-    if abs(replayed / measured - 1) <= t.step_drift and m.plan.options.get("measured"):
+    explained = abs(replayed / measured - 1) <= t.step_drift  # the measured stage costs account for the step
+    if explained and m.plan.options.get("measured"):
         advice = ("the stages cost what the run measured, not what their ops cost when rank 0 timed them: the host "
                   "ran at another speed then (SMP_RECALIBRATE=1 times them again) or other jobs share its cores; "
                   "re-plan from these measurements (`smp replan DIR -o plan.json`), whose predictions start from them")
-    elif abs(replayed / measured - 1) <= t.step_drift:
+    elif explained:
         advice = ("the stages cost what the run measured, not what the plan priced them at: time the ops when "
                   "partitioning (smp.DistributedModel(model, trace_execution_times=True); on a CPU the cost model "
                   "misjudges small ops by up to 2x), or re-plan from these measurements (`smp replan DIR -o "
