@@ -16,9 +16,10 @@ are taken beside the steps they predict, not read from an earlier run's cache.
 * ``measured``: the median ``@smp.step`` call, timed from a barrier to a barrier (``--steps`` steps after two
   warm-up steps; the optimizer is not in it, as it is not in the report's step).
 
-Goal (issue 24, item 5): every row within 25 %, both cuts. ``--fit`` also prints the per-pass and per-step costs
-that fit the rows best (least squares on the relative error), what :mod:`partitioner.calibration` keeps for this
-machine.
+The per-pass and per-step costs are this machine's, measured first beside the steps they predict
+(:mod:`smp.cli.runtime_costs`, what ``smp calibrate`` shows). Goal (issue 24, item 5): every row within 25 %,
+both cuts. ``--fit`` also prints the per-pass and per-step costs that would fit these rows best (least squares on the
+relative error): a check of the measured ones.
 
 ``--plan``: the layouts ``smp plan`` proposes for 2 CPU ranks, run. For ``--plan-model`` (GPT-2) and a global batch of
 ``--plan-batch``, ``smp plan --devices 2`` (its best layout) and ``smp plan --devices 2 --pp 2`` (the best with two
@@ -49,7 +50,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import load_average, pin  # noqa: E402
-from partitioner.calibration import RECALIBRATE_ENV  # noqa: E402
+from partitioner import calibration  # noqa: E402
+from smp.cli.runtime_costs import ensure_runtime_costs  # noqa: E402
 from smp.testing import run_ranks  # noqa: E402
 from smp.zoo import NAMES  # noqa: E402
 
@@ -204,9 +206,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plan-batch", type=int, default=16, help="--plan's global batch (default 16)")
     ap.add_argument("--no-pin", dest="pin", action="store_false", help="do not pin rank r to core r")
     args = ap.parse_args(argv)
-    os.environ.setdefault(RECALIBRATE_ENV, "1")  # the ranks inherit it
+    os.environ.setdefault(calibration.RECALIBRATE_ENV, "1")  # the ranks inherit it
+    ensure_runtime_costs()  # this machine's per-pass and per-step costs, measured beside the steps they predict
+    costs = calibration.recorded_runtime_costs() or {"pass_overhead_s": calibration.CPU_PASS_OVERHEAD_S,
+                                                     "step_overhead_s": calibration.CPU_STEP_OVERHEAD_S}
     print(f"step model vs @smp.step: zoo models (small), 2 ranks (gloo), SMP 'interleaved' (1F1B), "
           f"{args.microbatches} microbatches of {args.batch}, 1 thread per rank, fp32, ops timed on this machine")
+    print(f"runtime costs (smp calibrate): {costs['pass_overhead_s'] * 1e3:.2f} ms per pass, "
+          f"{costs['step_overhead_s'] * 1e3:.2f} ms per step")
     print(f"before: {load_average()}")
     rows = []
     for _ in range(args.repeats):  # each repeat runs every model and cut once, so drift in time hits all alike

@@ -13,11 +13,16 @@ intra-op thread count: every later process reads the same rates and makes the sa
 ``calibrate(refresh=True)``, or ``SMP_RECALIBRATE=1`` in the environment, measures again and replaces it.
 
 Two rates of the profile are not microbenchmarks but what our runtime pays beyond the ops
-(:mod:`pipeline.step_model`): per pass (:data:`CPU_PASS_OVERHEAD_S`) and per step (:data:`CPU_STEP_OVERHEAD_S`),
-fitted to real 2-rank steps of the zoo models at 2, 4 and 8 microbatches by ``benchmarks/step_model.py --fit``.
+(:mod:`pipeline.step_model`): per pass and per step. They depend on how the OS wakes threads and delivers
+loopback messages on this host (fitted on two machines: 1.0 and 0.56 ms per pass, 2 and 10 ms per step), so they
+are measured on real 2-rank steps by :mod:`smp.cli.runtime_costs` (``smp calibrate``) and kept beside the
+profile, per CPU model and torch version (:func:`record_runtime_costs`, :func:`runtime_costs_file`); until they
+are, :data:`CPU_PASS_OVERHEAD_S` and :data:`CPU_STEP_OVERHEAD_S` stand in. Re-measuring the microbenchmarks keeps
+them.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -33,12 +38,13 @@ import torch
 from .devices import DeviceRates
 
 __all__ = ["calibrate", "best_time", "cost_clock", "cache_dir", "cache_file", "machine_key", "write_atomically",
-           "RECALIBRATE_ENV", "CPU_PASS_OVERHEAD_S", "CPU_STEP_OVERHEAD_S"]
+           "record_runtime_costs", "recorded_runtime_costs", "runtime_costs_file", "RECALIBRATE_ENV",
+           "CPU_PASS_OVERHEAD_S", "CPU_STEP_OVERHEAD_S"]
 
 RECALIBRATE_ENV = "SMP_RECALIBRATE"
-# A pass of a pipeline rank on a shared CPU costs about 1 ms more than its ops timed alone: two thread hand-offs
-# between the @smp.step function and the executor, posting gloo sends and receives, caches the other microbatches'
-# passes left cold. Fitted (least squares on the relative error, 24 runs) by benchmarks/step_model.py --fit.
+# Until this machine's are measured: a pass of a pipeline rank on a shared CPU costs about 1 ms more than its ops
+# timed alone (two thread hand-offs between the @smp.step function and the executor, posting gloo sends and
+# receives, caches the other microbatches' passes left cold), fitted by benchmarks/step_model.py --fit on one host.
 CPU_PASS_OVERHEAD_S = 1.0e-3
 CPU_STEP_OVERHEAD_S = 2.0e-3  # the step's arguments and results shared over the pipeline, its threads started
 _PROFILE_VERSION = 2  # bumped when the profile gains rates: older cached profiles are measured again
@@ -86,11 +92,58 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "smp-engine"
 
 
+def _digest(key: dict[str, object]) -> str:
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
 def cache_file() -> Path:
     """Where this machine's CPU profile is kept: one file per (CPU model, torch version, thread count)."""
-    base = cache_dir()
-    digest = hashlib.sha256(json.dumps(machine_key(), sort_keys=True).encode()).hexdigest()[:16]
-    return base / f"cpu-rates-{digest}.json"
+    return cache_dir() / f"cpu-rates-{_digest(machine_key())}.json"
+
+
+def _runtime_key() -> dict[str, object]:
+    # The runtime's costs are measured with one thread per rank, as ranks run: not kept per pricing thread count.
+    return {k: v for k, v in machine_key().items() if k != "threads"}
+
+
+def runtime_costs_file() -> Path:
+    """Where this machine's measured per-pass and per-step runtime costs are kept (per CPU model, torch version)."""
+    return cache_dir() / f"cpu-runtime-{_digest(_runtime_key())}.json"
+
+
+def recorded_runtime_costs() -> dict[str, float] | None:
+    """This machine's measured runtime costs (``pass_overhead_s``, ``step_overhead_s`` and how they were measured),
+    or None while they are not measured (the profile then uses :data:`CPU_PASS_OVERHEAD_S` and
+    :data:`CPU_STEP_OVERHEAD_S`)."""
+    try:
+        data = json.loads(runtime_costs_file().read_text())
+        if data.get("key") == _runtime_key():
+            costs = data["costs"]
+            if all(float(costs[k]) >= 0 for k in ("pass_overhead_s", "step_overhead_s")):
+                return costs
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        pass  # missing or unreadable: not measured
+    return None
+
+
+def record_runtime_costs(pass_overhead_s: float, step_overhead_s: float, **how: float) -> DeviceRates:
+    """Keep this machine's measured runtime costs (``how``: figures of the measurement, kept with them); every later
+    :func:`calibrate` of ``cpu``, in this process and others, prices passes and steps with them."""
+    for name, value in (("pass_overhead_s", pass_overhead_s), ("step_overhead_s", step_overhead_s)):
+        if not value >= 0:
+            raise ValueError(f"{name} must be a non-negative number of seconds, got {value!r}")
+    costs = {**how, "pass_overhead_s": float(pass_overhead_s), "step_overhead_s": float(step_overhead_s)}
+    write_atomically(runtime_costs_file(), {"key": _runtime_key(), "costs": costs})
+    for path, rates in _LOADED.items():
+        _LOADED[path] = _with_runtime_costs(rates, costs)
+    return calibrate("cpu")
+
+
+def _with_runtime_costs(rates: DeviceRates, costs: dict[str, float] | None) -> DeviceRates:
+    if costs is None:
+        return rates
+    return dataclasses.replace(rates, pass_overhead_s=float(costs["pass_overhead_s"]),
+                               step_overhead_s=float(costs["step_overhead_s"]))
 
 
 # Per cache file, the profile this process uses (so SMP_RECALIBRATE measures once per process, not per call).
@@ -99,14 +152,15 @@ _LOADED: dict[str, DeviceRates] = {}
 
 def calibrate(device: str = "cpu", *, refresh: bool = False) -> DeviceRates:
     """This device's rates: on CPU, the profile cached on disk for this machine (measured, in about 0.5 s,
-    and stored on first use); ``refresh=True``, or ``SMP_RECALIBRATE=1`` when a process first asks,
-    measures again and replaces it. Other devices are measured once per process."""
+    and stored on first use) with the runtime costs measured here (:func:`recorded_runtime_costs`);
+    ``refresh=True``, or ``SMP_RECALIBRATE=1`` when a process first asks, measures the profile again and replaces
+    it. Other devices are measured once per process."""
     if torch.device(device).type != "cpu":
         return _measured(device)
     path = cache_file()
     if refresh or str(path) not in _LOADED:
         from_env = os.environ.get(RECALIBRATE_ENV, "") not in ("", "0")
-        _LOADED[str(path)] = _cpu_profile(path, refresh or from_env)
+        _LOADED[str(path)] = _with_runtime_costs(_cpu_profile(path, refresh or from_env), recorded_runtime_costs())
     return _LOADED[str(path)]
 
 

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 from partitioner.errors import EngineError
 from smp import __version__
+from smp.cli.commands.calibrate import register as add_calibrate
 from smp.cli.commands.demo import register as add_demo
 from smp.cli.commands.inspect import register as add_inspect
 from smp.cli.commands.launch import register as add_launch
@@ -35,7 +36,8 @@ def build_parser() -> Parser:
     parser.add_argument("--version", action="version", version=f"{PROG} (smp-engine) {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     sub.required = True
-    for add_command in (add_inspect, add_simulate, add_plan, add_demo, add_launch, add_report, add_replan):
+    for add_command in (add_inspect, add_simulate, add_plan, add_demo, add_launch, add_report, add_replan,
+                        add_calibrate):
         add_command(sub)
     return parser
 

@@ -156,12 +156,16 @@ def pricing_threads(device: str, ranks: int) -> Iterator[None]:
     """While a job of ``ranks`` ranks on ``device`` is priced, and they are several on this machine's CPU: torch's
     intra-op threads as each rank will have them, one (``smp launch`` sets ``OMP_NUM_THREADS=1`` for more than one
     process), so that the timed ops and the calibrated rates (:func:`partitioner.calibrate`, kept per thread count)
-    are the ranks'."""
+    are the ranks', and with this machine's runtime costs per pass and per step, measured on first use
+    (:func:`smp.cli.runtime_costs.ensure_runtime_costs`)."""
     import torch
+
+    from smp.cli.runtime_costs import ensure_runtime_costs
 
     if device != "cpu" or ranks < 2:
         yield
         return
+    ensure_runtime_costs()
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -25,9 +25,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from partitioner import DeviceRates, NodeCosts, OpGraph, PartitionOptions, PartitionPlan, estimate, partition
-from pipeline.profile_description import GRAPH_FILE, plan_edges
-from pipeline.schedule import Schedule
-from pipeline.step_model import predict_step
+from pipeline.profile_description import GRAPH_FILE
+from pipeline.step_model import plan_step
 from smp.profiling.measurements import Measurements, ProfileError, load_profile
 
 __all__ = ["Replan", "fit_costs", "replan", "replan_profile", "replan_to_file"]
@@ -92,13 +91,6 @@ def fit_costs(graph: OpGraph, costs: NodeCosts, stage: np.ndarray, forward_s: li
                      needs_grad=costs.needs_grad, measured=True)
 
 
-def _step(schedule: Schedule, plan: PartitionPlan, graph: OpGraph) -> float:
-    edges = plan_edges(plan, graph)
-    return predict_step(schedule, [s.forward_s for s in plan.stages], [s.backward_s for s in plan.stages],
-                        DeviceRates.from_dict(plan.rates), comm_s={(s, t): c for s, t, c in edges},
-                        stage_deps=[(s, t) for s, t, _ in edges] or None).step_s
-
-
 def replan(m: Measurements, graph: OpGraph) -> Replan:
     """Re-partition ``graph`` (the profiled run's) with op costs fitted to the measurements ``m``."""
     old = m.plan
@@ -111,7 +103,7 @@ def replan(m: Measurements, graph: OpGraph) -> Replan:
     new = replace(partition(graph, old.num_stages, options, costs=costs), inputs=old.inputs)  # the run's microbatch
     measured = statistics.median(p.step_s for p in m.phases.values()) if m.phases else 0.0
     # The old plan under the fitted costs has the measured stage times: the simulator's replay of them.
-    return Replan(plan=new, old_step_s=m.replayed.step_s, new_step_s=_step(m.schedule, new, graph),
+    return Replan(plan=new, old_step_s=m.replayed.step_s, new_step_s=plan_step(new, m.schedule, graph=graph).step_s,
                   measured_step_s=measured, planned_step_s=m.predicted.step_s)
 
 

@@ -83,6 +83,43 @@ def test_another_machine_or_a_broken_file_is_measured_again(cache_home, monkeypa
     assert calibrate().name == "cpu" and json.loads(path.read_text())["key"]["cpu"] == calibrate_mod._cpu_model()
 
 
+def test_runtime_costs_stand_in_until_measured_then_every_process_prices_with_them(cache_home, monkeypatch):
+    before = calibrate()
+    assert (before.pass_overhead_s, before.step_overhead_s) == (calibrate_mod.CPU_PASS_OVERHEAD_S,
+                                                                calibrate_mod.CPU_STEP_OVERHEAD_S)
+    assert calibrate_mod.recorded_runtime_costs() is None
+    kept = calibrate_mod.record_runtime_costs(4.2e-4, 7.5e-3, worst_error=0.05)
+    assert (kept.pass_overhead_s, kept.step_overhead_s) == (4.2e-4, 7.5e-3) and kept.flops_per_s == before.flops_per_s
+    assert calibrate() == kept  # this process at once
+    _forget(monkeypatch)
+    assert (calibrate().pass_overhead_s, calibrate().step_overhead_s) == (4.2e-4, 7.5e-3)  # and the next one
+    # Measuring the microbenchmarks again keeps them, and so does another thread count (ranks run with one).
+    assert calibrate(refresh=True).pass_overhead_s == 4.2e-4
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        assert calibrate().step_overhead_s == 7.5e-3
+    finally:
+        torch.set_num_threads(threads)
+    assert calibrate_mod.recorded_runtime_costs()["worst_error"] == 0.05
+
+
+def test_runtime_costs_of_another_torch_or_a_broken_file_are_not_used(cache_home, monkeypatch):
+    calibrate_mod.record_runtime_costs(4.2e-4, 7.5e-3)
+    path = calibrate_mod.runtime_costs_file()
+    data = json.loads(path.read_text())
+    data["key"]["torch"] = "0.0.1"
+    path.write_text(json.dumps(data))
+    _forget(monkeypatch)
+    assert calibrate().pass_overhead_s == calibrate_mod.CPU_PASS_OVERHEAD_S
+    for broken in ("{not json", json.dumps({**data, "key": calibrate_mod._runtime_key(), "costs": {
+            "pass_overhead_s": -1.0, "step_overhead_s": 0.0}})):
+        path.write_text(broken)
+        assert calibrate_mod.recorded_runtime_costs() is None
+    with pytest.raises(ValueError, match="pass_overhead_s must be a non-negative number of seconds, got -0.001"):
+        calibrate_mod.record_runtime_costs(-1e-3, 0.0)
+
+
 def test_the_cache_is_keyed_by_thread_count(cache_home):
     threads = torch.get_num_threads()
     try:

@@ -205,8 +205,21 @@ def run(ns: argparse.Namespace) -> int:
     if ns.dry_run:
         print(command_line(ns, log_dir, local_world))
         return 0
+    if local_world > 1 and _standalone(ns):
+        _measure_cpu_costs()
     os.makedirs(log_dir, exist_ok=True)
     return _attempts(ns, log_dir, local_world, int(restarts) if _standalone(ns) else 0)
+
+
+def _measure_cpu_costs() -> None:
+    """Ranks on this machine's CPU plan with its runtime costs: measured here first if they are not yet (a rank
+    cannot measure them: its peers would wait)."""
+    import torch
+
+    from smp.cli.runtime_costs import ensure_runtime_costs
+
+    if not torch.cuda.is_available():
+        ensure_runtime_costs()
 
 
 def _attempts(ns: argparse.Namespace, log_dir: str, local_world: int, restarts: int) -> int:
