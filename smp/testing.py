@@ -1,35 +1,68 @@
-"""Run a function on N local ranks (gloo, localhost, a free port) and collect what each returns.
+"""Run a function on N local ranks (gloo, localhost, a store the caller holds) and collect what each returns.
 
 What ``torch.multiprocessing.spawn`` does, plus the process group and the results: every rank gets
-``torch.distributed`` initialised on this host, one intra-op thread, the torchrun environment variables and
-those of :mod:`smp.runtime.rank_env` (huge pages for large CPU tensors), and
-returns a value to the caller. Failures come back as the rank's traceback text, and the whole run is
-bounded by ``timeout`` so a hang fails the caller instead of hanging it. Tests and benchmarks use it; so
-can a user trying the engine on one machine without ``smp launch``.
+``torch.distributed`` initialised on this host, one intra-op thread, the caller's environment with the torchrun
+variables and those of :mod:`smp.runtime.rank_env` (huge pages for large CPU tensors), and
+returns a value to the caller. Ranks are forked from a fork server that has imported torch and smp (and
+transformers, when the caller has): a new rank starts in about 0.05 s instead of the 2-4 s its imports take, which
+was most of a short multi-rank run (:func:`_context`). Failures come back as the rank's traceback text, and the
+whole run is bounded by ``timeout`` so a hang fails the caller instead of hanging it. Tests and benchmarks use it;
+so can a user trying the engine on one machine without ``smp launch``.
 """
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import pickle
 import queue
+import sys
 import traceback
 from typing import Any, Callable
 
 import torch.multiprocessing as mp
 
-from smp.runtime.rank_env import free_port, rank_environment
+from smp.runtime import state
+from smp.runtime.rank_env import RANK_ENV, rank_environment
 
 __all__ = ["run_ranks"]
 
 
-def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, results: Any, pg_timeout: float) -> None:
+# What the fork server imports before it forks ranks, of what the caller has imported (transformers: 2 s alone).
+_PRELOAD = ("torch", "torch.distributed", "smp", "smp.testing", "transformers")
+
+
+@functools.cache
+def _fork_server() -> tuple[Any, dict[str, str | None]]:
+    """The fork server's context, and the values of :data:`~smp.runtime.rank_env.RANK_ENV` it starts with (torch
+    reads them once per process, so its forked ranks keep them)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([m for m in _PRELOAD if m in sys.modules])
+    return ctx, {k: os.environ.get(k) for k in RANK_ENV}
+
+
+def _context() -> Any:
+    """The processes ranks start in: forked from a fork server that imported :data:`_PRELOAD` once (the server, not
+    the caller, is forked: no threads or CUDA state are inherited); spawned where there is no fork server, or where
+    the caller's :data:`~smp.runtime.rank_env.RANK_ENV` is not the one the server started with."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx, started_with = _fork_server()
+    return ctx if started_with == {k: os.environ.get(k) for k in RANK_ENV} else mp.get_context("spawn")
+
+
+def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, results: Any, pg_timeout: float,
+            env: dict[str, str]) -> None:
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    os.environ.clear()  # a forked rank has the fork server's environment: the caller's is the one it runs in
+    os.environ.update(env)
+    # The store is the caller's, as torchrun's agent holds it: it outlives a rank that ends, so its peers still read
+    # why (with rank 0 holding it, they saw only that rank 0 had gone).
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE=str(True))
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=pg_timeout))
@@ -40,6 +73,7 @@ def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, results
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
     finally:
+        state.shutdown()  # smp's exit handler: a forked rank leaves through os._exit, which runs none
         try:
             dist.destroy_process_group()
         except Exception:
@@ -53,12 +87,17 @@ def run_ranks(fn: Callable, world: int, *args: Any, timeout: float = 120.0, pg_t
     With ``allow_failure`` a failing rank's traceback text is returned in its slot (prefixed ``FAILED``)
     instead of raising, so tests can assert on how failures are reported.
     """
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, results, pg_timeout), daemon=True)
-             for r in range(world)]
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=pg_timeout))
+    port = store.port
     with rank_environment():
+        ctx = _context()
+        results = ctx.Queue()
+        env = dict(os.environ)
+        procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, results, pg_timeout, env), daemon=True)
+                 for r in range(world)]
         for p in procs:
             p.start()
     got: dict[int, Any] = {}

@@ -278,6 +278,16 @@ def _degrees(pp: int, tp: int) -> str:
     return f"pipeline_parallel_degree={pp} x tensor_parallel_degree={tp}"
 
 
+def shutdown() -> None:
+    """Close the state now, as its exit handler would at exit, and forget it: for a process that ends without
+    running exit handlers (a rank forked by :func:`smp.testing.run_ranks` leaves through ``os._exit``)."""
+    global _state
+    if _state is not None:
+        atexit.unregister(_state.close)
+        st, _state = _state, None
+        st.close(False)  # the default group is the caller's to destroy
+
+
 def reset() -> None:
     """Forget the state (tests and scripts that run several configurations in one process). Its process groups
     stay as they are; its exit handler goes, so the state is not kept alive until exit."""
