@@ -18,9 +18,10 @@ Each tp degree is a graph of tp rank 0 (:func:`partitioner.shard_program.shard_g
 
 ``timed`` (planning for this machine's CPU, the model with its weights): the two traces run on real inputs (the
 example's rows repeated to the size) and every op is timed (:func:`partitioner.op_times.timed_costs`, as ``smp
-inspect`` on ``cpu``); an op's seconds at other sizes are the line through its two timings (an op costs a fixed
-dispatch plus work per sample). A tp degree above 1 cannot run in one process, so its roofline is scaled by the whole
-model's timed / estimated seconds at that size, forward and backward apart.
+inspect`` on ``cpu``), the upper size at least the largest searched; an op's seconds at other sizes are the line
+through its two timings (an op costs a fixed dispatch plus work per sample). A tp degree above 1 cannot run in one
+process, so its roofline is scaled by the whole model's timed / estimated seconds at that size, forward and backward
+apart.
 """
 from __future__ import annotations
 
@@ -82,13 +83,17 @@ def tiled(args: tuple, kwargs: dict, batch: int, size: int) -> tuple[tuple, dict
     return pytree.tree_map_only(torch.Tensor, tile, (tuple(args), dict(kwargs)))
 
 
-def trace_sizes(batch: int, sizes: Iterable[int]) -> tuple[int, ...]:
+def trace_sizes(batch: int, sizes: Iterable[int], timed: bool = False) -> tuple[int, ...]:
     """The microbatch sizes to trace for ``sizes`` when the example inputs have ``batch`` samples: the one size
-    needed, or two to draw the line through (``batch`` and ``2 batch``; 2 and 4 for a batch of 1)."""
+    needed, or two to draw the line through (``batch`` and ``2 batch``; 2 and 4 for a batch of 1). ``timed``: the
+    upper one is at least the largest of ``sizes``, because timings are not exact as traced counts are: a line
+    drawn beyond its two points multiplies their difference, and with it a shared machine's drift between them (a
+    GPT-2 microbatch of 16 was priced at half its time from timings at 4 and 8)."""
     wanted = sorted(set(sizes))
     if len(wanted) == 1:
         return (wanted[0],)
-    return (batch, 2 * batch) if batch > 1 else (2, 4)
+    lo, hi = (batch, 2 * batch) if batch > 1 else (2, 4)
+    return (lo, max(hi, wanted[-1])) if timed else (lo, hi)
 
 
 def head_counts(model: torch.nn.Module) -> tuple[int, ...]:
@@ -238,7 +243,7 @@ def layout_costs(model: torch.nn.Module, args: tuple, kwargs: dict, *, sizes: It
         times[size] = timed_costs(graph, a, k, rates)
         return graph
 
-    whole = {b: traced_at(b) for b in trace_sizes(batch, wanted)}
+    whole = {b: traced_at(b) for b in trace_sizes(batch, wanted, timed)}
     line: tuple[int, int] | None = (min(whole), max(whole)) if len(whole) == 2 else None
     if line is not None and not _same_ops(whole[line[0]], whole[line[1]]):
         progress(f"the traces at microbatch sizes {line} differ in their ops: tracing every size on its own")

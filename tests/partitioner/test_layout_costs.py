@@ -45,6 +45,9 @@ def test_two_sizes_are_traced_whatever_the_sizes_searched() -> None:
     assert trace_sizes(4, [8]) == (8,)  # one size: its own trace
     assert trace_sizes(4, [1, 2, 4, 8, 16]) == (4, 8)
     assert trace_sizes(1, [1, 2, 4]) == (2, 4)  # batch 1 traces to other ops (torch elides copies)
+    # Timed ops are interpolated, never drawn beyond the larger timing (which would multiply the timings' noise).
+    assert trace_sizes(4, [1, 2, 4, 8, 16], timed=True) == (4, 16)
+    assert trace_sizes(4, [1, 2, 4], timed=True) == (4, 8)
 
 
 def test_the_line_through_two_traces_is_the_trace_at_any_size(gpt2, costs) -> None:
