@@ -73,11 +73,12 @@ def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, results
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
     finally:
-        state.shutdown()  # smp's exit handler: a forked rank leaves through os._exit, which runs none
-        try:
-            dist.destroy_process_group()
-        except Exception:
-            pass
+        # smp's exit handler first: a forked rank leaves through os._exit, which runs none.
+        for close in (state.shutdown, dist.destroy_process_group):
+            try:
+                close()
+            except Exception:
+                pass
 
 
 def run_ranks(fn: Callable, world: int, *args: Any, timeout: float = 120.0, pg_timeout: float = 60.0,

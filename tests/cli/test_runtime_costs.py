@@ -84,3 +84,14 @@ def test_measured_once_never_in_a_rank_and_a_failure_is_a_warning(cache_home, mo
     monkeypatch.setenv(calibration.RECALIBRATE_ENV, "1")
     ensure_runtime_costs()
     assert calls == [1, 1]
+
+
+def test_a_failed_rank_of_the_measurement_is_a_warning_not_a_crash(cache_home, monkeypatch, capsys) -> None:
+    import smp.testing
+
+    monkeypatch.setattr(smp.testing, "run_ranks", lambda *a, **k: ["FAILED: Traceback ... gloo: connect refused", None])
+    with pytest.raises(RuntimeError, match="on 2 local ranks failed: FAILED: Traceback ... gloo: connect refused"):
+        runtime_costs.measure_runtime_costs()
+    ensure_runtime_costs()
+    assert "could not be measured (measuring the runtime's costs on 2 local ranks failed" in capsys.readouterr().err
+    assert calibration.recorded_runtime_costs() is None
