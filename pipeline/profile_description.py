@@ -12,13 +12,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from partitioner import DeviceRates
-from partitioner.objective import stage_crossings
 from pipeline.schedule import Action, Schedule
 from pipeline.simulate import SimResult, compute_only
-from pipeline.step_model import predict_step
+from pipeline.step_model import plan_edges, predict_step
 from pipeline.timeline import Counter, Event, to_png_panels
 
-__all__ = ["run_description", "plan_edges", "merge", "schedule_of", "predict", "write_gantt", "TRACE_FILE",
+__all__ = ["run_description", "merge", "schedule_of", "predict", "write_gantt", "TRACE_FILE",
            "PROFILE_FILE", "GRAPH_FILE", "TIMELINE_FILE"]
 
 TRACE_FILE = "trace.json"
@@ -42,15 +41,6 @@ def run_description(runner: Any) -> dict[str, Any]:
         "edges": plan_edges(plan, plan.graph),
         "graph": plan.graph,
     }
-
-
-def plan_edges(plan: Any, graph: Any) -> list[list[Any]]:
-    """[producer stage, consumer stage, predicted seconds per microbatch] of every stage edge of ``plan``:
-    the bytes crossing it over the plan's link rates."""
-    rates = DeviceRates.from_dict(plan.rates)
-    stage = plan.stage_of_ops(graph)
-    crossing = stage_crossings(graph, stage, plan.num_stages)
-    return [[s, t, rates.comm_s(b, messages=c)] for (s, t), (b, c) in crossing.items()]
 
 
 def merge(parts: list[dict[str, Any]]) -> tuple[list[Event], list[Counter]]:

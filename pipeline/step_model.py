@@ -30,7 +30,7 @@ from partitioner.objective import stage_crossings
 from .schedule import Schedule, StageDeps
 from .simulate import Seconds, SimResult, simulate
 
-__all__ = ["predict_step", "plan_step", "with_pass_overhead"]
+__all__ = ["predict_step", "plan_step", "plan_edges", "with_pass_overhead"]
 
 
 def with_pass_overhead(seconds: Seconds, rates: DeviceRates) -> list[float] | float:
@@ -56,13 +56,19 @@ def predict_step(schedule: Schedule, forward_s: Seconds, backward_s: Seconds, ra
     return dataclasses.replace(sim, step_s=step, idle_s=[step - b for b in sim.busy_s])
 
 
-def plan_step(plan: Any, schedule: Schedule, rates: DeviceRates | None = None, graph: Any = None) -> SimResult:
-    """The step of a :class:`partitioner.PartitionPlan` run by ``schedule``: its stages' seconds, and the bytes
-    crossing its stage edges over the link, priced by :func:`predict_step` under ``rates`` (the plan's own if None);
-    ``graph``: the plan's op graph, if at hand (else traced again)."""
+def plan_edges(plan: Any, graph: Any, rates: DeviceRates | None = None) -> list[list[Any]]:
+    """[producer stage, consumer stage, seconds per microbatch] of every stage edge of a
+    :class:`partitioner.PartitionPlan`: the bytes crossing it over the link of ``rates`` (the plan's own if None)."""
     rates = rates or DeviceRates.from_dict(plan.rates)
-    graph = graph if graph is not None else plan.traced_graph()
     crossing = stage_crossings(graph, plan.stage_of_ops(graph), plan.num_stages)
-    comm = {(s, t): rates.comm_s(b, messages=c) for (s, t), (b, c) in crossing.items()}
+    return [[s, t, rates.comm_s(b, messages=c)] for (s, t), (b, c) in crossing.items()]
+
+
+def plan_step(plan: Any, schedule: Schedule, rates: DeviceRates | None = None, graph: Any = None) -> SimResult:
+    """The step of a :class:`partitioner.PartitionPlan` run by ``schedule``: its stages' seconds and its
+    :func:`plan_edges`, priced by :func:`predict_step` under ``rates`` (the plan's own if None); ``graph``: the plan's
+    op graph, if at hand (else traced again)."""
+    rates = rates or DeviceRates.from_dict(plan.rates)
+    edges = plan_edges(plan, graph if graph is not None else plan.traced_graph(), rates)
     return predict_step(schedule, [s.forward_s for s in plan.stages], [s.backward_s for s in plan.stages], rates,
-                        comm_s=comm, stage_deps=sorted(comm) or None)
+                        comm_s={(s, t): c for s, t, c in edges}, stage_deps=[(s, t) for s, t, _ in edges] or None)

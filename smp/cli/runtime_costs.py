@@ -16,6 +16,8 @@ job) or by ``smp calibrate``; about 10 s on two idle cores.
 """
 from __future__ import annotations
 
+import dataclasses
+import os
 import statistics
 import sys
 import time
@@ -85,11 +87,9 @@ def _rank(rank: int, world: int, steps: int) -> list[dict[str, Any]] | None:
         graph = plan.traced_graph()
         schedule = make_schedule(plan.options["pipeline"], plan.num_stages, m)
         base = DeviceRates.from_dict(plan.rates)
-        predicted = [plan_step(plan, schedule, DeviceRates.from_dict({**plan.rates, "pass_overhead_s": o,
-                                                                      "step_overhead_s": 0.0}), graph).step_s
-                     for o in PASS_GRID_S]
-        rows.append({"microbatches": m, "measured_s": statistics.median(times), "predicted_s": predicted,
-                     "profile": base.name})
+        predicted = [plan_step(plan, schedule, dataclasses.replace(base, pass_overhead_s=o, step_overhead_s=0.0),
+                               graph).step_s for o in PASS_GRID_S]
+        rows.append({"microbatches": m, "measured_s": statistics.median(times), "predicted_s": predicted})
     state.reset()
     return rows if rank == 0 else None
 
@@ -134,8 +134,6 @@ def measure_runtime_costs(steps: int = _STEPS, timeout: float = 300.0) -> dict[s
 def ensure_runtime_costs(quiet: bool = False) -> None:
     """Measure this machine's runtime costs if they are not yet (once per machine; ``SMP_RECALIBRATE=1``: once per
     process). Never inside a rank (its peers would wait), and a failure is a warning: the default costs stand in."""
-    import os
-
     import torch.distributed as dist
 
     from partitioner.calibration import RECALIBRATE_ENV, recorded_runtime_costs, runtime_costs_file
