@@ -39,7 +39,7 @@ from .devices import DeviceRates
 
 __all__ = ["calibrate", "best_time", "cost_clock", "cache_dir", "cache_file", "machine_key", "write_atomically",
            "record_runtime_costs", "recorded_runtime_costs", "runtime_costs_file", "RECALIBRATE_ENV",
-           "CPU_PASS_OVERHEAD_S", "CPU_STEP_OVERHEAD_S"]
+           "CPU_PASS_OVERHEAD_S", "CPU_STEP_OVERHEAD_S", "TIMING_VERSION"]
 
 RECALIBRATE_ENV = "SMP_RECALIBRATE"
 # Until this machine's are measured: a pass of a pipeline rank on a shared CPU costs about 1 ms more than its ops
@@ -47,6 +47,9 @@ RECALIBRATE_ENV = "SMP_RECALIBRATE"
 # receives, caches the other microbatches' passes left cold), fitted by benchmarks/step_model.py --fit on one host.
 CPU_PASS_OVERHEAD_S = 1.0e-3
 CPU_STEP_OVERHEAD_S = 2.0e-3  # the step's arguments and results shared over the pipeline, its threads started
+# How partitioner.measure times ops (2: weight gradients added into kept ones), in the key of every cached entry
+# that depends on it (op times, the runtime costs fitted beside them): entries timed another way are measured again.
+TIMING_VERSION = 2
 _PROFILE_VERSION = 2  # bumped when the profile gains rates: older cached profiles are measured again
 
 
@@ -103,7 +106,8 @@ def cache_file() -> Path:
 
 def _runtime_key() -> dict[str, object]:
     # The runtime's costs are measured with one thread per rank, as ranks run: not kept per pricing thread count.
-    return {k: v for k, v in machine_key().items() if k != "threads"}
+    # They are fitted beside op times, so they are kept per way of timing ops too.
+    return {**{k: v for k, v in machine_key().items() if k != "threads"}, "timing": TIMING_VERSION}
 
 
 def runtime_costs_file() -> Path:

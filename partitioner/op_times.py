@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .calibration import RECALIBRATE_ENV, cache_dir, cost_clock, machine_key, write_atomically
+from .calibration import RECALIBRATE_ENV, TIMING_VERSION, cache_dir, cost_clock, machine_key, write_atomically
 from .cost import NodeCosts, estimate
 from .devices import DeviceRates
 from .graph import OpGraph
@@ -40,9 +40,11 @@ STALE = 0.25  # an entry is stale once the reference workload runs this much fas
 
 def fingerprint(graph: OpGraph, rates: DeviceRates) -> str:
     """A digest of what the timing of ``graph``'s ops depends on: its ops, their kinds, FLOPs and bytes, its edges and
-    parameters, this machine and the device rates."""
+    parameters, this machine, the device rates and how the ops are timed
+    (:data:`partitioner.calibration.TIMING_VERSION`)."""
     h = hashlib.sha256()
-    h.update(json.dumps([graph.names, graph.kinds, graph.param_names, machine_key(), rates.to_dict()]).encode())
+    key = [TIMING_VERSION, graph.names, graph.kinds, graph.param_names, machine_key(), rates.to_dict()]
+    h.update(json.dumps(key).encode())
     for array in (graph.flops, graph.move_bytes, graph.out_bytes, graph.src, graph.dst, graph.param_bytes):
         h.update(np.ascontiguousarray(array).tobytes())
     return h.hexdigest()[:24]

@@ -68,7 +68,10 @@ def measure(graph: OpGraph, args: tuple, kwargs: dict | None = None, *, repeats:
     its forward its own backward runs on random output gradients, so backward costs are per op -- a conv
     net's late layers, which hold most of the weights, pay for their weight gradients, where one
     backward/forward ratio for the whole model would spread that cost evenly. Each op's weight gradients
-    are new tensors (as after ``zero_grad(set_to_none=True)``). The fixed cost of one
+    are added into those the warm-up pass left, as a step's every microbatch after the first adds into the kept
+    gradient: a fresh gradient, freed and reallocated op after op, would reuse warm memory and time neither that
+    read-add-write nor the first microbatch's page faults (a 4-layer MLP stage's backward was timed 15 % short).
+    The fixed cost of one
     ``autograd.backward`` call, which a stage pays once and not per op, is measured on a trivial op and
     subtracted. With one intra-op thread on CPU the clock is this thread's CPU time (robust on a shared
     machine, see :func:`partitioner.calibration.cost_clock`); otherwise wall time. The model's buffers
@@ -128,8 +131,6 @@ def measure(graph: OpGraph, args: tuple, kwargs: dict | None = None, *, repeats:
                         t2 = clock()
                         torch.autograd.backward(outs, grads)
                         t3 = clock()
-                        for q in params.values():
-                            q.grad = None
                     if rep:
                         fwd_samples.setdefault(node.name, []).append(t1 - t0)
                         if outs:
@@ -140,8 +141,6 @@ def measure(graph: OpGraph, args: tuple, kwargs: dict | None = None, *, repeats:
                     if rep:
                         fwd_samples.setdefault(node.name, []).append(f)
                         bwd_samples.setdefault(node.name, []).append(max(b - call_overhead, 0.0))
-                    for q in params.values():
-                        q.grad = None
     finally:
         with torch.no_grad():
             for b, value in saved_buffers:
@@ -276,7 +275,8 @@ def measure_stages(sm: SplitModel, args: tuple, kwargs: dict | None = None, *, r
     """Time every stage's forward and backward (:func:`run_stages`), ``repeats`` times after one warm-up run.
     The last stage computes the loss traced with the model (``partitioner.trace(loss_fn=...)``), its time
     counted in that stage's; without one it backpropagates a fixed random gradient standing in for the
-    loss. The parameters' gradients are left as they were."""
+    loss. Gradients are added into those of the run before, as a step's microbatches after the first add
+    into the kept ones (:func:`measure`); the parameters' gradients are left as they were."""
     check_runnable(sm.program.module, "time the stages", (args, kwargs))
     params = list(dict.fromkeys(p for st in sm.stages for p in st.module.parameters()))
     saved = [p.grad for p in params]
@@ -295,11 +295,11 @@ def measure_stages(sm: SplitModel, args: tuple, kwargs: dict | None = None, *, r
     clock = cost_clock(next(iter(params), torch.empty(0)).device)
     fwd: list[list[float]] = [[] for _ in sm.stages]
     bwd: list[list[float]] = [[] for _ in sm.stages]
+    for p in params:
+        p.grad = None
     try:
-        for rep in range(repeats + 1):  # the first run warms up and is not counted
+        for rep in range(repeats + 1):  # the first run warms up (and leaves the gradients later runs add into)
             progress(f"measuring every stage's forward and backward, run {rep + 1} of {repeats + 1}")
-            for p in params:
-                p.grad = None
             _, f, b = run_stages(sm, args, kwargs, seeds, clock)
             if rep:
                 for s in range(len(sm.stages)):
