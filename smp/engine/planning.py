@@ -48,9 +48,15 @@ def shared_plan(model: torch.nn.Module, args: tuple, kwargs: dict, num_stages: i
     outside = step_loss(graph) if step and loss is None else None
     if outside is not None:
         price_loss(graph, *outside)
+    # Rank 0 times the ops (and this CPU's rates) once every rank has traced: a peer still tracing (torch.export,
+    # seconds of work) would share the host's cores and memory with the timing, and its plan would be priced so.
+    rank, world = dist.get_rank(), dist.get_world_size()
+    with named_failures("waiting for every rank to trace the model", [r for r in range(world) if r != rank], rank,
+                        timeout_s):
+        dist.barrier(group=group)
     text = [partition(graph, num_stages, options, example_inputs=args, example_kwargs=kwargs).to_json()
-            if dist.get_rank() == 0 else None]
-    with named_failures("receiving the partition plan from rank 0", [0], dist.get_rank(), timeout_s):
+            if rank == 0 else None]
+    with named_failures("receiving the partition plan from rank 0", [0], rank, timeout_s):
         dist.broadcast_object_list(text, src=0, group=group)
     assert text[0] is not None  # rank 0's plan arrived
     return PartitionPlan.from_json(text[0]).bind(graph, "the plan from rank 0")

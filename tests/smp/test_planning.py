@@ -89,3 +89,33 @@ def test_smp_config_offloading_trains_bit_for_bit_as_without_it():
         assert got["params"].keys() == want["params"].keys() and got["params"]
         for name, p in want["params"].items():
             torch.testing.assert_close(got["params"][name], p, rtol=0, atol=0, msg=name)
+
+
+def _timed_after_every_trace(rank: int, world: int) -> dict:
+    import time
+
+    import smp.engine.planning as planning
+
+    traced, partitioned = planning.trace, planning.partition
+    stamps: dict = {}
+
+    def slow_trace(*args, **kwargs):  # a peer whose trace takes a second longer
+        graph = traced(*args, **kwargs)
+        time.sleep(1.0 if rank == 1 else 0.0)
+        stamps["traced"] = time.time()
+        return graph
+
+    def partition(*args, **kwargs):
+        stamps["partitioning"] = time.time()
+        return partitioned(*args, **kwargs)
+
+    planning.trace, planning.partition = slow_trace, partition
+    runner = planning.pipeline_runner(_model(), (torch.randn(2, 16),), microbatches=2, timeout_s=60)
+    runner.close()
+    return stamps
+
+
+def test_rank_0_partitions_and_times_the_ops_once_every_rank_has_traced():
+    # Timing ops beside a peer's trace would price them on a host shared with it.
+    got = run_ranks(_timed_after_every_trace, 2, timeout=120)
+    assert got[0]["partitioning"] >= got[1]["traced"] > got[0]["traced"] + 0.5, got
