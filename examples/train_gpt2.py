@@ -54,6 +54,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile", metavar="DIR", default=None, help="profile steps 2 .. --steps into DIR (the smp "
                    "config key \"profile\"); `smp report DIR` explains it")
+    p.add_argument("--plan", metavar="FILE", default=None, help="train with this partition plan (the smp config "
+                   "key \"partition_file\"; `smp inspect --json FILE`, `smp replan`); default: partition on rank 0")
     p.add_argument("--out", default=None, help="directory for the partial checkpoint (default: a temporary "
                    "directory, removed at exit)")
     return p.parse_args(argv)
@@ -86,6 +88,7 @@ def main(argv: list[str] | None = None) -> None:
         "pipeline": args.pipeline,
         "ddp": int(os.environ.get("WORLD_SIZE", "1")) > args.partitions,
         **({"profile": {"dir": args.profile, "steps": [1, args.steps]}} if args.profile else {}),
+        **({"partition_file": args.plan} if args.plan else {}),
     })
     if args.batch % (smp.dp_size() * args.microbatches):
         raise SystemExit(f"--batch {args.batch} must divide into {smp.dp_size()} replica(s) x "

@@ -18,6 +18,9 @@ def test_demo_prints_plan_schedule_and_trains() -> None:
     assert len(losses) == 8 and losses[-1] < losses[0], out
     # It ends with the report of its own profiled training: every rule's verdict.
     assert all(f"{rule}: " in out for rule in ("StageImbalance", "PlanDrift", "Bubble")) and "report: " in out
+    # The run trained the plan printed: the report measures the step against the prediction printed above.
+    predicted = re.search(r"predicted step ([0-9.]+ ms)", out)
+    assert predicted and f"the {predicted.group(1)} the plan predicted" in out, out
 
 
 def test_the_demo_trains_the_bundled_example() -> None:

@@ -3,9 +3,9 @@ train it pipelined over local processes.
 
 The demo is the list of steps in ``DEMO_STEPS``, each a function of one :class:`DemoRun` that prints its part
 and leaves results on the run for the steps after it; a step that returns a non-zero exit code stops the demo.
-Training GPT-2 pipelined (``examples/train_gpt2.py`` through ``smp launch``; ``--no-train`` skips it),
-profiled, comes next, and last the profile's report (:mod:`smp.profiling.report`) with its rules; extend the demo by
-adding steps.
+Training GPT-2 pipelined with the plan shown (``examples/train_gpt2.py --plan`` through ``smp launch``;
+``--no-train`` skips it), profiled, comes next, and last the profile's report (:mod:`smp.profiling.report`) with
+its rules; extend the demo by adding steps.
 """
 from __future__ import annotations
 
@@ -96,9 +96,15 @@ def _demo_train(run: DemoRun) -> int:
         raise CLIError(f"pipelined training is not available yet ({TRAIN_SCRIPT} is missing)")
     o = run.opts
     run.profile = tempfile.mkdtemp(prefix="smp-demo-profile-")
-    run.progress(f"training with {TRAIN_SCRIPT} on {o.partitions} processes, profiled into {run.profile}")
+    # The run trains the plan shown above, so the report's prediction is the one printed here (a run that partitioned
+    # on its own would time the ops again, on a host whose speed has moved since, and could cut elsewhere).
+    plan_file = os.path.join(run.profile, "plan.json")
+    run.plan.to_json(plan_file)
+    run.progress(f"training with {TRAIN_SCRIPT} on {o.partitions} processes with the plan above, profiled into "
+                 f"{run.profile}")
     return launch(["-n", str(o.partitions), TRAIN_SCRIPT, "--partitions", str(o.partitions),
-                   "--microbatches", str(o.microbatches), "--pipeline", o.pipeline, "--profile", run.profile])
+                   "--microbatches", str(o.microbatches), "--pipeline", o.pipeline, "--profile", run.profile,
+                   "--plan", plan_file])
 
 
 def _demo_report(run: DemoRun) -> int:
