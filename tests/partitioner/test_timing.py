@@ -25,7 +25,7 @@ def test_timed_backwards_add_into_kept_gradients_and_leave_the_callers_alone() -
     kept = _watch(model)
     partitioner.measure(g, (x,), repeats=3)
     # The warm-up pass writes each of the 4 gradients fresh; the 3 timed passes add into them (the time of a step's
-    # every microbatch after the first): timed fresh, a 4-layer MLP stage's backward was priced 15-40 % short.
+    # every microbatch after the first): timed fresh, a 4-layer MLP stage's backward was 6.4 ms, run 10 ms.
     assert kept == [False] * 4 + [True] * 12
     assert all(p.grad is None for p in model.parameters())
 
