@@ -72,6 +72,12 @@ class Phases:
         return max(self.step_s - self.compute_s - self.comm_s, 0.0)
 
     @property
+    def outside_s(self) -> float:
+        """The step's time outside its passes and receive waits: the engine's own work (on the run's first step,
+        tracing and partitioning the model), sharing the step's arguments and results, posting sends."""
+        return max(self.step_s - self.compute_s - self.wait_s, 0.0)
+
+    @property
     def iteration_s(self) -> float:
         """The whole training iteration: the gap before the step, the optimizer and the step."""
         return self.data_s + self.optimizer_s + self.step_s

@@ -12,7 +12,8 @@ IOBottleneck, LowGPUUtilization), each rule reads :class:`smp.profiling.measurem
   25%: the prediction every command printed for this run was off, whatever the stages' shares.
 * **Straggler**: with data parallelism, one rank's compute for the same stage is > 1.2x its replicas'.
 * **StepOutlier**: an iteration (the gap before the step, the optimizer, the step) > 1.5x the median;
-  it says which phase grew: forward, backward, wait or data.
+  it says which phase grew: forward, backward, wait, data, the optimizer or the time outside the passes (the
+  engine's own work: the run's first step traces and partitions the model).
 * **DataBound**: the time between steps, without the optimizer step, > 10% of the step time.
 * **CommBound**: a rank's communication (transfers after the peer sent, posting sends and receives)
   > 20% of its step time.
@@ -130,7 +131,7 @@ def _straggler(m: Measurements, t: Thresholds) -> Finding:
 
 
 _PHASES = {"forward": "forward_s", "backward": "backward_s", "wait": "wait_s", "data": "data_s",
-           "optimizer": "optimizer_s"}
+           "optimizer": "optimizer_s", "the time outside the passes": "outside_s"}
 
 
 def _step_outlier(m: Measurements, t: Thresholds) -> Finding:
@@ -150,8 +151,9 @@ def _step_outlier(m: Measurements, t: Thresholds) -> Finding:
     for s in slow:
         phase, extra = max(((p, worst(s, a) - typical[p]) for p, a in _PHASES.items()), key=lambda x: x[1])
         grew[s] = phase
-        lines.append(f"step {s} took {_ms(total[s])} ({total[s] / median:.1f}x the median {_ms(median)}): {phase} "
-                     f"grew by {_ms(extra)}")
+        first = " (the run's first step, which traces and partitions the model)" if s == 0 else ""
+        lines.append(f"step {s}{first} took {_ms(total[s])} ({total[s] / median:.1f}x the median {_ms(median)}): "
+                     f"{phase} grew by {_ms(extra)}")
     return Finding("StepOutlier", True, "; ".join(lines),
                    "see what the run did in those steps (garbage collection, checkpointing, evaluation, a data "
                    "loader worker starting, another job on the host); annotate suspects with smp.annotate(name) "

@@ -40,10 +40,11 @@ def plan_of(stages: int = 2, microbatches: int = 4, net: nn.Module | None = None
 
 def make(plan, *, forward_s, backward_s, steps: int = 5, microbatches: int = 4, replicas: int = 1,
          gap_s: float = 0.0, slow: dict[int, float] | None = None, slow_steps: dict[int, float] | None = None,
-         rss_step: float = 0.0):
+         rss_step: float = 0.0, late_steps: dict[int, float] | None = None):
     """(events, counters, info) of ``steps`` steps whose passes take the given per-stage seconds; ``slow``:
     rank -> factor on its passes' wall time; ``slow_steps``: step -> extra gap before it (seconds);
-    ``rss_step``: bytes the RSS grows by every step."""
+    ``rss_step``: bytes the RSS grows by every step; ``late_steps``: step -> seconds it spends before its passes
+    start (the engine's own work, as the first step's partitioning)."""
     stages = plan.num_stages
     info = run_description(FakeRunner(plan, stages, microbatches, replicas))
     info.pop("graph")
@@ -59,17 +60,18 @@ def make(plan, *, forward_s, backward_s, steps: int = 5, microbatches: int = 4, 
                 for r in p:
                     events.append(Event(r, "between steps", t, t + gap, "between"))
         t += gap
+        late = (late_steps or {}).get(step, 0.0)
         for p in info["pipelines"]:
             for pos, r in enumerate(p):
                 factor = (slow or {}).get(r, 1.0)
                 for e in sim.events:
                     if e.rank == pos:
-                        events.append(Event(r, e.action, t + e.start * factor, t + e.end * factor,
+                        events.append(Event(r, e.action, t + late + e.start * factor, t + late + e.end * factor,
                                             cost=e.duration))
-                events.append(Event(r, f"step {step}", t, t + sim.step_s * max((slow or {}).values(), default=1.0),
-                                    "step"))
-                counters.append(Counter(r, "memory", t + sim.step_s, {"rss_bytes": 1e8 + step * rss_step}))
-        t += sim.step_s * max((slow or {}).values(), default=1.0)
+                events.append(Event(r, f"step {step}", t,
+                                    t + late + sim.step_s * max((slow or {}).values(), default=1.0), "step"))
+                counters.append(Counter(r, "memory", t + late + sim.step_s, {"rss_bytes": 1e8 + step * rss_step}))
+        t += late + sim.step_s * max((slow or {}).values(), default=1.0)
     return events, counters, info
 
 

@@ -80,6 +80,15 @@ def test_step_outlier_says_which_phase_grew(plan):
     assert f.numbers["steps"] == [4] and f.numbers["phase"] == {4: "data"} and "data grew by" in f.summary
 
 
+def test_a_first_step_that_partitions_is_an_outlier_outside_its_passes(plan):
+    # smp partitions on the first step: a profile from step 0 sees it long, and not in any pass or wait.
+    m = measure(*sp.make(plan, **_balanced(plan), steps=6, late_steps={0: 0.5}))
+    f = fired(m)["StepOutlier"]
+    assert f.numbers["phase"] == {0: "the time outside the passes"}, f.summary
+    assert "step 0 (the run's first step, which traces and partitions the model)" in f.summary
+    assert "the time outside the passes grew by 500.00 ms" in f.summary, f.summary
+
+
 def test_data_bound_and_comm_bound(plan):
     m = measure(*sp.make(plan, **_balanced(plan), gap_s=0.05))
     f = fired(m)["DataBound"]
