@@ -3,6 +3,7 @@ lost a rank (SIGKILL at a random step) back from its newest committed checkpoint
 weights of an uninterrupted run (slow: three runs of a 2-rank job)."""
 from __future__ import annotations
 
+import json
 import random
 import re
 import signal
@@ -37,7 +38,14 @@ def _rank_process(launcher: psutil.Process, rank: int) -> psutil.Process:
 
 
 def _weights(folder: Path) -> dict[str, dict]:
-    return {p.name: torch.load(p, weights_only=False) for p in sorted(folder.glob("*.pt"))}
+    """Every file of a partial checkpoint; the plan each model file keeps is reduced to its cut: its stage prices
+    are the ops timed by whichever job made it (two jobs time them apart, on a host whose speed moves)."""
+    files = {p.name: torch.load(p, weights_only=False) for p in sorted(folder.glob("*.pt"))}
+    for name, content in files.items():
+        if name.startswith("model_") and "_smp_plan" in content:
+            plan = json.loads(content["_smp_plan"])
+            content["_smp_plan"] = (plan["num_stages"], plan["assignment"])
+    return files
 
 
 def _same(a: object, b: object) -> bool:
