@@ -40,10 +40,12 @@ STALE = 0.25  # an entry is stale once the reference workload runs this much fas
 
 def fingerprint(graph: OpGraph, rates: DeviceRates) -> str:
     """A digest of what the timing of ``graph``'s ops depends on: its ops, their kinds, FLOPs and bytes, its edges and
-    parameters, this machine, the device rates and how the ops are timed
-    (:data:`partitioner.calibration.TIMING_VERSION`)."""
+    parameters, this machine, the device rates that price ops (not the runtime's per-pass and per-step costs) and how
+    the ops are timed (:data:`partitioner.calibration.TIMING_VERSION`)."""
     h = hashlib.sha256()
-    key = [TIMING_VERSION, graph.names, graph.kinds, graph.param_names, machine_key(), rates.to_dict()]
+    # The runtime's per-pass and per-step costs price steps, not ops: measuring them again keeps the op times.
+    priced = {k: v for k, v in rates.to_dict().items() if k not in ("pass_overhead_s", "step_overhead_s")}
+    key = [TIMING_VERSION, graph.names, graph.kinds, graph.param_names, machine_key(), priced]
     h.update(json.dumps(key).encode())
     for array in (graph.flops, graph.move_bytes, graph.out_bytes, graph.src, graph.dst, graph.param_bytes):
         h.update(np.ascontiguousarray(array).tobytes())

@@ -53,6 +53,19 @@ def test_the_ops_are_timed_once_and_every_later_process_plans_alike(timings, mon
     assert len(timings) == 3
 
 
+def test_the_runtimes_costs_do_not_time_the_ops_again_and_the_op_rates_do(timings) -> None:
+    import dataclasses
+
+    rates = DeviceRates()
+    graph, args = _mlp_graph(24)
+    op_times.timed_costs(graph, args, {}, rates)
+    # smp calibrate measured this machine's per-pass and per-step costs: they price steps, not ops.
+    op_times.timed_costs(graph, args, {}, dataclasses.replace(rates, pass_overhead_s=7e-4, step_overhead_s=3e-3))
+    assert len(timings) == 1
+    op_times.timed_costs(graph, args, {}, dataclasses.replace(rates, op_overhead_s=2 * rates.op_overhead_s))
+    assert len(timings) == 2
+
+
 def test_an_unreadable_cache_file_is_timed_again(timings) -> None:
     rates = DeviceRates()
     graph, args = _mlp_graph(16)
