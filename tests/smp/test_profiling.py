@@ -93,9 +93,18 @@ def _fired(directory) -> dict:
     return {f.rule: f for f in evaluate(load_profile(directory)) if f.fired}
 
 
+def _without_the_hosts_imbalance(fired: dict) -> dict:
+    """The findings less a StageImbalance this 2-core VM makes on its own: its cores ran one GPT-2 step in 26.5 and
+    37.7 ms minutes apart, so two ranks' equal stages measure up to 1.4x apart. A misjudged cut goes further (the
+    manual split below, 1 block against 7, is 1.75x)."""
+    imbalance = fired.pop("StageImbalance", None)
+    assert imbalance is None or imbalance.numbers["max_over_mean"] < 1.5, str(imbalance)
+    return fired
+
+
 def test_a_balanced_run_fires_no_rule_and_profiling_costs_under_two_percent(runs):
     m = load_profile(runs / "balanced")
-    fired = _fired(runs / "balanced")
+    fired = _without_the_hosts_imbalance(_fired(runs / "balanced"))
     # The plan's stage shares hold; a host busy with other jobs (the suite beside it) may still slow the whole step,
     # which StepDrift reports as time outside the passes or as the host running at another speed than when rank 0
     # timed the ops, not as a misjudged plan.
@@ -116,7 +125,10 @@ def test_an_imbalanced_manual_split_fires_stage_imbalance(runs):
 def test_a_sleeping_data_loader_fires_data_bound(runs):
     fired = _fired(runs / "data")
     assert sorted(fired["DataBound"].numbers["ranks"]) == [0, 1]
-    assert "StageImbalance" not in fired
+    _without_the_hosts_imbalance(fired)
+    # The loader's 0.1 s a step is between the steps, in no stage's cost (it would add 25 ms or more to ~20 ms).
+    data, balanced = (load_profile(runs / k).stage_cost_s for k in ("data", "balanced"))
+    assert max(data) < 1.5 * max(balanced), (data, balanced)
 
 
 def test_smp_profile_and_annotations_are_in_the_trace(runs):
