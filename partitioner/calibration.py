@@ -39,7 +39,7 @@ from .devices import DeviceRates
 
 __all__ = ["calibrate", "best_time", "cost_clock", "cache_dir", "cache_file", "machine_key", "write_atomically",
            "record_runtime_costs", "recorded_runtime_costs", "runtime_costs_file", "RECALIBRATE_ENV",
-           "CPU_PASS_OVERHEAD_S", "CPU_STEP_OVERHEAD_S", "TIMING_VERSION"]
+           "CPU_PASS_OVERHEAD_S", "CPU_STEP_OVERHEAD_S", "TIMING_VERSION", "RUNTIME_COSTS"]
 
 RECALIBRATE_ENV = "SMP_RECALIBRATE"
 # Until this machine's are measured: a pass of a pipeline rank on a shared CPU costs about 1 ms more than its ops
@@ -50,6 +50,7 @@ CPU_STEP_OVERHEAD_S = 2.0e-3  # the step's arguments and results shared over the
 # How partitioner.measure times ops (2: weight gradients added into kept ones), in the key of every cached entry
 # that depends on it (op times, the runtime costs fitted beside them): entries timed another way are measured again.
 TIMING_VERSION = 2
+RUNTIME_COSTS = ("pass_overhead_s", "step_overhead_s")  # the DeviceRates fields measured by running the runtime
 _PROFILE_VERSION = 2  # bumped when the profile gains rates: older cached profiles are measured again
 
 
@@ -123,7 +124,7 @@ def recorded_runtime_costs() -> dict[str, float] | None:
         data = json.loads(runtime_costs_file().read_text())
         if data.get("key") == _runtime_key():
             costs = data["costs"]
-            if all(float(costs[k]) >= 0 for k in ("pass_overhead_s", "step_overhead_s")):
+            if all(float(costs[k]) >= 0 for k in RUNTIME_COSTS):
                 return costs
     except (OSError, ValueError, TypeError, KeyError, AttributeError):
         pass  # missing or unreadable: not measured

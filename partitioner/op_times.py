@@ -27,7 +27,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from .calibration import RECALIBRATE_ENV, TIMING_VERSION, cache_dir, cost_clock, machine_key, write_atomically
+from .calibration import (
+    RECALIBRATE_ENV,
+    RUNTIME_COSTS,
+    TIMING_VERSION,
+    cache_dir,
+    cost_clock,
+    machine_key,
+    write_atomically,
+)
 from .cost import NodeCosts, estimate
 from .devices import DeviceRates
 from .graph import OpGraph
@@ -44,7 +52,7 @@ def fingerprint(graph: OpGraph, rates: DeviceRates) -> str:
     the ops are timed (:data:`partitioner.calibration.TIMING_VERSION`)."""
     h = hashlib.sha256()
     # The runtime's per-pass and per-step costs price steps, not ops: measuring them again keeps the op times.
-    priced = {k: v for k, v in rates.to_dict().items() if k not in ("pass_overhead_s", "step_overhead_s")}
+    priced = {k: v for k, v in rates.to_dict().items() if k not in RUNTIME_COSTS}
     key = [TIMING_VERSION, graph.names, graph.kinds, graph.param_names, machine_key(), priced]
     h.update(json.dumps(key).encode())
     for array in (graph.flops, graph.move_bytes, graph.out_bytes, graph.src, graph.dst, graph.param_bytes):
