@@ -27,8 +27,9 @@ pipeline stages) each write a JSON and an smp config; each config then trains th
 ``@smp.step`` on 2 ranks (each rank its share of the global batch), and its median step (barrier to barrier, the
 optimizer not in it) is printed beside the plan's ``step_s``. Goal (issue 24, item 2): within 15 %.
 
-``--repeats N`` runs every model and cut N times, interleaved (the machine drifts alike for all), and prints the
-median predicted and measured steps, the median error and every run's error.
+``--repeats N`` runs every model and cut (and plans and runs each ``--plan`` layout) N times, interleaved (the
+machine drifts alike for all), and prints the median predicted and measured steps, the median error and every run's
+error.
 
 Run: ``python benchmarks/step_model.py [--models gpt2 bert ...] [--steps 9] [--microbatches 4] [--repeats 3] [--fit]
 [--plan]``: a few seconds per model and run on two idle cores.
@@ -89,31 +90,53 @@ def worker(rank: int, world: int, cfg: dict) -> dict[str, Any] | None:
     return {**timed, **_plan_rows(model)} if rank == 0 else None
 
 
-def plan_worker(rank: int, world: int, cfg: dict) -> float | None:
-    """Train ``cfg["model"]`` with the smp config ``smp plan`` wrote; rank 0 returns the median step."""
+def plan_worker(rank: int, world: int, cfg: dict) -> tuple[float, float] | None:
+    """Train ``cfg["model"]`` with the smp config ``smp plan`` wrote; rank 0 returns the median step and the step
+    ``smp plan`` predicts for the same layout (fixed degrees) from ops it times right before the timed steps."""
     import smp
     from smp import zoo
 
     torch.set_num_threads(1)
     pin(rank, cfg)
-    smp.init(cfg["config"])
+    smp.init(cfg["config"])  # the file smp plan wrote, and the plan beside it (partition_file) where it has a cut
     z = zoo.build(cfg["model"], batch=cfg["global_batch"] // smp.dp_size())
-    # The ops priced as smp plan priced them (timed; a tensor-parallel stage cannot be timed in one process)
-    model = smp.DistributedModel(z.model, trace_execution_times=cfg["config"].get("tensor_parallel_degree", 1) == 1)
+    # Without a plan file, the ops priced as smp plan priced them (timed; a tp stage cannot be timed in one process)
+    model = smp.DistributedModel(z.model, trace_execution_times=cfg["tp"] == 1)
     train_step = _step_function(z)
 
-    timed = _timed_steps(rank, cfg, z, model, train_step)
-    return timed["measured_s"] if rank == 0 else None
+    again: list[float] = []
+
+    def price_again() -> None:  # rank 0, while its peer waits: the layout priced in the steps' own minute
+        import tempfile
+
+        from smp.cli import main as smp_main
+
+        with tempfile.TemporaryDirectory() as tmp:
+            code = smp_main(["plan", f"zoo:{cfg['model']}", "--json", f"{tmp}/again.json", "-q", *cfg["fixed"]])
+            again.append(json.loads(Path(tmp, "again.json").read_text())["layouts"][0]["step_s"] if not code else 0.0)
+
+    timed = _timed_steps(rank, cfg, z, model, train_step, after_warm_up=price_again if rank == 0 else None)
+    return (timed["measured_s"], again[0]) if rank == 0 else None
 
 
-def plan_rows(args: argparse.Namespace) -> list[tuple[str, float, float]]:
-    """(layout, predicted step, measured step) of smp plan's proposal and its best with --pp 2, each run."""
+def _fixed(best: dict, global_batch: int) -> list[str]:
+    """``smp plan`` options that price exactly the layout ``best`` (a row of its JSON)."""
+    return ["--devices", str(best["pp"] * best["tp"] * best["dp"]), "--global-batch", str(global_batch),
+            "--pp", str(best["pp"]), "--tp", str(best["tp"]), "--dp", str(best["dp"]), "--sdp", str(best["sdp"]),
+            "--microbatch-size", str(best["microbatch_size"]), "--schedules", best["schedule"],
+            "--checkpointing", best["checkpointing"], "--zero1", "on" if best["zero1"] else "off",
+            "--placement", best["placement"].replace("DPT", "cluster")]
+
+
+def plan_rows(args: argparse.Namespace) -> list[tuple[str, float, float, float]]:
+    """(layout, predicted step, measured step, predicted again beside the steps) of smp plan's proposal and its best
+    with --pp 2, each planned and run ``--repeats`` times, interleaved."""
     import tempfile
 
     from smp.cli import main as smp_main
 
     rows = []
-    for label, extra in (("proposal", []), ("--pp 2", ["--pp", "2"])):
+    for label, extra in [("proposal", []), ("--pp 2", ["--pp", "2"])] * args.repeats:
         with tempfile.TemporaryDirectory() as tmp:
             out, cfg_file = Path(tmp, "plan.json"), Path(tmp, "config.json")
             code = smp_main(["plan", f"zoo:{args.plan_model}", "--devices", "2", "--global-batch",
@@ -123,16 +146,18 @@ def plan_rows(args: argparse.Namespace) -> list[tuple[str, float, float]]:
                 raise SystemExit(f"smp plan {label} failed ({code})")
             best = json.loads(out.read_text())["layouts"][0]
             cfg = {"model": args.plan_model, "steps": args.steps, "global_batch": args.plan_batch, "pin": args.pin,
-                   "config": json.loads(cfg_file.read_text())}
-            measured = run_ranks(plan_worker, 2, cfg, timeout=900, pg_timeout=300)[0]
+                   "config": str(cfg_file), "tp": best["tp"], "fixed": _fixed(best, args.plan_batch)}
+            measured, again = run_ranks(plan_worker, 2, cfg, timeout=900, pg_timeout=300)[0]
         layout = (f"{label}: pp{best['pp']} tp{best['tp']} dp{best['dp']} sdp{best['sdp']}, {best['microbatches']} x "
                   f"{best['microbatch_size']}, {best['schedule']}")
-        rows.append((layout, best["step_s"], measured))
+        rows.append((layout, best["step_s"], measured, again))
     return rows
 
 
-def _timed_steps(rank: int, cfg: dict, z: Any, model: Any, train_step: Any, batch: tuple | None = None) -> dict:
-    """The median of ``cfg["steps"]`` steps after two warm-up steps, each from a barrier to a barrier."""
+def _timed_steps(rank: int, cfg: dict, z: Any, model: Any, train_step: Any, batch: tuple | None = None,
+                 after_warm_up: Any = None) -> dict:
+    """The median of ``cfg["steps"]`` steps after two warm-up steps (then ``after_warm_up()``, if given), each from a
+    barrier to a barrier."""
     import torch.distributed as dist
 
     args, kwargs, target = batch or (z.args, z.kwargs, z.target)
@@ -147,6 +172,8 @@ def _timed_steps(rank: int, cfg: dict, z: Any, model: Any, train_step: Any, batc
             times.append(time.perf_counter() - t0)
         if i == 0:
             pin(rank, cfg)  # gloo's threads, started since
+        if i == 1 and after_warm_up is not None:
+            after_warm_up()
     return {"measured_s": statistics.median(times)}
 
 
@@ -194,7 +221,8 @@ def fit(rows: list[dict[str, Any]], microbatches: int) -> tuple[float, float]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--models", nargs="+", default=list(NAMES), choices=NAMES)
+    ap.add_argument("--models", nargs="*", default=list(NAMES), choices=NAMES,
+                    help="zoo models to run (default all; none with --plan: only its layouts)")
     ap.add_argument("--steps", type=int, default=9, help="timed steps per model")
     ap.add_argument("--microbatches", type=int, default=4)
     ap.add_argument("--batch", type=int, default=4, help="samples per microbatch (the zoo's example batch)")
@@ -225,8 +253,9 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append({"model": name, "cut": "timed" if timed_cut else "cost model", **res})
     if args.save:
         Path(args.save).write_text(json.dumps(rows))
-    print(f"{'model':<10} {'cut':<10} {'predicted ms':>12} {'measured ms':>12} {'error':>8}  within {GOAL:.0%}"
-          f"{'  errors of the runs' if args.repeats > 1 else ''}")
+    if rows:
+        print(f"{'model':<10} {'cut':<10} {'predicted ms':>12} {'measured ms':>12} {'error':>8}  within {GOAL:.0%}"
+              f"{'  errors of the runs' if args.repeats > 1 else ''}")
     for name in args.models:
         for cut in ("timed", "cost model"):
             runs = [r for r in rows if (r["model"], r["cut"]) == (name, cut)]
@@ -240,11 +269,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.plan:
         print(f"\nsmp plan --devices 2 --global-batch {args.plan_batch} for zoo:{args.plan_model}, each layout's "
               f"config trained on 2 ranks (goal: within {PLAN_GOAL:.0%})")
-        for layout, predicted_s, measured_s in plan_rows(args):
-            err = predicted_s / measured_s - 1
-            print(f"  {layout}: predicted {predicted_s * 1e3:.2f} ms, measured {measured_s * 1e3:.2f} ms, {err:+.1%}"
-                  f" {'yes' if abs(err) <= PLAN_GOAL else 'NO'}")
-    if args.fit:
+        runs = plan_rows(args)
+        for label in ("proposal", "--pp 2"):
+            mine = [r for r in runs if r[0].startswith(label + ":")]
+            errs = sorted(p / m - 1 for _, p, m, _ in mine)
+            err = statistics.median(errs)
+            spread = "  (" + " ".join(f"{e:+.0%}" for e in errs) + ")" if len(errs) > 1 else ""
+            print(f"  {' | '.join(sorted(set(r[0] for r in mine)))}: predicted "
+                  f"{statistics.median(p for _, p, _, _ in mine) * 1e3:.2f} ms, measured "
+                  f"{statistics.median(m for _, _, m, _ in mine) * 1e3:.2f} ms, {err:+.1%} "
+                  f"{'yes' if abs(err) <= PLAN_GOAL else 'NO'}{spread}")
+            beside = sorted(a / m - 1 for _, _, m, a in mine)
+            print(f"    priced again by rank 0 just before the timed steps: {statistics.median(beside):+.1%}"
+                  + ("  (" + " ".join(f"{e:+.0%}" for e in beside) + ")" if len(beside) > 1 else ""))
+    if args.fit and rows:
         p, s = fit(rows, args.microbatches)
         print(f"best fit: pass_overhead_s = {p:.2e}, step_overhead_s = {s:.2e}")
     print(f"after: {load_average()}")

@@ -12,13 +12,13 @@ with it. So the CPU profile is measured once per machine and kept on disk (:func
 intra-op thread count: every later process reads the same rates and makes the same plan.
 ``calibrate(refresh=True)``, or ``SMP_RECALIBRATE=1`` in the environment, measures again and replaces it.
 
-Two rates of the profile are not microbenchmarks but what our runtime pays beyond the ops
-(:mod:`pipeline.step_model`): per pass and per step. They depend on how the OS wakes threads and delivers
-loopback messages on this host (fitted on two machines: 1.0 and 0.56 ms per pass, 2 and 10 ms per step), so they
-are measured on real 2-rank steps by :mod:`smp.cli.runtime_costs` (``smp calibrate``) and kept beside the
+Three rates of the profile are not microbenchmarks but what our runtime pays beyond the ops
+(:mod:`pipeline.step_model`): per pass, per step and per collective. They depend on how the OS wakes threads and
+delivers loopback messages on this host (fitted on two machines: 1.0 and 0.56 ms per pass, 2 and 10 ms per step), so
+they are measured on real 2-rank steps by :mod:`smp.cli.runtime_costs` (``smp calibrate``) and kept beside the
 profile, per CPU model and torch version (:func:`record_runtime_costs`, :func:`runtime_costs_file`); until they
-are, :data:`CPU_PASS_OVERHEAD_S` and :data:`CPU_STEP_OVERHEAD_S` stand in. Re-measuring the microbenchmarks keeps
-them.
+are, :data:`CPU_PASS_OVERHEAD_S`, :data:`CPU_STEP_OVERHEAD_S` and :data:`CPU_COLLECTIVE_OVERHEAD_S` stand in.
+Re-measuring the microbenchmarks keeps them.
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ from .devices import DeviceRates
 
 __all__ = ["calibrate", "best_time", "cost_clock", "cache_dir", "cache_file", "machine_key", "write_atomically",
            "record_runtime_costs", "recorded_runtime_costs", "runtime_costs_file", "RECALIBRATE_ENV",
-           "CPU_PASS_OVERHEAD_S", "CPU_STEP_OVERHEAD_S", "TIMING_VERSION", "RUNTIME_COSTS"]
+           "CPU_PASS_OVERHEAD_S", "CPU_STEP_OVERHEAD_S", "CPU_COLLECTIVE_OVERHEAD_S", "TIMING_VERSION", "RUNTIME_COSTS"]
 
 RECALIBRATE_ENV = "SMP_RECALIBRATE"
 # Until this machine's are measured: a pass of a pipeline rank on a shared CPU costs about 1 ms more than its ops
@@ -47,11 +47,14 @@ RECALIBRATE_ENV = "SMP_RECALIBRATE"
 # receives, caches the other microbatches' passes left cold), fitted by benchmarks/step_model.py --fit on one host.
 CPU_PASS_OVERHEAD_S = 1.0e-3
 CPU_STEP_OVERHEAD_S = 2.0e-3  # the step's arguments and results shared over the pipeline, its threads started
+# A gloo all-reduce of 4 KB between two local ranks took 1.6 ms (1 MB: 2.0 ms, 16 MB: 10.3 ms) on a 2-core VM.
+CPU_COLLECTIVE_OVERHEAD_S = 1.5e-3
 # How partitioner.measure times ops (2: weight gradients added into kept ones), in the key of every cached entry
 # that depends on it (op times, the runtime costs fitted beside them): entries timed another way are measured again.
 TIMING_VERSION = 2
-RUNTIME_COSTS = ("pass_overhead_s", "step_overhead_s")  # the DeviceRates fields measured by running the runtime
-_PROFILE_VERSION = 2  # bumped when the profile gains rates: older cached profiles are measured again
+# The DeviceRates fields measured by running the runtime
+RUNTIME_COSTS = ("pass_overhead_s", "step_overhead_s", "collective_overhead_s")
+_PROFILE_VERSION = 3  # bumped when the profile gains rates: older cached profiles are measured again
 
 
 def best_time(fn: Callable[[], object], repeats: int, clock: Callable[[], float] = time.perf_counter) -> float:
@@ -117,9 +120,8 @@ def runtime_costs_file() -> Path:
 
 
 def recorded_runtime_costs() -> dict[str, float] | None:
-    """This machine's measured runtime costs (``pass_overhead_s``, ``step_overhead_s`` and how they were measured),
-    or None while they are not measured (the profile then uses :data:`CPU_PASS_OVERHEAD_S` and
-    :data:`CPU_STEP_OVERHEAD_S`)."""
+    """This machine's measured runtime costs (the fields :data:`RUNTIME_COSTS` names and how they were measured), or
+    None while they are not measured (the profile then uses the ``CPU_..._OVERHEAD_S`` defaults)."""
     try:
         data = json.loads(runtime_costs_file().read_text())
         if data.get("key") == _runtime_key():
@@ -131,13 +133,15 @@ def recorded_runtime_costs() -> dict[str, float] | None:
     return None
 
 
-def record_runtime_costs(pass_overhead_s: float, step_overhead_s: float, **how: float) -> DeviceRates:
+def record_runtime_costs(pass_overhead_s: float, step_overhead_s: float,
+                         collective_overhead_s: float = CPU_COLLECTIVE_OVERHEAD_S, **how: float) -> DeviceRates:
     """Keep this machine's measured runtime costs (``how``: figures of the measurement, kept with them); every later
-    :func:`calibrate` of ``cpu``, in this process and others, prices passes and steps with them."""
-    for name, value in (("pass_overhead_s", pass_overhead_s), ("step_overhead_s", step_overhead_s)):
+    :func:`calibrate` of ``cpu``, in this process and others, prices passes, steps and collectives with them."""
+    costs = dict(zip(RUNTIME_COSTS, (pass_overhead_s, step_overhead_s, collective_overhead_s)))
+    for name, value in costs.items():
         if not value >= 0:
             raise ValueError(f"{name} must be a non-negative number of seconds, got {value!r}")
-    costs = {**how, "pass_overhead_s": float(pass_overhead_s), "step_overhead_s": float(step_overhead_s)}
+    costs = {**how, **{k: float(v) for k, v in costs.items()}}
     write_atomically(runtime_costs_file(), {"key": _runtime_key(), "costs": costs})
     for path, rates in _LOADED.items():
         _LOADED[path] = _with_runtime_costs(rates, costs)
@@ -148,7 +152,8 @@ def _with_runtime_costs(rates: DeviceRates, costs: dict[str, float] | None) -> D
     if costs is None:
         return rates
     return dataclasses.replace(rates, pass_overhead_s=float(costs["pass_overhead_s"]),
-                               step_overhead_s=float(costs["step_overhead_s"]))
+                               step_overhead_s=float(costs["step_overhead_s"]),
+                               collective_overhead_s=float(costs["collective_overhead_s"]))
 
 
 # Per cache file, the profile this process uses (so SMP_RECALIBRATE measures once per process, not per call).
@@ -242,6 +247,7 @@ def _measure(device: str) -> DeviceRates:
         grad_bytes_per_s=r2(n_fresh * 4 / fresh),
         pass_overhead_s=CPU_PASS_OVERHEAD_S if dev.type == "cpu" else 0.0,
         step_overhead_s=CPU_STEP_OVERHEAD_S if dev.type == "cpu" else 0.0,
+        collective_overhead_s=CPU_COLLECTIVE_OVERHEAD_S if dev.type == "cpu" else 0.0,
     )
 
 

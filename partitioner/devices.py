@@ -75,6 +75,9 @@ class DeviceRates:
     JSON gives back the same object: ``DeviceRates(**plan.rates)``. ``pass_overhead_s`` and
     ``step_overhead_s``: what our runtime pays per pass (one stage's forward or backward of a microbatch) and per
     step beyond the ops (:mod:`pipeline.step_model`; measured for the ``cpu`` profile, 0 for the others).
+    ``collective_overhead_s``: what one collective (all-reduce, all-gather) costs beyond its ring's transfers and link
+    latencies: gloo's rounds of thread wake-ups on a CPU host (measured for the ``cpu`` profile: 1.5 ms on a 2-core
+    VM, where the link's latency prices a point-to-point message at 50 us), 0 for the others.
     """
 
     flops_per_s: float = 5.0e10
@@ -96,6 +99,7 @@ class DeviceRates:
     inter_node_latency_s: float = 1.0e-4
     pass_overhead_s: float = 0.0
     step_overhead_s: float = 0.0
+    collective_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -15,7 +15,7 @@ What neither command prices, the layout adds, as the runtime runs it:
   backward costs a forward more; a stage keeps the tensors it received per microbatch in flight, and one
   microbatch's activations while it recomputes;
 * data parallelism: after the step each pipeline rank averages its stages' gradients over the dp replicas in one
-  all-reduce (:mod:`smp.engine.execution`; ring all-reduce, :func:`partitioner.tp_cost.all_reduce_s`, on the
+  all-reduce (:mod:`smp.engine.execution`; :func:`partitioner.tp_cost.gradient_all_reduce_s`: a ring all-reduce on the
   intra-node link when the replicas share a node, else on the inter-node link), so the step is the latest of each
   rank's pipeline end plus its all-reduce; ZeRO-1 (torch's ``ZeroRedundancyOptimizer``, SMP's
   ``shard_optimizer_state``) divides the optimizer state by dp and adds an all-gather of the updated weights;
@@ -64,7 +64,7 @@ from .portfolio import partition
 from .precision import activation_bytes, param_memory_parts
 from .sharded_dp import PERSISTENCE_THRESHOLD, ShardedRank, sharded_dp
 from .throughput import from_counts
-from .tp_cost import all_gather_s, all_reduce_s
+from .tp_cost import all_gather_s, all_reduce_s, gradient_all_reduce_s
 
 __all__ = ["SimOutcome", "PipelineSimulator", "Pricing", "Bound", "LayoutScorer", "global_rank", "chain_bottleneck"]
 
@@ -344,7 +344,7 @@ class LayoutScorer:
         if layout.dp == 1:
             return 0.0
         link = self._replica_link(layout, pipe_rank)
-        seconds = all_reduce_s(sum(s.gradient_bytes for s in mine), layout.dp, link)
+        seconds = gradient_all_reduce_s(sum(s.gradient_bytes for s in mine), layout.dp, self.rates, link)
         if layout.zero1:
             seconds += all_gather_s(sum(s.weights_bytes for s in mine), layout.dp, link)
         return seconds

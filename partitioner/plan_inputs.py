@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["input_record", "inputs_mismatch"]
+__all__ = ["input_record", "inputs_mismatch", "record_at_batch"]
 
 
 def input_record(graph: Any) -> dict[str, dict[str, Any]]:
@@ -31,6 +31,17 @@ def input_record(graph: Any) -> dict[str, dict[str, Any]]:
     return {name: {"shape": [d if isinstance(d, int) else None for d in meta.shape],
                    "dtype": str(meta.dtype).removeprefix("torch.")}
             for name, meta in zip(fx.input_names, fx.input_meta) if isinstance(meta, torch.Tensor)}
+
+
+def record_at_batch(record: dict[str, dict[str, Any]], size: int) -> dict[str, dict[str, Any]]:
+    """``record`` (:func:`input_record`) with its batch dimension at ``size``: the leading dimension of its first
+    input with one, and of every input of that leading size (as :func:`partitioner.layout_costs.with_batch` rescales
+    example inputs); for a plan priced at a microbatch size it was not traced at."""
+    leads = [e["shape"][0] for e in record.values() if e["shape"]]
+    if not leads or not isinstance(leads[0], int):
+        return dict(record)
+    return {name: {**e, "shape": [size, *e["shape"][1:]]} if e["shape"] and e["shape"][0] == leads[0] else dict(e)
+            for name, e in record.items()}
 
 
 def inputs_mismatch(record: dict[str, Any], graph: Any, microbatches: int | None) -> str | None:

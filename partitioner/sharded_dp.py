@@ -20,9 +20,10 @@ activations as without sharding (:func:`partitioner.stage_memory`). Bytes per pa
 :func:`partitioner.precision.param_memory_parts`'s. Collectives are ring algorithms priced with
 :func:`partitioner.tp_cost.all_gather_s` (a reduce-scatter moves the same bytes in the same steps) and
 :func:`partitioner.tp_cost.all_reduce_s` on the ``link`` of the sharding group: one collective per sharded
-parameter, one coalesced all-reduce of the whole parameters' gradients (as the engine averages data-parallel
-gradients). They are priced whole, not overlapped with compute: the runtime (:mod:`pipeline.param_gather`) waits for
-each one where it is issued; :mod:`partitioner.overlap` prices FSDP's overlapped collectives, for published runs.
+parameter, one coalesced all-reduce of the whole parameters' gradients, with its copies
+(:func:`partitioner.tp_cost.gradient_all_reduce_s`, as the engine averages data-parallel gradients). They are priced
+whole, not overlapped with compute: the runtime (:mod:`pipeline.param_gather`) waits for each one where it is issued;
+:mod:`partitioner.overlap` prices FSDP's overlapped collectives, for published runs.
 """
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ from .memory import stage_memory
 from .objective import stage_params
 from .plan import PartitionPlan
 from .precision import param_memory_parts
-from .tp_cost import all_gather_s, all_reduce_s
+from .tp_cost import all_gather_s, all_reduce_s, gradient_all_reduce_s
 
 __all__ = ["PERSISTENCE_THRESHOLD", "ShardedRank", "sharded_params", "gathered_window", "sharded_dp"]
 
@@ -160,7 +161,8 @@ def sharded_dp(plan: PartitionPlan, graph: OpGraph, degree: int, *, replicas: in
     stage_rank = list(range(k)) if stage_rank is None else [int(r) for r in stage_rank]
     if len(stage_rank) != k:
         raise ValueError(f"stage_rank has {len(stage_rank)} entries for {k} stages: give each stage's rank")
-    link = link or DeviceRates.from_dict(plan.rates)
+    device = DeviceRates.from_dict(plan.rates)
+    link = link or device
     replica_link = replica_link or link
     stage = plan.stage_of_ops(graph)
     shard = sharded_params(graph, stage, k, degree, threshold)
@@ -187,7 +189,7 @@ def sharded_dp(plan: PartitionPlan, graph: OpGraph, degree: int, *, replicas: in
             gather_s=float(sum(all_gather_s(float(parts["weights"][p]), degree, link) for p in mine)),
             scatter_s=float(sum(all_gather_s(float(grads[p]), degree, link) for p in mine)),
             # The whole parameters' gradients over every replica, then each shard's over the R / D groups.
-            reduce_s=(all_reduce_s(float(grads[whole].sum()), replicas, replica_link)
+            reduce_s=(gradient_all_reduce_s(float(grads[whole].sum()), replicas, device, replica_link)
                       + all_reduce_s(float(grads[mine].sum()) / degree, replicas // degree, replica_link)),
             params=len(held), sharded=len(mine), activations=mems[s].activation_bytes))
     return [_rank(r, [s for s in range(k) if stage_rank[s] == r], rows, graph, degree, replicas,

@@ -31,7 +31,8 @@ from .graph import OpGraph
 from .precision import at_precision
 from .tp_collectives import copy_to, gather_from, reduce_from, scatter_to, vocab_cross_entropy, vocab_embedding
 
-__all__ = ["Collective", "tp_degree", "collectives", "all_reduce_s", "all_gather_s", "collective_seconds",
+__all__ = ["Collective", "tp_degree", "collectives", "all_reduce_s", "all_gather_s", "gradient_all_reduce_s",
+           "collective_seconds",
            "tensor_parallel_record", "degree_mismatch", "stage_comm_s"]
 
 
@@ -56,17 +57,30 @@ def tp_degree(graph: OpGraph) -> int:
 
 
 def all_reduce_s(nbytes: float, tp: int, rates: DeviceRates) -> float:
-    """Seconds of a ring all-reduce of ``nbytes`` over ``tp`` ranks on the intra-node link (0 for tp 1)."""
+    """Seconds of a ring all-reduce of ``nbytes`` over ``tp`` ranks on the intra-node link, and the runtime's cost
+    of one collective (:attr:`partitioner.DeviceRates.collective_overhead_s`); 0 for tp 1."""
     if tp <= 1 or nbytes <= 0:
         return 0.0
-    return 2.0 * (tp - 1) / tp * nbytes / rates.link_bytes_per_s + 2 * (tp - 1) * rates.link_latency_s
+    return (2.0 * (tp - 1) / tp * nbytes / rates.link_bytes_per_s + 2 * (tp - 1) * rates.link_latency_s
+            + rates.collective_overhead_s)
 
 
 def all_gather_s(nbytes: float, tp: int, rates: DeviceRates) -> float:
-    """Seconds of a ring all-gather of an output of ``nbytes`` over ``tp`` ranks (0 for tp 1)."""
+    """Seconds of a ring all-gather of an output of ``nbytes`` over ``tp`` ranks, and the runtime's cost of one
+    collective; 0 for tp 1."""
     if tp <= 1 or nbytes <= 0:
         return 0.0
-    return (tp - 1) / tp * nbytes / rates.link_bytes_per_s + (tp - 1) * rates.link_latency_s
+    return ((tp - 1) / tp * nbytes / rates.link_bytes_per_s + (tp - 1) * rates.link_latency_s
+            + rates.collective_overhead_s)
+
+
+def gradient_all_reduce_s(nbytes: float, replicas: int, rates: DeviceRates, link: DeviceRates) -> float:
+    """Seconds of the runtime's data-parallel average of ``nbytes`` of gradients over ``replicas``
+    (:mod:`smp.engine.execution`): copied into one flat buffer, all-reduced on ``link``, divided and copied back, three
+    reads and three writes of the bytes in ``rates``' memory; 0 for one replica."""
+    if replicas <= 1 or nbytes <= 0:
+        return 0.0
+    return all_reduce_s(nbytes, replicas, link) + 6 * nbytes / (rates.bytes_per_s * rates.memory_efficiency)
 
 
 def _bytes(val: Any, dtype: str, scale: float = 1.0) -> float:

@@ -1,4 +1,5 @@
-"""Measuring what our runtime pays beyond the ops on this machine: the step model's per-pass and per-step costs.
+"""Measuring what our runtime pays beyond the ops on this machine: the step model's per-pass, per-step and
+per-collective costs.
 
 :func:`pipeline.step_model.predict_step` prices a step as its ops plus :attr:`partitioner.DeviceRates.pass_overhead_s`
 per pass and :attr:`~partitioner.DeviceRates.step_overhead_s` per step. On a CPU those are thread wake-ups and
@@ -8,7 +9,9 @@ launch`` runs them) train a small MLP through ``smp.init`` (``pipeline_parallel_
 pipeline), ``smp.DistributedModel`` and an ``@smp.step`` function with its loss and ``model.backward``, at
 :data:`MICROBATCHES` microbatches. Each count's median step (barrier to barrier) is set against the step model of the
 plan the run made, its ops timed on this machine: the per-pass cost is the one whose predictions, each with the best
-per-step cost, fit the measured steps best (least squares on the relative error, :func:`fit`).
+per-step cost, fit the measured steps best (least squares on the relative error, :func:`fit`). Then the ranks time
+4 KB all-reduces back to back: what one takes beyond the link's price for it is the per-collective cost
+(:attr:`partitioner.DeviceRates.collective_overhead_s`; gloo's rounds of wake-ups make it 30 times a message's latency).
 
 The result is kept with the machine's CPU profile (:func:`partitioner.calibration.record_runtime_costs`), measured
 once per machine on first use (:func:`ensure_runtime_costs`, called when the command line prices a multi-rank CPU
@@ -91,7 +94,28 @@ def _rank(rank: int, world: int, steps: int) -> list[dict[str, Any]] | None:
                                graph).step_s for o in PASS_GRID_S]
         rows.append({"microbatches": m, "measured_s": statistics.median(times), "predicted_s": predicted})
     state.reset()
-    return rows if rank == 0 else None
+    collective_s = _collective_s()
+    return [*rows, {"collective_s": collective_s}] if rank == 0 else None
+
+
+def _collective_s(repeats: int = 7, calls: int = 10) -> float:
+    """Seconds of one all-reduce of 4 KB between the ranks beyond what the link prices for it (its transfers and
+    ring latencies): the median of ``repeats`` runs of ``calls`` back-to-back collectives, each run from a barrier."""
+    import torch.distributed as dist
+
+    from partitioner.calibration import calibrate
+    from partitioner.tp_cost import all_reduce_s
+
+    flat = torch.zeros(1024)
+    runs = []
+    for _ in range(repeats):
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            dist.all_reduce(flat)
+        runs.append((time.perf_counter() - t0) / calls)
+    link = dataclasses.replace(calibrate("cpu"), collective_overhead_s=0.0)
+    return max(0.0, statistics.median(runs) - all_reduce_s(flat.numel() * 4, dist.get_world_size(), link))
 
 
 def fit(measured_s: Sequence[float], predicted_s: Sequence[Sequence[float]]) -> tuple[float, float, float]:
@@ -124,11 +148,13 @@ def measure_runtime_costs(steps: int = _STEPS, timeout: float = 300.0) -> dict[s
     failed = [r for r in got if isinstance(r, str)]  # a failed rank's traceback
     if failed:
         raise RuntimeError(f"measuring the runtime's costs on 2 local ranks failed: {failed[0][-600:]}")
-    rows = got[0]
+    *rows, last = got[0]
     o, s, worst = fit([r["measured_s"] for r in rows], [r["predicted_s"] for r in rows])
     how = {f"measured_s_{r['microbatches']}": r["measured_s"] for r in rows}
-    record_runtime_costs(float(f"{o:.2g}"), float(f"{s:.2g}"), worst_error=worst, **how)
-    return {"pass_overhead_s": float(f"{o:.2g}"), "step_overhead_s": float(f"{s:.2g}"), "worst_error": worst, **how}
+    c = float(f"{last['collective_s']:.2g}")
+    record_runtime_costs(float(f"{o:.2g}"), float(f"{s:.2g}"), c, worst_error=worst, **how)
+    return {"pass_overhead_s": float(f"{o:.2g}"), "step_overhead_s": float(f"{s:.2g}"), "collective_overhead_s": c,
+            "worst_error": worst, **how}
 
 
 def ensure_runtime_costs(quiet: bool = False) -> None:
@@ -145,8 +171,8 @@ def ensure_runtime_costs(quiet: bool = False) -> None:
         return
     _TRIED.add(path)
     if not quiet:
-        print("smp: measuring this machine's runtime costs per pass and per step (once, about 10 s; smp calibrate "
-              "shows them)", file=sys.stderr, flush=True)
+        print("smp: measuring this machine's runtime costs per pass, step and collective (once, about 10 s; "
+              "smp calibrate shows them)", file=sys.stderr, flush=True)
     try:
         measure_runtime_costs()
     except (RuntimeError, TimeoutError, OSError) as exc:

@@ -83,7 +83,7 @@ class Config:
     overlapping_allreduce: bool = True
     # Profiling and re-partitioning from measurements (smp.profile, smp.profiling.replan).
     profile: dict | None = None           # {"dir": "prof", "steps": [start, stop], "monitor_s": 0.2}: those steps
-    partition_file: str | None = None     # partition by this plan (smp replan -o FILE, PartitionPlan.to_json)
+    partition_file: str | None = None     # partition by this plan (smp replan -o FILE, smp plan --config)
     auto_repartition: dict | None = None  # {"after_steps": N, "min_gain": 0.05, "dir": None}: re-plan in flight
     debug: dict | None = None  # {"rules": [...], "every_n_steps": N, "action": "warn"}: smp.health's rules
     shape_cache_size: int = DEFAULT_SHAPE_CACHE_SIZE  # shape classes whose stages are kept (pipeline.shape_classes)
@@ -176,7 +176,8 @@ def _check(cond: bool, key: str, value: Any, allowed: str) -> None:
 
 
 def load_config(config: dict | str | os.PathLike | None = None) -> Config:
-    """Read and check a config (dict, JSON file path, or ``SMP_CONFIG`` when None). In a SageMaker job the keys
+    """Read and check a config (dict, JSON file path, or ``SMP_CONFIG`` when None); in a file, a relative
+    ``partition_file`` is relative to the file's folder. In a SageMaker job the keys
     of ``SM_HP_MP_PARAMETERS`` are merged in, winning, as SMP v1 does (:mod:`smp.runtime.sagemaker_env`); with it,
     no config at all is needed."""
     sagemaker = sagemaker_env.mp_parameters()
@@ -192,7 +193,10 @@ def load_config(config: dict | str | os.PathLike | None = None) -> Config:
         if not os.path.exists(config):
             raise ConfigError(f"smp config file {os.fspath(config)!r} does not exist")
         with open(config) as fh:
-            config = _parse_json(fh.read(), os.fspath(config))
+            folder, config = os.path.dirname(os.path.abspath(config)), _parse_json(fh.read(), os.fspath(config))
+        if isinstance(config, dict) and isinstance(config.get("partition_file"), str):
+            # A config file's plan path is relative to the file's folder (smp plan --config writes them together)
+            config = {**config, "partition_file": os.path.join(folder, config["partition_file"])}
     if not isinstance(config, dict):
         raise ConfigError(f"smp config must be a dict, got {type(config).__name__}")
     cfg = _unaliased(config)

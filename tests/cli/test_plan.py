@@ -102,6 +102,25 @@ def test_a_bad_request_says_what_is_wrong(argv: list[str], message: str, capsys)
     assert message in capsys.readouterr().err
 
 
+def test_a_pipelines_config_carries_the_cut_that_was_priced(tmp_path: Path) -> None:
+    from partitioner import PartitionPlan, trace
+    from smp import zoo
+    from smp.runtime.config import load_config
+
+    out, cfg_path = tmp_path / "plan.json", tmp_path / "smp.json"
+    assert main(["plan", "zoo:gpt2", "--devices", "4", "--global-batch", "32", "--pp", "2", "--tp", "1", *H100,
+                 "--schedules", "1f1b", "--json", str(out), "--config", str(cfg_path), "-q"]) == 0
+    best = json.loads(out.read_text())["layouts"][0]
+    cfg = json.loads(cfg_path.read_text())
+    assert cfg == {**best["smp_config"], "partition_file": "smp.plan.json"}
+    assert load_config(str(cfg_path)).partition_file == str(tmp_path / "smp.plan.json")
+    plan = PartitionPlan.from_json(tmp_path / "smp.plan.json")
+    assert plan.num_stages == 2 and plan.inputs["input_ids"]["shape"][0] == best["microbatch_size"]
+    # it binds to the run's trace of one microbatch, as smp.DistributedModel binds a partition_file
+    z = zoo.build("gpt2", batch=best["microbatch_size"])
+    assert plan.bind(trace(z.model, z.args, z.kwargs), "the plan", 2, microbatches=best["microbatches"]).graph
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("fixed", [[], ["--pp", "2"]])
 def test_the_written_config_trains_on_two_cpu_ranks(tmp_path: Path, fixed: list[str]) -> None:
@@ -112,8 +131,9 @@ def test_the_written_config_trains_on_two_cpu_ranks(tmp_path: Path, fixed: list[
     assert main(["plan", "zoo:gpt2", "--devices", "2", "--global-batch", "8", "--checkpointing", "none",
                  "--config", str(cfg_path), "-q", *fixed]) == 0
     cfg = json.loads(cfg_path.read_text())
-    if fixed:
-        assert cfg["pipeline_parallel_degree"] == 2
+    if fixed:  # the cut smp plan priced, beside the config
+        assert cfg["pipeline_parallel_degree"] == 2 and cfg["partition_file"] == "smp.plan.json"
+        cfg["partition_file"] = str(tmp_path / cfg["partition_file"])  # train() takes the config as a dict
     results = run_ranks(train, 2, cfg, "gpt2", 3, 8, timeout=300)
     for r in results:
         for got, want in zip(r["losses"], r["ref_losses"]):

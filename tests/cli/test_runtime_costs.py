@@ -1,5 +1,5 @@
-"""The runtime's costs per pass and per step are measured on real ranks of this machine, fitted, kept, and measured
-once: never inside a rank, never again per command after a failure."""
+"""The runtime's costs per pass, per step and per collective are measured on real ranks of this machine, fitted,
+kept, and measured once: never inside a rank, never again per command after a failure."""
 from __future__ import annotations
 
 import json
@@ -52,6 +52,9 @@ def test_smp_calibrate_measures_on_two_ranks_keeps_and_shows_the_costs(cache_hom
     assert kept["measured_s_8"] > kept["measured_s_2"] and kept["worst_error"] < 1.0
     rates = calibration.calibrate()
     assert (rates.pass_overhead_s, rates.step_overhead_s) == (kept["pass_overhead_s"], kept["step_overhead_s"])
+    # gloo's all-reduce between two local processes takes hundreds of microseconds beyond a message's latency
+    assert rates.collective_overhead_s == kept["collective_overhead_s"] > 5 * rates.link_latency_s
+    assert "per collective" in out
     # Shown again without measuring: the same figures, as JSON for scripts.
     assert smp_main(["calibrate", "--json"]) == 0
     shown = json.loads(capsys.readouterr().out)

@@ -96,3 +96,20 @@ def test_a_dynamic_dimension_matches_any_size_and_a_malformed_record_names_the_v
         malformed.bind(graph, "p.json", microbatches=4)
     with pytest.raises(PlanError, match=r"plan key inputs: expected a JSON object, got \[1\]"):
         PartitionPlan.from_dict({**_plan(torch.randn(2, 16)).to_dict(), "inputs": [1]})
+
+
+def test_a_plan_priced_at_another_microbatch_size_records_that_size_and_binds_there():
+    from partitioner.plan_inputs import record_at_batch
+
+    record = {"ids": {"shape": [4, 32], "dtype": "int64"}, "mask": {"shape": [4, 32], "dtype": "bool"},
+              "table": {"shape": [7, 4], "dtype": "float32"}}
+    assert record_at_batch(record, 8) == {"ids": {"shape": [8, 32], "dtype": "int64"},
+                                          "mask": {"shape": [8, 32], "dtype": "bool"},
+                                          "table": {"shape": [7, 4], "dtype": "float32"}}
+    assert record_at_batch({"n": {"shape": [], "dtype": "int64"}}, 8) == {"n": {"shape": [], "dtype": "int64"}}
+    # A plan of a trace at 4 samples, rescaled to 8: a trace at 8 binds it, one at 4 no longer does.
+    plan = _plan(torch.randn(4, 16))
+    plan.inputs = record_at_batch(plan.inputs, 8)
+    assert plan.bind(trace(_mlp(), (torch.randn(8, 16),), {}), microbatches=2).graph is not None
+    with pytest.raises(PlanMismatchError, match=r"'x' is float32 \(4, 16\) here but float32 \(8, 16\) in the plan"):
+        plan.bind(trace(_mlp(), (torch.randn(4, 16),), {}), microbatches=2)

@@ -20,6 +20,7 @@ from partitioner.tp_cost import (
     collective_seconds,
     collectives,
     degree_mismatch,
+    gradient_all_reduce_s,
     tensor_parallel_record,
     tp_degree,
 )
@@ -51,6 +52,19 @@ def test_ring_collectives_cost_their_share_of_the_bytes_plus_a_latency_per_step(
     assert all_reduce_s(8e6, 1, LINK) == all_gather_s(8e6, 1, LINK) == all_reduce_s(0, 8, LINK) == 0.0
     # the bandwidth term approaches 2B (all-reduce) and B (all-gather) per rank as the group grows
     assert all_reduce_s(8e6, 64, LINK) < 2 * 8e6 / 1e9 + 2 * 63 * 1e-6
+
+
+def test_a_collective_pays_the_runtimes_cost_once_and_the_gradient_average_its_copies() -> None:
+    import dataclasses
+
+    gloo = dataclasses.replace(LINK, collective_overhead_s=1.5e-3)  # the cpu profile's: gloo's rounds of wake-ups
+    assert all_reduce_s(8e6, 4, gloo) == pytest.approx(all_reduce_s(8e6, 4, LINK) + 1.5e-3)
+    assert all_gather_s(8e6, 4, gloo) == pytest.approx(all_gather_s(8e6, 4, LINK) + 1.5e-3)
+    assert all_reduce_s(8e6, 1, gloo) == all_gather_s(0, 4, gloo) == 0.0  # no collective, no cost
+    # smp's data-parallel average: flatten, all-reduce, divide, copy back: 3 reads and 3 writes of the gradients
+    mem = DeviceRates(bytes_per_s=2e10, memory_efficiency=0.5)
+    assert gradient_all_reduce_s(8e6, 2, mem, gloo) == pytest.approx(all_reduce_s(8e6, 2, gloo) + 6 * 8e6 / 1e10)
+    assert gradient_all_reduce_s(8e6, 1, mem, gloo) == 0.0
 
 
 def test_every_collective_is_found_in_the_op_that_carries_it(graphs) -> None:

@@ -125,6 +125,23 @@ def test_profiling_keys_are_checked_and_read(tmp_path):
             load_config({"partitions": 2, **keys})
 
 
+def test_a_config_files_partition_file_is_relative_to_its_folder(tmp_path, monkeypatch):
+    import json
+
+    from smp.runtime.config import ConfigError, load_config
+
+    job = tmp_path / "job"
+    job.mkdir()
+    (job / "job.plan.json").write_text("{}")
+    (job / "job.json").write_text(json.dumps({"partitions": 2, "partition_file": "job.plan.json"}))
+    monkeypatch.chdir(tmp_path)  # not the config's folder: as smp plan --config writes them, run from elsewhere
+    assert load_config("job/job.json").partition_file == str(job / "job.plan.json")
+    (job / "abs.json").write_text(json.dumps({"partitions": 2, "partition_file": str(job / "job.plan.json")}))
+    assert load_config(str(job / "abs.json")).partition_file == str(job / "job.plan.json")
+    with pytest.raises(ConfigError, match="existing plan file"):  # a dict's path stays the process's own
+        load_config({"partitions": 2, "partition_file": "job.plan.json"})
+
+
 # --- tensor parallelism and placement ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("placement", ["cluster", "spread", "DPT", "DTP", "PDT", "PTD", "TDP", "TPD"])

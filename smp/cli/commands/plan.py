@@ -22,6 +22,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import sys
 import time
 from typing import Any
@@ -230,20 +231,38 @@ def _plan(ns: argparse.Namespace, target: Any, space: Any, options: Any, rpn: in
             fh.write(json.dumps(out, indent=1, allow_nan=False) + "\n")
         progress(f"wrote {ns.json}")
     if ns.config:
-        _write_config(ns.config, best.layout, ns.dtype, progress)
+        _write_config(ns.config, best.layout, ns.dtype, progress, _cut(scorer, best.layout))
     return 0
+
+
+def _cut(scorer: Any, layout: Any) -> Any:
+    """The partition the planner priced for ``layout`` (None for one stage, or with tensor parallelism, where a
+    run partitions its own shards), its example inputs at the layout's microbatch size."""
+    from partitioner.plan_inputs import record_at_batch
+
+    if layout.pp == 1 or layout.tp > 1:
+        return None
+    plan = scorer.plan(layout)
+    return dataclasses.replace(plan, inputs=record_at_batch(plan.inputs, layout.microbatch_size))
 
 
 def _config_or_none(layout: Any, dtype: str) -> dict[str, Any] | None:
     return smp_config(layout, dtype) if layout.schedule in CONFIG_SCHEDULES else None
 
 
-def _write_config(path: str, layout: Any, dtype: str, progress: Any) -> None:
-    """Write the smp config of ``layout``, checked by smp's own parser first; say what the script must do."""
+def _write_config(path: str, layout: Any, dtype: str, progress: Any, cut: Any) -> None:
+    """Write the smp config of ``layout``, checked by smp's own parser first, and beside it the partition ``cut``
+    (``FILE`` ending ``.plan.json``, the config's ``partition_file``: the run trains the cut that was priced, not
+    one it makes again from ops it times anew); say what the script must do."""
     from smp.runtime.config import load_config
 
     cfg = smp_config(layout, dtype)
-    load_config(dict(cfg))  # what smp.init will read: refuse to write a config it would refuse
+    if cut is not None:
+        plan_path = os.path.splitext(path)[0] + ".plan.json"
+        cut.to_json(plan_path)
+        progress(f"wrote {plan_path}")
+        cfg["partition_file"] = os.path.basename(plan_path)  # a config file's paths are relative to its folder
+    load_config({**cfg, **({"partition_file": plan_path} if cut is not None else {})})  # refuse what smp.init would
     with open(path, "w") as fh:
         fh.write(json.dumps(cfg, indent=1) + "\n")
     progress(f"wrote {path}")
