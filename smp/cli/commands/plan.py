@@ -256,13 +256,14 @@ def _write_config(path: str, layout: Any, dtype: str, progress: Any, cut: Any) -
     one it makes again from ops it times anew); say what the script must do."""
     from smp.runtime.config import load_config
 
-    cfg = smp_config(layout, dtype)
+    cfg, checked = smp_config(layout, dtype), {}
     if cut is not None:
         plan_path = os.path.splitext(path)[0] + ".plan.json"
         cut.to_json(plan_path)
         progress(f"wrote {plan_path}")
         cfg["partition_file"] = os.path.basename(plan_path)  # a config file's paths are relative to its folder
-    load_config({**cfg, **({"partition_file": plan_path} if cut is not None else {})})  # refuse what smp.init would
+        checked["partition_file"] = plan_path
+    load_config({**cfg, **checked})  # what smp.init will read: refuse to write a config it would refuse
     with open(path, "w") as fh:
         fh.write(json.dumps(cfg, indent=1) + "\n")
     progress(f"wrote {path}")
