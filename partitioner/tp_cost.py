@@ -76,11 +76,13 @@ def all_gather_s(nbytes: float, tp: int, rates: DeviceRates) -> float:
 
 def gradient_all_reduce_s(nbytes: float, replicas: int, rates: DeviceRates, link: DeviceRates) -> float:
     """Seconds of the runtime's data-parallel average of ``nbytes`` of gradients over ``replicas``
-    (:mod:`smp.engine.execution`): copied into one flat buffer, all-reduced on ``link``, divided and copied back, three
-    reads and three writes of the bytes in ``rates``' memory; 0 for one replica."""
+    (:mod:`smp.engine.execution`): copied into one new flat buffer (written at ``rates``' fresh-memory rate, as a new
+    gradient is), all-reduced on ``link``, divided and copied back (five more passes over the bytes in memory); 0 for
+    one replica. Two GPT-2 ranks of a 2-core VM spent 3.1 ms in the all-reduce of 3.5 MB and 3.3 ms around it."""
     if replicas <= 1 or nbytes <= 0:
         return 0.0
-    return all_reduce_s(nbytes, replicas, link) + 6 * nbytes / (rates.bytes_per_s * rates.memory_efficiency)
+    return (all_reduce_s(nbytes, replicas, link) + nbytes / rates.grad_bytes_per_s
+            + 5 * nbytes / (rates.bytes_per_s * rates.memory_efficiency))
 
 
 def _bytes(val: Any, dtype: str, scale: float = 1.0) -> float:

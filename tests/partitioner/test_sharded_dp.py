@@ -132,7 +132,7 @@ def test_collectives_are_ring_all_gathers_reduce_scatters_and_all_reduces() -> N
     assert hybrid.all_reduce_s == pytest.approx(2 * 1 / 2 * (S / 4) / 1e9 + 2 * 1e-6)
     (whole,) = sharded_dp(plan, graph, 4, threshold=1_000_001, link=LINK)  # replicated: all-reduced over 4,
     device = DeviceRates.from_dict(plan.rates)
-    copies = 6 * S / (device.bytes_per_s * device.memory_efficiency)
+    copies = S / device.grad_bytes_per_s + 5 * S / (device.bytes_per_s * device.memory_efficiency)
     assert whole.sharded == 0 and whole.all_reduce_s == pytest.approx(2 * ring + copies)  # flattened and copied back
 
 
