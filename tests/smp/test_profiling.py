@@ -211,7 +211,9 @@ def _one_rank(rank: int, world: int, root: str, mode: str) -> None:
 
         multiprocessing.current_process().daemon = False  # run_ranks' ranks are daemonic: they may not fork workers
         workers = (os.cpu_count() or 1) + 2
-        batches = torch.utils.data.DataLoader(_BusyBatches(steps, 0.3), batch_size=None, num_workers=workers)
+        # Twice the profiled steps: the workers prefetch while the first step partitions, and must still be busy
+        # through the profiled window (with as many batches as steps they had made most of them before it began)
+        batches = torch.utils.data.DataLoader(_BusyBatches(2 * steps, 0.3), batch_size=None, num_workers=workers)
     else:
         g = torch.Generator().manual_seed(0)
         batches = [(torch.randn(64, WIDTH, generator=g), torch.randn(64, WIDTH, generator=g))] * steps
