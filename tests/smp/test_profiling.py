@@ -102,15 +102,19 @@ def _without_the_hosts_imbalance(fired: dict) -> dict:
     return fired
 
 
-def test_a_balanced_run_fires_no_rule_and_profiling_costs_under_two_percent(runs):
-    m = load_profile(runs / "balanced")
-    fired = _without_the_hosts_imbalance(_fired(runs / "balanced"))
-    # The plan's stage shares hold; a host busy with other jobs (the suite beside it) may still slow the whole step,
-    # which StepDrift reports as time outside the passes or as the host running at another speed than when rank 0
-    # timed the ops, not as a misjudged plan.
+def _without_the_hosts_drift(fired: dict) -> dict:
+    """The findings less a StepDrift of the host: a host busy with other jobs (the suite beside it), or running at
+    another speed than when rank 0 timed the ops (this VM's moves by 1.5x within a minute), slows the whole step,
+    which StepDrift reports as time outside the passes or as the host's speed, not as a misjudged plan."""
     drift = fired.pop("StepDrift", None)
     excused = ("passes do not account for", "another speed")
     assert drift is None or any(why in drift.recommendation for why in excused), str(drift)
+    return fired
+
+
+def test_a_balanced_run_fires_no_rule_and_profiling_costs_under_two_percent(runs):
+    m = load_profile(runs / "balanced")
+    fired = _without_the_hosts_drift(_without_the_hosts_imbalance(_fired(runs / "balanced")))
     assert not fired, [str(f) for f in evaluate(m)]
     assert m.steps == [1, 2, 3, 4, 5, 6] and m.ranks == [0, 1]
     assert 0 < m.overhead < 0.02
@@ -230,7 +234,7 @@ def _one_rank(rank: int, world: int, root: str, mode: str) -> None:
 def test_a_list_that_grows_every_step_fires_memory_growth_and_the_monitor_is_in_the_profile(tmp_path):
     run_ranks(_one_rank, 1, str(tmp_path), "growing list", timeout=120)
     m = load_profile(tmp_path)
-    fired = {f.rule: f for f in evaluate(m) if f.fired}
+    fired = _without_the_hosts_drift({f.rule: f for f in evaluate(m) if f.fired})
     assert set(fired) == {"MemoryGrowth"}, [str(f) for f in evaluate(m)]
     assert fired["MemoryGrowth"].numbers["per_step_bytes"]["0 rss_bytes"] == pytest.approx(4 * 2**20, rel=0.2)
     _, counters, _ = load_trace(tmp_path / "trace.json")
