@@ -43,6 +43,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -125,7 +126,7 @@ def _fixed(best: dict, global_batch: int) -> list[str]:
             "--pp", str(best["pp"]), "--tp", str(best["tp"]), "--dp", str(best["dp"]), "--sdp", str(best["sdp"]),
             "--microbatch-size", str(best["microbatch_size"]), "--schedules", best["schedule"],
             "--checkpointing", best["checkpointing"], "--zero1", "on" if best["zero1"] else "off",
-            "--placement", best["placement"].replace("DPT", "cluster")]
+            "--placement", best["smp_config"]["placement_strategy"]]  # the config's name: the option takes it
 
 
 def plan_rows(args: argparse.Namespace) -> list[tuple[str, float, float, float]]:
@@ -155,7 +156,7 @@ def plan_rows(args: argparse.Namespace) -> list[tuple[str, float, float, float]]
 
 
 def _timed_steps(rank: int, cfg: dict, z: Any, model: Any, train_step: Any, batch: tuple | None = None,
-                 after_warm_up: Any = None) -> dict:
+                 after_warm_up: Callable[[], None] | None = None) -> dict:
     """The median of ``cfg["steps"]`` steps after two warm-up steps (then ``after_warm_up()``, if given), each from a
     barrier to a barrier."""
     import torch.distributed as dist

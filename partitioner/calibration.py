@@ -22,7 +22,6 @@ Re-measuring the microbenchmarks keeps them.
 """
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
@@ -115,7 +114,7 @@ def _runtime_key() -> dict[str, object]:
 
 
 def runtime_costs_file() -> Path:
-    """Where this machine's measured per-pass and per-step runtime costs are kept (per CPU model, torch version)."""
+    """Where this machine's measured runtime costs (:data:`RUNTIME_COSTS`) are kept (per CPU model, torch version)."""
     return cache_dir() / f"cpu-runtime-{_digest(_runtime_key())}.json"
 
 
@@ -151,9 +150,7 @@ def record_runtime_costs(pass_overhead_s: float, step_overhead_s: float,
 def _with_runtime_costs(rates: DeviceRates, costs: dict[str, float] | None) -> DeviceRates:
     if costs is None:
         return rates
-    return dataclasses.replace(rates, pass_overhead_s=float(costs["pass_overhead_s"]),
-                               step_overhead_s=float(costs["step_overhead_s"]),
-                               collective_overhead_s=float(costs["collective_overhead_s"]))
+    return DeviceRates.from_dict({**rates.to_dict(), **{k: float(costs[k]) for k in RUNTIME_COSTS}})
 
 
 # Per cache file, the profile this process uses (so SMP_RECALIBRATE measures once per process, not per call).

@@ -48,10 +48,10 @@ STALE = 0.25  # an entry is stale once the reference workload runs this much fas
 
 def fingerprint(graph: OpGraph, rates: DeviceRates) -> str:
     """A digest of what the timing of ``graph``'s ops depends on: its ops, their kinds, FLOPs and bytes, its edges and
-    parameters, this machine, the device rates that price ops (not the runtime's per-pass and per-step costs) and how
-    the ops are timed (:data:`partitioner.calibration.TIMING_VERSION`)."""
+    parameters, this machine, the device rates that price ops (not the runtime's costs per pass, step and collective)
+    and how the ops are timed (:data:`partitioner.calibration.TIMING_VERSION`)."""
     h = hashlib.sha256()
-    # The runtime's per-pass and per-step costs price steps, not ops: measuring them again keeps the op times.
+    # The runtime's costs (RUNTIME_COSTS) price steps, not ops: measuring them again keeps the op times.
     priced = {k: v for k, v in rates.to_dict().items() if k not in RUNTIME_COSTS}
     key = [TIMING_VERSION, graph.names, graph.kinds, graph.param_names, machine_key(), priced]
     h.update(json.dumps(key).encode())
