@@ -130,8 +130,8 @@ def worker(rank: int, world: int, cfg: dict) -> dict | None:
     from torch.distributed.pipelining import Schedule1F1B, SplitPoint, pipeline
 
     import partitioner
-    from partitioner.baselines import baseline
-    from partitioner.portfolio import fixed_plan, make_problem
+    from partitioner.cut.baselines import baseline
+    from partitioner.cut.portfolio import fixed_plan, make_problem
     from pipeline import PipelineRunner, microbatch
     from smp.engine.planning import shared_plan
 

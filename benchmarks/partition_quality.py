@@ -5,7 +5,7 @@ For every zoo model and stage count this prints one row:
 * ``lower bound``: max(total predicted compute / stages, largest op) -- no plan can beat it;
 * ``ours``: the predicted balance (bottleneck / lower bound; bottleneck includes communication) of
   ``partitioner.partition`` and the method that won the portfolio;
-* ``uniform / params / layers``: the same number for the three baselines of :mod:`partitioner.baselines`,
+* ``uniform / params / layers``: the same number for the three baselines of :mod:`partitioner.cut.baselines`,
   scored by the same cost model;
 * ``cut`` bytes per microbatch, ours and each baseline's;
 * ``dominated``: whether some baseline is at least as good as ours in bottleneck, cut bytes and largest-stage
@@ -48,11 +48,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import partitioner  # noqa: E402
 from benchmarks.common import llama_on_meta, load_average  # noqa: E402
-from partitioner.baselines import BASELINES, all_baselines  # noqa: E402
-from partitioner.dp import dp_partition  # noqa: E402
-from partitioner.objective import Problem, dominates, evaluate  # noqa: E402
-from partitioner.portfolio import make_problem  # noqa: E402
-from partitioner.stage_modules import split  # noqa: E402
+from partitioner.capture.stage_modules import split  # noqa: E402
+from partitioner.cut.baselines import BASELINES, all_baselines  # noqa: E402
+from partitioner.cut.dp import dp_partition  # noqa: E402
+from partitioner.cut.objective import Problem, dominates, evaluate  # noqa: E402
+from partitioner.cut.portfolio import make_problem  # noqa: E402
 from smp import zoo  # noqa: E402
 
 # Predicted-balance goal applies where every stage gets at least two repeated blocks.

@@ -4,12 +4,12 @@ Every row is one published measurement, with its citation: the model's shape, th
 global batch, the sequence length and the published throughput (tokens/s per GPU, or model TFLOP/s per GPU where
 that is what the source gives). Nothing is downloaded: each model is a ``transformers`` config built on the meta
 device (:mod:`benchmarks.plan_scale` for the Llama 3 shapes), and each row is priced with the scorer ``smp plan``
-uses for fixed degrees (:class:`partitioner.layout_score.LayoutScorer`, ``--tp T --pp P --dp D
+uses for fixed degrees (:class:`partitioner.layout.score.LayoutScorer`, ``--tp T --pp P --dp D
 --microbatch-size M``), beside the planner's own best layout for the same devices and batch (``--top 1``).
 
 Rows have a role:
 
-* ``calibrate`` -- ``--fit`` prints the efficiency factors of :func:`partitioner.devices.profile`
+* ``calibrate`` -- ``--fit`` prints the efficiency factors of :func:`partitioner.cost.devices.profile`
   (``compute_efficiency``, ``memory_efficiency``) that minimise the sum of squared log ratios predicted / published
   over these rows (:func:`fit`, on :data:`GRID`), then over each GPU's rows apart. The two A100 rows give the
   profiles' 0.75; torchtitan's three H100 rows (500 W HBM2e parts whose peak is unpublished) give 0.5, which is
@@ -21,16 +21,16 @@ Rows have a role:
   Float8, torch.compile, asynchronous TP).
 
 FSDP (ZeRO-3) rows are priced as what they are: sharded data parallelism over the row's ``sdp`` replicas (our
-runtime's ``sharded_data_parallel_degree``, :mod:`partitioner.sharded_dp`), every parameter sharded as FSDP does
+runtime's ``sharded_data_parallel_degree``, :mod:`partitioner.sdp.shards`), every parameter sharded as FSDP does
 (threshold 1) and, as FSDP prefetches all-gathers and reduce-scatters during compute (``Row.overlap``), only what
-compute cannot hide exposed (:mod:`partitioner.overlap`, ``Pricing(overlap=True)``). Our runtime gathers
+compute cannot hide exposed (:mod:`partitioner.sdp.overlap`, ``Pricing(overlap=True)``). Our runtime gathers
 synchronously at first use (:mod:`pipeline.param_gather`), so ``smp plan`` and the planner's best layout here price
 sdp without overlap. Selective activation checkpointing, which our runtime lacks (it checkpoints whole stages), is
 priced as torchtitan's "op" policy runs it (:class:`SelectiveCosts`: in each transformer block the backward
 recomputes every other matmul and every op but attention). Each row's ``priced`` note says how. Memory is not
 limited (``--device-memory unlimited``): memory is not what is calibrated here.
 
-Collectives (:mod:`partitioner.tp_cost`) are not fitted: the rows cannot separate link bandwidth from compute
+Collectives (:mod:`partitioner.tp.pricing`) are not fitted: the rows cannot separate link bandwidth from compute
 efficiency (FSDP hides its collectives; tp runs within a node). :data:`COLLECTIVES` keeps the published NCCL
 bus bandwidths they are checked against instead.
 
@@ -56,10 +56,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import load_average  # noqa: E402
 from benchmarks.plan_scale import llama3  # noqa: E402
-from partitioner.cost import NodeCosts  # noqa: E402
-from partitioner.devices import DeviceRates, profile  # noqa: E402
-from partitioner.graph import OpGraph  # noqa: E402
-from partitioner.layout_costs import LayoutCosts  # noqa: E402
+from partitioner.capture.graph import OpGraph  # noqa: E402
+from partitioner.cost.devices import DeviceRates, profile  # noqa: E402
+from partitioner.cost.roofline import NodeCosts  # noqa: E402
+from partitioner.layout.costs import LayoutCosts  # noqa: E402
 
 __all__ = ["Source", "Row", "ROWS", "COLLECTIVES", "GRID", "TITAN_H100_COMPUTE", "fit", "gpt_tokens_per_s", "rates_of",
            "selective_share", "SelectiveCosts", "Predictor", "main"]
@@ -76,13 +76,13 @@ class Source:
 @dataclass(frozen=True)
 class Row:
     """One published measurement. ``model``: ``("llama3", "8b")`` or ``("gpt", layers, hidden, heads)`` (vocabulary
-    51,200, SC'21); ``gpu``: a :data:`partitioner.devices.PROFILES` name and ``gpu_changes`` what differs on the
+    51,200, SC'21); ``gpu``: a :data:`partitioner.cost.devices.PROFILES` name and ``gpu_changes`` what differs on the
     measured system; degrees ``tp``, ``pp``, ``dp`` (FSDP counted as dp); ``microbatch``: samples per microbatch
     (None: not published, the engine's best for the degrees); ``published``: the number, in ``unit``
     (``"tokens/s/GPU"`` or ``"TFLOP/s/GPU"``); ``checkpointing``: as published (none, selective, full);
     ``priced``: how our runtime's nearest equivalent was priced; ``role``: calibrate, held-out or excluded;
     ``sdp``: the replicas FSDP shards over (1: plain data parallelism); ``overlap``: the published system overlaps
-    its sharded collectives with compute (FSDP's prefetch), priced so (:mod:`partitioner.overlap`)."""
+    its sharded collectives with compute (FSDP's prefetch), priced so (:mod:`partitioner.sdp.overlap`)."""
 
     key: str
     source: Source
@@ -167,7 +167,7 @@ ROWS: tuple[Row, ...] = (
 )
 
 # Published NCCL all-reduce bus bandwidth at large messages, one node of 8 GPUs, against the link profiles'
-# datasheet figures (partitioner.devices.LINKS): a ring moves 2 (n-1)/n of the bytes per rank, so bus bandwidth
+# datasheet figures (partitioner.cost.devices.LINKS): a ring moves 2 (n-1)/n of the bytes per rank, so bus bandwidth
 # is what the ring's per-link rate reaches. Source: Alaya New, 'NCCL-tests in practice' (2026), reference table.
 COLLECTIVES = (
     ("nvlink3", "8 x A100 SXM4, all_reduce_perf busbw", 230e9, 250e9),
@@ -233,7 +233,7 @@ def selective_share(graph: OpGraph) -> np.ndarray:
 
 
 class SelectiveCosts(LayoutCosts):
-    """:class:`partitioner.layout_costs.LayoutCosts` whose backward seconds include the recomputation of
+    """:class:`partitioner.layout.costs.LayoutCosts` whose backward seconds include the recomputation of
     torchtitan's op-level selective activation checkpointing (:func:`selective_share` of each op's forward)."""
 
     def costs(self, tp: int, size: int) -> NodeCosts:
@@ -265,8 +265,8 @@ class Predictor:
     :meth:`best` runs the planner's search for the same devices and batch."""
 
     def __init__(self, row: Row) -> None:
-        from partitioner.layout_costs import layout_costs
-        from partitioner.layout_search import tp_choices
+        from partitioner.layout.costs import layout_costs
+        from partitioner.layout.search import tp_choices
 
         self.row = row
         self.model, self.args = build(row)
@@ -280,10 +280,10 @@ class Predictor:
         return [self.row.microbatch] if self.row.microbatch else [b for b in range(1, replica + 1) if replica % b == 0]
 
     def scorer(self, rates: DeviceRates) -> Any:
-        """A :class:`partitioner.layout_score.LayoutScorer` of this row's traces under ``rates``."""
-        from partitioner.layout_score import LayoutScorer, Pricing
-        from partitioner.options import UNLIMITED, PartitionOptions
-        from partitioner.sharded_dp import PERSISTENCE_THRESHOLD
+        """A :class:`partitioner.layout.score.LayoutScorer` of this row's traces under ``rates``."""
+        from partitioner.cut.options import UNLIMITED, PartitionOptions
+        from partitioner.layout.score import LayoutScorer, Pricing
+        from partitioner.sdp.shards import PERSISTENCE_THRESHOLD
         from smp.cli.commands.plan import pipeline_simulator
 
         c = self.costs
@@ -295,7 +295,7 @@ class Predictor:
         return LayoutScorer(costs, Pricing(options, 8, threshold, overlap=self.row.overlap), pipeline_simulator)
 
     def _space(self, fixed: bool) -> Any:
-        from partitioner.layout_search import SearchSpace
+        from partitioner.layout.search import SearchSpace
 
         r = self.row
         whole = next(iter(self.costs.whole.traced.values()))
@@ -308,18 +308,18 @@ class Predictor:
                            checkpointing=(ckpt,), zero1=(False,), sdp=(r.sdp,), placements=("DPT",), max_stages=most)
 
     def score(self, rates: DeviceRates) -> Any:
-        """The published layout's :class:`partitioner.layout.Proposal` under ``rates`` (the best microbatch size
+        """The published layout's :class:`partitioner.layout.layout.Proposal` under ``rates`` (the best microbatch size
         when the row has none)."""
-        from partitioner.layout_search import candidates, search
+        from partitioner.layout.search import candidates, search
 
         return search(candidates(self._space(True), self.costs.tp_degrees), self.scorer(rates), 1).proposals[0]
 
     def best(self, rates: DeviceRates) -> Any:
         """The planner's best layout for the row's devices and global batch (within one node's memory budget)."""
-        from partitioner.layout_costs import layout_costs
-        from partitioner.layout_score import LayoutScorer, Pricing
-        from partitioner.layout_search import candidates, search, tp_choices
-        from partitioner.options import PartitionOptions
+        from partitioner.cut.options import PartitionOptions
+        from partitioner.layout.costs import layout_costs
+        from partitioner.layout.score import LayoutScorer, Pricing
+        from partitioner.layout.search import candidates, search, tp_choices
         from smp.cli.commands.plan import pipeline_simulator
 
         space = self._space(False)
@@ -332,7 +332,7 @@ class Predictor:
 
 
 def _heads(model: torch.nn.Module) -> tuple[int, ...]:
-    from partitioner.layout_costs import head_counts
+    from partitioner.layout.costs import head_counts
 
     return head_counts(model)
 
@@ -391,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     for row in chosen:
         print(f"  {row.key}: {row.source.title}, {row.where}; {row.published:g} {row.unit}; priced: {row.priced}")
     print(f"\n## collectives: published NCCL bus bandwidth ({COLLECTIVES_SOURCE.title})")
-    from partitioner.devices import LINKS
+    from partitioner.cost.devices import LINKS
     for link, what, lo, hi in COLLECTIVES:
         print(f"  {link}: {what} {lo / 1e9:.0f}-{hi / 1e9:.0f} GB/s; profile {LINKS[link].bytes_per_s / 1e9:.0f} GB/s")
     print(f"# after: {load_average()}")

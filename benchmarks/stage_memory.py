@@ -25,7 +25,7 @@ slack, plus what every process pays before any model exists); with ``normal``, n
 partitioning exceeds S. A sharded layout is printed against the same goal, which it need not meet (each replica
 keeps the whole model's activations for its part of the batch and, with several microbatches, its stage's whole
 gradients until the step's last backward); it must have no more parameters whole at once than the plan says
-(``partitioner.sharded_dp``: the largest first-to-last-read window), from the trace of each rank's gathers in the
+(``partitioner.sdp.shards``: the largest first-to-last-read window), from the trace of each rank's gathers in the
 last step (rank 0's printed per layer), and its worst peak above F is printed beside the plan's predicted peak.
 Memory does not depend on the machine's load (printed anyway).
 
@@ -136,7 +136,7 @@ def _rank(rank: int, world: int, layout: Layout, mode: str, optimize: str, layer
     total = sum(p.numel() for p in net.parameters())
     out = {"floor": floor, "built": built, "peak": max(first, after), "after": after, "held": held, "params": total}
     if gather is not None:  # what the plan says is whole at once on this rank, and what was
-        from partitioner.sharded_dp import sharded_dp
+        from partitioner.sdp.shards import sharded_dp
         plan = model.partition_plan()
         assert plan is not None  # partitioned at the first step
         planned = sharded_dp(plan, plan.traced_graph(), layout.config["sharded_data_parallel_degree"],
@@ -174,7 +174,7 @@ def verdict(layout: Layout, rows: dict[str, list[dict]], single: float, floor: f
         ok &= whole <= 0
         predicted = max(g["predicted"] for g in rows["delayed"])
         extra = (f"; whole at once {'within' if whole <= 0 else 'OVER'} the plan; worst peak - F "
-                 f"{(worst - floor) / _MB:.0f} MB vs predicted {predicted / _MB:.0f} MB (partitioner.sharded_dp)")
+                 f"{(worst - floor) / _MB:.0f} MB vs predicted {predicted / _MB:.0f} MB (partitioner.sdp.shards)")
     else:
         ok &= worst <= most
     return ok, (f"{layout.name}: delayed worst peak {worst / _MB:.0f} MB vs goal {most / _MB:.0f} MB = 1.2 x "

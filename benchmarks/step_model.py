@@ -52,7 +52,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import load_average, pin  # noqa: E402
-from partitioner import calibration  # noqa: E402
+from partitioner.cost import calibration  # noqa: E402
 from smp.cli.runtime_costs import ensure_runtime_costs  # noqa: E402
 from smp.testing import run_ranks  # noqa: E402
 from smp.zoo import NAMES  # noqa: E402
@@ -180,7 +180,7 @@ def _timed_steps(rank: int, cfg: dict, z: Any, model: Any, train_step: Any, batc
 
 def _plan_rows(model: Any) -> dict:
     """What the step model needs of the run's plan: stage seconds, the bytes crossing, rates and schedule."""
-    from partitioner.objective import stage_crossings
+    from partitioner.cut.objective import stage_crossings
 
     plan = model.runner.plan
     graph = plan.traced_graph()

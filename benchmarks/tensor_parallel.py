@@ -34,7 +34,7 @@ plan is tp rank 0's sharded graph with its collectives, as ``--tp 2`` prices it)
 optimizer and ``comm pred`` what communication adds to it, ``pred MiB`` each rank's parameters, gradients, Adam
 state and activations held for backward at the simulated schedule's peak (:func:`partitioner.stage_memory`). The
 simulator has no data-parallel term: dp2's prediction adds one ring all-reduce of the gradient bytes on the same
-link (:func:`partitioner.tp_cost.all_reduce_s`, the formula tp's all-reduces are priced with).
+link (:func:`partitioner.cost.collectives.all_reduce_s`, the formula tp's all-reduces are priced with).
 
 Run: ``python benchmarks/tensor_parallel.py [--rounds 8] [--warmup 2] [--batch 8] [--microbatches 4] [--layers 6]
 [--hidden 256] [--vocab 50257] [--seq 128] [--layouts pp2,tp2,dp2] [--no-pin]``: about 45 s on two idle cores (the
@@ -143,9 +143,10 @@ def predict(runner: Any, rank: int, microbatches: int, replicas: int = 1) -> dic
     ``memory`` at its peak and its ``state`` (parameters, gradients, Adam). ``replicas`` > 1 adds data
     parallelism's gradient all-reduce, which the simulator does not model, priced as tp's all-reduces are."""
     from partitioner import DeviceRates, stage_memory
-    from partitioner.cost import needs_grad
-    from partitioner.objective import stage_crossings
-    from partitioner.tp_cost import all_reduce_s, collectives, stage_comm_s
+    from partitioner.cost.collectives import all_reduce_s
+    from partitioner.cost.roofline import needs_grad
+    from partitioner.cut.objective import stage_crossings
+    from partitioner.tp.pricing import collectives, stage_comm_s
     from pipeline.schedule import make_schedule, peak_in_flight
     from pipeline.simulate import simulate
 
@@ -175,8 +176,8 @@ def probe_links(layouts: dict[str, dict[str, Any]], cfg: dict) -> dict[str, tupl
     import torch.distributed as dist
 
     from partitioner import DeviceRates
-    from partitioner.tp_collectives import reduce_from
-    from partitioner.tp_cost import all_reduce_s
+    from partitioner.cost.collectives import all_reduce_s
+    from partitioner.tp.collectives import reduce_from
 
     def median_s(fn: Any, times: int) -> float:
         fn()

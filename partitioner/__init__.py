@@ -5,15 +5,14 @@
     print(plan.summary())
     staged = plan.as_module()          # same outputs and gradients as ``model``
 
-One concept per file: ``tracing`` (torch.export -> :class:`OpGraph`, in ``graph``; ``build`` and ``program``
-turn the exported program into ops), ``mutation`` (in-place updates as dependencies), ``flops``, ``devices``
-(datasheet profiles of rented GPUs, links) and ``calibration`` (this CPU, measured and cached), ``precision``
-(bytes per training dtype), ``cost`` (the roofline cost model), ``timing`` (timing ops and stages for real),
-``options``, ``objective`` (scoring a plan), ``memory`` (what each stage's rank holds), ``dp``, ``metis``,
-``refine`` and ``portfolio`` (the portfolio behind :func:`partition`), ``baselines``, ``chunk`` (column chunks of
-a heavy linear), ``plan`` (the JSON-ready plan), ``stage_modules`` (executable stage modules, :func:`split`),
-``units``, ``errors``, ``lazy`` (these exports). Modules are named for concepts and the exported functions for
-actions, so no export is hidden by a submodule of its name.
+One folder per concern, each with a docstring that says what it owns and what it may import:
+``capture`` (the traced program, the op graph and the stage modules cut from it), ``cost`` (the cost model: devices,
+calibration, precision, the roofline, collectives, timing), ``cut`` (the options, the objective and the portfolio
+behind :func:`partition`, the plan), one folder per parallel axis with its finding, rewriting and pricing (``tp``,
+``sdp``) and ``layout`` (the layout planner behind ``smp plan``). Arrows go layout -> sdp -> cut -> tp -> cost ->
+capture, never back; ``errors``, ``units`` and ``lazy`` (these exports) are the foundation every folder may import.
+Every name a user imports is exported here; modules are named for concepts and the exported functions for actions,
+so no export is hidden by a submodule of its name.
 
 The names below are imported on first use (:mod:`partitioner.lazy`), so ``import partitioner.errors`` or
 ``partitioner.units`` does not import torch.
@@ -23,19 +22,22 @@ from typing import TYPE_CHECKING
 from .lazy import lazy_exports
 
 if TYPE_CHECKING:
-    from .calibration import calibrate
-    from .cost import NodeCosts, estimate
-    from .devices import DEVICES, LINKS, PRECISIONS, DeviceRates, UnknownDeviceError, profile
+    from .capture.graph import GraphError, OpGraph
+    from .capture.stage_modules import SplitModel, Stage, split
+    from .capture.tracing import TraceError, trace
+    from .cost.calibration import calibrate
+    from .cost.devices import DEVICES, LINKS, PRECISIONS, DeviceRates, UnknownDeviceError, profile
+    from .cost.roofline import NodeCosts, estimate
+    from .cost.timing import StageTimes, measure, measure_stages
+    from .cut.memory import StageMemory, stage_memory
+    from .cut.objective import MemoryBudgetError
+    from .cut.options import METHODS, UNLIMITED, PartitionOptions
+    from .cut.plan import PartitionPlan, PlanError, PlanMismatchError, StageSummary
+    from .cut.portfolio import partition
     from .errors import EngineError
-    from .graph import GraphError, OpGraph
-    from .memory import StageMemory, stage_memory
-    from .objective import MemoryBudgetError
-    from .options import METHODS, UNLIMITED, PartitionOptions
-    from .plan import PartitionPlan, StageSummary
-    from .portfolio import partition
-    from .stage_modules import SplitModel, Stage, split
-    from .timing import StageTimes, measure, measure_stages
-    from .tracing import TraceError, trace
+    from .sdp.shards import PERSISTENCE_THRESHOLD, ShardedRank, sharded_dp
+    from .tp.shard_program import shard_graph, tensor_parallel_graph
+    from .tp.sharding import Sharding, find_sharding
     from .units import format_bytes, parse_size
 
 __all__ = [
@@ -43,7 +45,8 @@ __all__ = [
     "StageSummary", "DeviceRates", "DEVICES", "LINKS", "PRECISIONS", "UNLIMITED", "UnknownDeviceError", "profile",
     "NodeCosts", "calibrate", "estimate", "measure", "measure_stages",
     "StageTimes", "StageMemory", "stage_memory", "MemoryBudgetError", "EngineError", "parse_size", "format_bytes",
-    "split", "Stage", "SplitModel",
+    "split", "Stage", "SplitModel", "PlanError", "PlanMismatchError", "Sharding", "find_sharding", "shard_graph",
+    "tensor_parallel_graph", "PERSISTENCE_THRESHOLD", "ShardedRank", "sharded_dp",
 ]
 
 __getattr__, __dir__ = lazy_exports(__name__)

@@ -5,7 +5,7 @@ seconds; ``smp --help`` and the one-line errors of the ``smp`` command need none
 public names as the relative imports of an ``if TYPE_CHECKING:`` block, which type checkers and editors read
 as usual, and binds ``__getattr__, __dir__ = lazy_exports(__name__)``: that reads the block (as
 scientific-python's ``lazy_loader.attach_stub`` reads a stub file) and, the first time ``package.name`` is
-read, imports the submodule and keeps the value. A submodule that is not exported (``partitioner.objective``)
+read, imports the submodule and keeps the value. A submodule that is not exported (``partitioner.cut.objective``)
 is imported on access too, as it was when the package imported everything.
 
 No exported name is also the name of a submodule (the modules are named for concepts, the functions for

@@ -19,6 +19,9 @@ from pipeline.p2p import PeerError
 from pipeline.runner import PipelineRunner, StepResult
 from pipeline.schedule import Action, Schedule, ScheduleError, make_schedule
 from pipeline.simulate import simulate, validate
+from pipeline.tensorboard import TensorBoardWriter
+from pipeline.timeline import to_text
 
 __all__ = ["PipelineRunner", "StepResult", "PeerError", "Action", "Schedule", "ScheduleError", "make_schedule",
-           "lower", "fifo_violations", "validate", "simulate", "split", "merge", "BatchSplitError", "EngineError"]
+           "lower", "fifo_violations", "validate", "simulate", "split", "merge", "BatchSplitError", "EngineError",
+           "TensorBoardWriter", "to_text"]

@@ -33,7 +33,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.utils.checkpoint
 
-from partitioner.stage_modules import MODEL_INPUT, SplitModel
+from partitioner.capture.stage_modules import MODEL_INPUT, SplitModel
 from pipeline.offload import ActivationOffload
 from pipeline.p2p import Transport
 from pipeline.param_gather import GatheredParams

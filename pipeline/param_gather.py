@@ -3,7 +3,8 @@
 ZeRO stage 3 (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models",
 arXiv:1910.02054) keeps each parameter sharded over the data-parallel replicas and makes it whole only while an op
 needs it. FSDP (PyTorch's ``fully_shard``) does so per module, from forward hooks; our stages are flat
-``fx.GraphModule`` s that read parameters by ``get_attr`` (:mod:`partitioner.stage_modules`), where a hook would gather
+``fx.GraphModule`` s that read parameters by ``get_attr`` (:mod:`partitioner.capture.stage_modules`), where a hook
+would gather
 a whole stage at once. So, as SimpleFSDP does (Zhang et al. 2024, "SimpleFSDP: Simpler Fully Sharded Data Parallel
 with torch.compile", arXiv:2411.00284), the parameters are DTensors sharded on dim 0 and the graph itself gathers
 them: :meth:`GatheredParams.insert` puts a ``gather`` node right after each ``get_attr`` of a sharded parameter, so a

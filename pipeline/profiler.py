@@ -37,7 +37,7 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from partitioner.calibration import cost_clock
+from partitioner.cost.calibration import cost_clock
 from pipeline.clock import ClockOffset, clock_offset
 from pipeline.profile_description import GRAPH_FILE, PROFILE_FILE, TIMELINE_FILE, TRACE_FILE, merge, write_gantt
 from pipeline.system_monitor import SystemMonitor

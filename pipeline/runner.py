@@ -28,10 +28,10 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 from partitioner import PartitionPlan
-from partitioner.program import flatten_inputs, set_device
-from partitioner.stage_modules import MODEL_INPUT, SplitModel, Stage, split
-from partitioner.throughput import Throughput, measure
-from partitioner.tracing import trace
+from partitioner.capture.program import flatten_inputs, set_device
+from partitioner.capture.stage_modules import MODEL_INPUT, SplitModel, Stage, split
+from partitioner.capture.tracing import trace
+from partitioner.cost.throughput import Throughput, measure
 from pipeline import microbatch, shape_classes
 from pipeline.executor import Executor
 from pipeline.lowering import lower
@@ -55,7 +55,7 @@ class StepResult:
 
     losses: list[float]                          # per microbatch, on every rank of the pipeline
     microbatch_outputs: list[Any] | None = None  # the model's outputs per microbatch (last stage's rank only)
-    throughput: Throughput | None = None  # the step's figures, the same on every rank (partitioner.throughput)
+    throughput: Throughput | None = None  # the step's figures, the same on every rank (partitioner.cost.throughput)
     _merged: Any = field(default=None, init=False, repr=False)
 
     @property
@@ -96,7 +96,7 @@ class PipelineRunner:
         True keeps every pass's span in memory (``events``); a directory or
         :class:`pipeline.profiler.ProfileOptions` profiles the steps (see :meth:`write_profile`). ``autocast``:
         ``(device type, dtype)`` when the plan was traced under ``torch.autocast`` (run the steps under it too).
-        ``tp_groups``: with a plan of a tensor-parallel graph (:func:`partitioner.shard_program.shard_graph`), the
+        ``tp_groups``: with a plan of a tensor-parallel graph (:func:`partitioner.tp.shard_program.shard_graph`), the
         tp groups of every rank, all of them on every rank, like ``pipelines``; ``tp_seed`` seeds the dropout
         streams of the sharded graph (the same on every rank of a tp group). ``tensorboard``: a directory to write
         every step's loss, throughput and memory to (:class:`pipeline.tensorboard.TensorBoardWriter`). ``model``: the
@@ -272,7 +272,7 @@ class PipelineRunner:
                           throughput=self.throughput(time.perf_counter() - start, mb_inputs, train))
 
     def throughput(self, seconds: float, mb_inputs: list[dict[str, Any]], train: bool) -> Throughput:
-        """The step's :class:`partitioner.throughput.Throughput` from this rank's ``seconds``: the slowest rank's
+        """The step's :class:`partitioner.cost.throughput.Throughput` from this rank's ``seconds``: the slowest rank's
         time (one all-reduce over the pipeline), so that every rank returns the same figures."""
         slowest = torch.tensor([seconds], dtype=torch.float64, device=self.device)
         with self._named("agreeing on the step's time", self.ranks):
@@ -354,7 +354,7 @@ class PipelineRunner:
         """A runner of the plan in the JSON file ``path`` (``plan.to_json(path)``, ``smp replan -o``) for
         ``model``, traced on the example inputs ``args``/``kwargs``: one microbatch, of the shapes the plan was made
         from. A plan of another model, or example inputs of other shapes (the whole batch, say), is a
-        :class:`partitioner.plan.PlanMismatchError` naming what differs, raised before any process group is made."""
+        :class:`partitioner.cut.plan.PlanMismatchError` naming what differs, raised before any process group is made."""
         graph = trace(model, tuple(args), dict(kwargs or {}))
         plan = PartitionPlan.from_json(os.fspath(path)).bind(graph, source=f"plan file {os.fspath(path)}",
                                                              microbatches=runner_kwargs.get("microbatches", 1))

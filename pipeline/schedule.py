@@ -37,8 +37,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from numbers import Integral
 
+from partitioner.cost.pipelines import PIPELINE_NAMES
 from partitioner.errors import EngineError
-from partitioner.pipelines import PIPELINE_NAMES
 
 __all__ = [
     "Action",
@@ -271,7 +271,7 @@ def zero_bubble_h1(num_ranks: int, microbatches: int) -> Schedule:
     return Schedule("zb-h1", num_ranks, num_ranks, microbatches, stage_to_rank, actions, split_backward=True)
 
 
-# The two pipelines under every name (ours and SMP's, partitioner.pipelines), and the schedules beyond.
+# The two pipelines under every name (ours and SMP's, partitioner.cost.pipelines), and the schedules beyond.
 _GENERATORS: dict[str, str] = {
     **PIPELINE_NAMES,
     "interleaved-virtual": "interleaved",

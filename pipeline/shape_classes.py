@@ -3,7 +3,7 @@
 A shape class is the tuple of (shape, dtype) of the tensor inputs of one microbatch. Stages are specialised to
 the shapes they were traced with (sizes are constants in the exported graph), and so are the receive buffers of
 the values that cross stages. So a :class:`pipeline.PipelineRunner` keeps, per shape class, a :class:`StageSet`:
-the plan re-bound to a trace of that class (:func:`partitioner.respecialise.respecialise`, the same stages by op
+the plan re-bound to a trace of that class (:func:`partitioner.cut.respecialise.respecialise`, the same stages by op
 names), its stage modules (reading the user's own parameters, so training updates are shared by every class),
 this rank's stages and an :class:`pipeline.executor.Executor` whose buffers and boundary flags come from that
 trace. Every rank derives the same stage set from the same microbatch shapes, so ranks agree on what travels
@@ -26,11 +26,11 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from partitioner import PartitionPlan
+from partitioner.capture.program import TracedProgram, flatten_inputs
+from partitioner.capture.stage_modules import SplitModel, Stage
+from partitioner.capture.tracing import trace
+from partitioner.cut.respecialise import respecialise
 from partitioner.errors import EngineError
-from partitioner.program import TracedProgram, flatten_inputs
-from partitioner.respecialise import respecialise
-from partitioner.stage_modules import SplitModel, Stage
-from partitioner.tracing import trace
 from pipeline.executor import Executor
 from pipeline.param_gather import is_sharded
 
@@ -137,7 +137,7 @@ def retrace(plan: PartitionPlan, model: torch.nn.Module, args: tuple, kwargs: di
     """``plan`` re-bound to a trace of ``model`` on one microbatch ``(args, kwargs)`` of another shape class,
     traced as the plan's own trace was: in its train/eval mode, with grad
     mode on, under ``autocast``, with the loss priced when the plan's trace priced one (``loss``: ``(loss_fn, this
-    microbatch's target)``). Raises :class:`partitioner.respecialise.ShapeClassError` when the stages do not fit."""
+    microbatch's target)``). Raises :class:`partitioner.cut.respecialise.ShapeClassError` when the stages do not fit."""
     home = plan.traced_graph().fx
     priced = loss if home.loss is not None and loss is not None and loss[0] is not None else (None, None)
     with _in_mode(model, home.training), torch.enable_grad(), \

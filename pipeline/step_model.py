@@ -14,7 +14,7 @@ by the simulator (:func:`pipeline.simulate.simulate`) with
 * each step :attr:`partitioner.DeviceRates.step_overhead_s` more: sharing the step's arguments from pp_rank 0,
   starting the microbatch threads, and broadcasting the step's results from the last stage.
 
-The overheads are measured for the ``cpu`` profile (:mod:`partitioner.calibration`) and checked against real runs
+The overheads are measured for the ``cpu`` profile (:mod:`partitioner.cost.calibration`) and checked against real runs
 of the zoo models by ``benchmarks/step_model.py``; the datasheet profiles of GPUs leave them at 0 (there the host's
 work overlaps the device's).
 """
@@ -24,8 +24,8 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from partitioner.devices import DeviceRates
-from partitioner.objective import stage_crossings
+from partitioner.cost.devices import DeviceRates
+from partitioner.cut.objective import stage_crossings
 
 from .schedule import Schedule, StageDeps
 from .simulate import Seconds, SimResult, simulate

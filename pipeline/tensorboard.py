@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
+from partitioner.cost.throughput import Throughput
 from partitioner.errors import EngineError
-from partitioner.throughput import Throughput
 
 __all__ = ["TensorBoardMissingError", "TensorBoardWriter"]
 

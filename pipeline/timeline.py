@@ -97,7 +97,7 @@ class Recorder:
     a time base; :mod:`pipeline.clock` aligns hosts). Spans recorded from another thread than the one
     that made the recorder land on that rank's second track (``Event.thread == 1``). ``detail`` tells the
     executor to record receive waits, sends and receives besides the passes; ``cost_clock`` (e.g. the
-    thread's CPU time, :func:`partitioner.calibration.cost_clock`) times the passes (spans without a category)
+    thread's CPU time, :func:`partitioner.cost.calibration.cost_clock`) times the passes (spans without a category)
     a second time, robust to other processes on the cores (``Event.cost``).
     """
 

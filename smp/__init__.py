@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from .delayed_init import delay_param_initialization
     from .distributed_model import DistributedModel
     from .distributed_optimizer import DistributedOptimizer
+    from .engine.planning import pipeline_runner
     from .engine.step_function import StepOutput, StepTimeoutError, step
     from .health.session import TrainingHealthWarning, TrainingStopped, debug
     from .placement import partition, set_activation_checkpointing, set_partition
@@ -112,6 +113,7 @@ __all__ = [
     "tp_register_with_module", "NoEffectWarning", "__version__",
     "profile", "annotate", "delay_param_initialization", "model_creation",
     "debug", "TrainingHealthWarning", "TrainingStopped", "state", "alias_smdistributed", "SMP_V1_VERSION",
+    "pipeline_runner",
 ]
 
 __getattr__, __dir__ = lazy_exports(__name__)

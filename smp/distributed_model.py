@@ -2,7 +2,7 @@
 
 The model is partitioned at the first ``@smp.step`` call, traced with that step's first microbatch:
 automatically through :func:`partitioner.partition` (honouring ``memory_weight``/``optimize``; with
-``trace_execution_times``, op times measured on rank 0: :mod:`partitioner.op_times`), or by hand
+``trace_execution_times``, op times measured on rank 0: :mod:`partitioner.cost.op_times`), or by hand
 (``smp.partition(i)`` contexts, ``smp.set_partition``, ``auto_partition=False`` + ``default_partition``). Each rank
 then keeps its stage of a :class:`pipeline.PipelineRunner`. The stages hold the user's own parameter tensors, so
 optimizers built over ``model.parameters()`` and ``state_dict`` keys work unchanged.
@@ -19,9 +19,9 @@ import torch.distributed as dist
 from torch.utils.hooks import RemovableHandle
 
 from partitioner import PartitionOptions, PartitionPlan, trace
-from partitioner.plan import PlanMismatchError
-from partitioner.portfolio import fixed_plan
-from partitioner.shard_program import tensor_parallel_graph
+from partitioner.cut.plan import PlanMismatchError
+from partitioner.cut.portfolio import fixed_plan
+from partitioner.tp.shard_program import tensor_parallel_graph
 from pipeline import PipelineRunner
 from smp.checkpoint.commit import CheckpointError
 from smp.checkpoint.sdp_state import check_shards, load_into, local_shards, marker, whole_values
@@ -169,7 +169,7 @@ class DistributedModel(torch.nn.Module):
         return plan
 
     def _trace(self, call: step_run.MicrobatchCall) -> Any:
-        """The model traced on ``call``, as this rank's tp rank runs it (:mod:`partitioner.sharding`)."""
+        """The model traced on ``call``, as this rank's tp rank runs it (:mod:`partitioner.tp.sharding`)."""
         st = state.get()
         return tensor_parallel_graph(trace(self.module, call.args, call.kwargs), st.topology.tp,
                                      st.topology.tp_rank(st.rank), self.shardable)

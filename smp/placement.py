@@ -1,7 +1,7 @@
 """Manual partitioning, as SMP v1 offers it: ``smp.partition(i)`` blocks and ``smp.set_partition`` place
 modules on pipeline stages (with ``auto_partition`` off, ``default_partition`` takes the rest), and
 ``smp.set_activation_checkpointing`` marks modules whose stages recompute activations in backward.
-:func:`manual_stages` turns the placement into a stage per traced op for :func:`partitioner.portfolio.fixed_plan`.
+:func:`manual_stages` turns the placement into a stage per traced op for :func:`partitioner.cut.portfolio.fixed_plan`.
 """
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ model computes what it computed before), and the translator pair is recorded for
 
 What tensor parallelism may split: the parameters of the distributed and enabled modules; when nothing is
 marked and no ``smp.nn`` module is used, every parameter (the engine's in-place sharding of the traced graph,
-:mod:`partitioner.sharding`, which keeps the model's own names). ``distribute_embedding=False`` (SMP's
+:mod:`partitioner.tp.sharding`, which keeps the model's own names). ``distribute_embedding=False`` (SMP's
 default) keeps a distributed LM's embedding and head whole on every tp rank.
 """
 from __future__ import annotations
@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed
 
-from partitioner.program import tensor_aliases
+from partitioner.capture.program import tensor_aliases
 from smp.delayed_init import delay_param_initialization
 from smp.nn.config import TransformerConfig
 from smp.nn.dist_module import DistributedModule

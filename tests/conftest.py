@@ -104,10 +104,10 @@ def pipeline_step(model: torch.nn.Module, split_model, args: tuple, kwargs: dict
 
 
 def run_stages_as_pipeline(split_model, args: tuple, kwargs: dict, loss_fn: Callable, target: torch.Tensor):
-    """Run the stages the way a pipeline runtime does (:func:`partitioner.timing.run_stages`): every float
+    """Run the stages the way a pipeline runtime does (:func:`partitioner.cost.timing.run_stages`): every float
     tensor a stage receives from another stage is a fresh autograd leaf, and each stage runs its own backward
     with the gradients its consumers left on those leaves. Returns the model output object and the loss."""
-    from partitioner.timing import run_stages
+    from partitioner.cost.timing import run_stages
 
     losses = []
 

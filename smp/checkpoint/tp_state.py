@@ -4,8 +4,8 @@ shards cut back out of whole tensors.
 Under tensor parallelism each tp rank's model holds its shards of the sharded parameters under the model's own
 names (``smp.engine.tp_shards``), and its optimizer keeps state of the same shapes. A *full* state dict holds
 whole tensors, so it loads under any tensor-parallel degree: gathering puts the shards together (block by block
-for a fused weight such as GPT-2's ``c_attn``, :func:`partitioner.shard_program.unshard_tensor`), and loading
-cuts this rank's shard out (:func:`partitioner.shard_program.shard_tensor`). A *partial* state dict holds one
+for a fused weight such as GPT-2's ``c_attn``, :func:`partitioner.tp.shard_program.unshard_tensor`), and loading
+cuts this rank's shard out (:func:`partitioner.tp.shard_program.shard_tensor`). A *partial* state dict holds one
 tp rank's shards, so it loads only into that tp rank under that degree: :func:`check_partial` refuses any other.
 """
 from __future__ import annotations
@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from partitioner.shard_program import local_length, shard_tensor, unshard_tensor
-from partitioner.sharding import Shard
+from partitioner.tp.shard_program import local_length, shard_tensor, unshard_tensor
+from partitioner.tp.sharding import Shard
 from smp.checkpoint.commit import CheckpointError
 
 __all__ = ["TPLayout", "ShardedParam", "check_partial", "whole_model_state", "cut_model_state",

@@ -3,7 +3,7 @@
 The plan comes from :func:`partitioner.partition`; the baselines (uniform, params, layers) are scored under
 the same cost model and simulated under the same schedule, so the table compares like with like. Everything is
 priced for the plan's device and training precision (``--device``, ``--dtype``): transfers between stages per
-microbatch from the bytes :func:`partitioner.objective.stage_crossings` counts at that precision, over the
+microbatch from the bytes :func:`partitioner.cut.objective.stage_crossings` counts at that precision, over the
 plan's link rates. What each stage's rank holds (:func:`partitioner.stage_memory`) counts the activations of
 the microbatches the simulated schedule keeps in flight at its peak (:func:`pipeline.schedule.peak_in_flight`).
 ``--measure`` times every stage for real (:func:`partitioner.measure_stages`). Under ``--sdp`` the stages are cut
@@ -41,7 +41,7 @@ def plan_sim(plan: Any, graph: Any, opts: Options, forward_s: Sequence[float] | 
     """Simulate ``opts``' schedule on the plan's stages: its stage times (or the ones given) and its transfers
     over the plan's link."""
     from partitioner import DeviceRates
-    from partitioner.objective import stage_crossings
+    from partitioner.cut.objective import stage_crossings
 
     rates = DeviceRates.from_dict(plan.rates)
     crossing = stage_crossings(graph, plan.stage_of_ops(graph), plan.num_stages, opts.partition.dtype)
@@ -59,9 +59,9 @@ def analyse(graph: Any, opts: Options, *, target: Target | None = None,
     (and ``extra["measured"]``, ``extra["target"]``) filled in, and the simulator's result for its schedule.
     """
     from partitioner import measure_stages, partition, stage_memory
-    from partitioner.baselines import all_baselines
-    from partitioner.portfolio import make_problem
-    from partitioner.stage_modules import split
+    from partitioner.capture.stage_modules import split
+    from partitioner.cut.baselines import all_baselines
+    from partitioner.cut.portfolio import make_problem
     from pipeline.schedule import peak_in_flight
 
     progress(f"partitioning into {opts.partitions} stages (method {opts.partition.method})")

@@ -3,7 +3,7 @@
 The partitioner's options are not copied here: the arguments that set them are named after the fields of
 :class:`partitioner.PartitionOptions` and left out of the namespace unless given, so :meth:`Options.from_args`
 hands them over unchanged and the partitioner applies its own defaults and checks. ``--pipeline`` takes
-SMP's names and ours (:data:`partitioner.pipelines.PIPELINE_NAMES`). Argument types only read text, with
+SMP's names and ours (:data:`partitioner.cost.pipelines.PIPELINE_NAMES`). Argument types only read text, with
 :mod:`partitioner.units` for sizes and durations; nothing here imports torch until a command runs.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
-from partitioner.devices import DEVICES, LINKS, PRECISIONS
+from partitioner.cost.devices import DEVICES, LINKS, PRECISIONS
 from partitioner.units import UNLIMITED, parse_duration, parse_size
 from smp.cli.errors import CLIError
 from smp.cli.limits import DEFAULT_MAX_ACTIONS
@@ -206,7 +206,7 @@ def check_output(path: str | None, flag: str, exts: Sequence[str]) -> None:
 
 def times_ops(device: str, dtype: str, estimate: bool) -> bool:
     """Whether a command prices the ops by timing them here: on this machine's CPU (``--device cpu``) in fp32, unless
-    ``--estimate`` (:mod:`partitioner.op_times`; the cost model's roofline otherwise)."""
+    ``--estimate`` (:mod:`partitioner.cost.op_times`; the cost model's roofline otherwise)."""
     return device == "cpu" and dtype == "fp32" and not estimate
 
 
@@ -216,7 +216,7 @@ class Options:
     (microbatches and schedule included), for the pipeline SMP calls ``pipeline``; ``measure_stages`` also
     times each stage for real; ``max_actions`` bounds the simulation; ``tp``: the tensor-parallel degree
     (:mod:`smp.cli.tensor_parallel`); ``sdp``: the sharded data-parallel degree, ``sdp_threshold`` the elements
-    below which a parameter stays whole (None: :data:`partitioner.sharded_dp.PERSISTENCE_THRESHOLD`;
+    below which a parameter stays whole (None: :data:`partitioner.sdp.shards.PERSISTENCE_THRESHOLD`;
     :mod:`smp.cli.sharded_dp`).
 
     ``Options(4, microbatches=8, memory_weight=0)``: keywords other than these go to PartitionOptions."""
@@ -233,7 +233,7 @@ class Options:
     def __init__(self, partitions: int, pipeline: str = "interleaved", *, measure_stages: bool = False,
                  max_actions: int = DEFAULT_MAX_ACTIONS, tp: int = 1, sdp: int = 1, sdp_threshold: int | None = None,
                  **partition: Any) -> None:
-        from partitioner.options import PartitionOptions
+        from partitioner.cut.options import PartitionOptions
 
         for flag, degree, what in (("--tp", tp, "tensor"), ("--sdp", sdp, "sharded data")):
             if isinstance(degree, bool) or not isinstance(degree, int) or degree < 1:
@@ -258,7 +258,7 @@ class Options:
     @classmethod
     def from_args(cls, ns: argparse.Namespace) -> "Options":
         """The options of a parsed command line (arguments named after PartitionOptions fields pass through)."""
-        from partitioner.options import PartitionOptions
+        from partitioner.cut.options import PartitionOptions
 
         given = {f.name: getattr(ns, f.name) for f in fields(PartitionOptions) if hasattr(ns, f.name)}
         # Timed only where one tensor- and sdp-rank's graph runs in this process.
@@ -271,7 +271,7 @@ class Options:
 
     def with_partition(self, **changes: Any) -> "Options":
         """These options with ``changes`` to the partitioner's (:class:`partitioner.PartitionOptions` fields)."""
-        from partitioner.options import PartitionOptions
+        from partitioner.cut.options import PartitionOptions
 
         other = copy.copy(self)
         object.__setattr__(other, "partition", PartitionOptions.of(self.partition, **changes))
@@ -282,7 +282,7 @@ class Options:
         """The options the stages are cut with: :attr:`partition`, without its memory budget under ``--sdp`` above 1
         (the partitioner counts every parameter whole; :func:`smp.cli.sharded_dp.check_budget` holds the sharded
         ranks to the budget instead)."""
-        from partitioner.options import UNLIMITED, PartitionOptions
+        from partitioner.cut.options import UNLIMITED, PartitionOptions
 
         return self.partition if self.sdp == 1 else PartitionOptions.of(self.partition, device_memory=UNLIMITED)
 

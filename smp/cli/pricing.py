@@ -44,7 +44,7 @@ class PipelineCosts:
     param_state: list[dict[str, float]] = field(default_factory=list)  # per stage: weights, gradients, ... bytes
     sdp_gather_s: list[float] = field(default_factory=list)  # sdp all-gathers per microbatch, inside forward/backward
     sdp_end_s: list[float] = field(default_factory=list)  # sdp reduce-scatter and all-reduce, once per step
-    sdp: list[Any] = field(default_factory=list)  # per stage: partitioner.sharded_dp.ShardedRank
+    sdp: list[Any] = field(default_factory=list)  # per stage: partitioner.sdp.shards.ShardedRank
 
     def device_rates(self) -> Any:
         """The plan's :class:`partitioner.DeviceRates` (the defaults when it records none)."""
@@ -62,9 +62,9 @@ def pipeline_costs(graph: Any, opts: Options, stages: int, *, exact: bool = True
     import numpy as np
 
     from partitioner import UNLIMITED, partition
-    from partitioner.objective import stage_crossings, stage_params
-    from partitioner.precision import activation_bytes, param_memory_parts
-    from partitioner.sharded_dp import PERSISTENCE_THRESHOLD, sharded_dp
+    from partitioner.cost.precision import activation_bytes, param_memory_parts
+    from partitioner.cut.objective import stage_crossings, stage_params
+    from partitioner.sdp.shards import PERSISTENCE_THRESHOLD, sharded_dp
 
     ops = sum(k != "output" for k in graph.kinds)
     dtype = opts.partition.dtype

@@ -13,7 +13,7 @@ per-step cost, fit the measured steps best (least squares on the relative error,
 4 KB all-reduces back to back: what one takes beyond the link's price for it is the per-collective cost
 (:attr:`partitioner.DeviceRates.collective_overhead_s`; gloo's rounds of wake-ups make it 30 times a message's latency).
 
-The result is kept with the machine's CPU profile (:func:`partitioner.calibration.record_runtime_costs`), measured
+The result is kept with the machine's CPU profile (:func:`partitioner.cost.calibration.record_runtime_costs`), measured
 once per machine on first use (:func:`ensure_runtime_costs`, called when the command line prices a multi-rank CPU
 job) or by ``smp calibrate``; about 10 s on two idle cores.
 """
@@ -57,7 +57,7 @@ def _rank(rank: int, world: int, steps: int) -> list[dict[str, Any]] | None:
     import torch.distributed as dist
 
     import smp
-    from partitioner.devices import DeviceRates
+    from partitioner.cost.devices import DeviceRates
     from pipeline.schedule import make_schedule
     from pipeline.step_model import plan_step
     from smp.runtime import state
@@ -103,8 +103,8 @@ def _collective_s(repeats: int = 7, calls: int = 10) -> float:
     ring latencies): the median of ``repeats`` runs of ``calls`` back-to-back collectives, each run from a barrier."""
     import torch.distributed as dist
 
-    from partitioner.calibration import calibrate
-    from partitioner.tp_cost import all_reduce_s
+    from partitioner.cost.calibration import calibrate
+    from partitioner.cost.collectives import all_reduce_s
 
     flat = torch.zeros(1024)
     runs = []
@@ -140,8 +140,8 @@ def fit(measured_s: Sequence[float], predicted_s: Sequence[Sequence[float]]) -> 
 
 def measure_runtime_costs(steps: int = _STEPS, timeout: float = 300.0) -> dict[str, float]:
     """Measure this machine's per-pass and per-step costs on two local ranks and keep them
-    (:func:`partitioner.calibration.record_runtime_costs`); returns what was kept."""
-    from partitioner.calibration import record_runtime_costs
+    (:func:`partitioner.cost.calibration.record_runtime_costs`); returns what was kept."""
+    from partitioner.cost.calibration import record_runtime_costs
     from smp.testing import run_ranks
 
     got = run_ranks(_rank, 2, steps, timeout=timeout, pg_timeout=timeout, allow_failure=True)
@@ -162,7 +162,7 @@ def ensure_runtime_costs(quiet: bool = False) -> None:
     process). Never inside a rank (its peers would wait), and a failure is a warning: the default costs stand in."""
     import torch.distributed as dist
 
-    from partitioner.calibration import RECALIBRATE_ENV, recorded_runtime_costs, runtime_costs_file
+    from partitioner.cost.calibration import RECALIBRATE_ENV, recorded_runtime_costs, runtime_costs_file
 
     again = os.environ.get(RECALIBRATE_ENV, "") not in ("", "0")
     path = str(runtime_costs_file())

@@ -1,5 +1,5 @@
 """``--sdp D`` of ``smp inspect`` and ``smp simulate``: each stage's parameters sharded over D data-parallel replicas
-(SMP's ``sharded_data_parallel_degree``), priced by :func:`partitioner.sharded_dp.sharded_dp`.
+(SMP's ``sharded_data_parallel_degree``), priced by :func:`partitioner.sdp.shards.sharded_dp`.
 
 The stages are cut as without sharding (the partitioner counts parameters whole), but without the memory budget:
 the sharded ranks are held to it instead (:func:`check_budget`). The sharding group's collectives run on the plan's
@@ -41,7 +41,7 @@ def group_link(rates: dict[str, Any], degree: int, ranks_apart: int, ranks_per_n
 
 
 def check_budget(ranks: Sequence[Any], budget: float | None, degree: int) -> None:
-    """Refuse sharded ranks (:class:`partitioner.sharded_dp.ShardedRank`) whose peak exceeds ``budget`` bytes."""
+    """Refuse sharded ranks (:class:`partitioner.sdp.shards.ShardedRank`) whose peak exceeds ``budget`` bytes."""
     worst = max(ranks, key=lambda r: r.peak_bytes)
     if budget is None or worst.peak_bytes <= budget:
         return
@@ -67,7 +67,7 @@ def with_end_of_step(sim: Any, end_s: Sequence[float]) -> tuple[float, float]:
 def record(ranks: Sequence[Any], threshold: int, link: Any, budget: float | None, step_s: float | None = None,
            bubble: float | None = None) -> dict[str, Any]:
     """What a plan or a simulation records of sharded data parallelism (JSON-ready): the degree, the replicas, the
-    threshold, the link, the budget, each rank's :meth:`partitioner.sharded_dp.ShardedRank.to_dict` and the
+    threshold, the link, the budget, each rank's :meth:`partitioner.sdp.shards.ShardedRank.to_dict` and the
     predicted step with the collectives."""
     out = {"degree": ranks[0].degree, "replicas": ranks[0].replicas, "threshold": threshold,
            "link": {"name": link.link, "bytes_per_s": link.link_bytes_per_s, "latency_s": link.link_latency_s},
@@ -82,7 +82,7 @@ def price_plan(plan: Any, graph: Any, opts: Options, sim: Any) -> None:
     simulation, keeps them), hold them to the budget, simulate the step with the collectives and record it all
     in ``plan.extra["sharded_data_parallel"]``."""
     from partitioner import DeviceRates
-    from partitioner.sharded_dp import PERSISTENCE_THRESHOLD, sharded_dp
+    from partitioner.sdp.shards import PERSISTENCE_THRESHOLD, sharded_dp
     from pipeline.schedule import peak_in_flight
     from smp.cli.analysis import plan_sim
 

@@ -206,7 +206,7 @@ def trace_target(target: Target, progress: Callable[[str], None], opts: Any = No
             logging.disable(logging.NOTSET)
     progress(f"traced {graph.describe()}")
     if opts is not None and opts.partition.measure:
-        from partitioner.op_times import timed_costs
+        from partitioner.cost.op_times import timed_costs
 
         progress("timing every op's forward and backward on this machine, or reading them from its cache "
                  "(--estimate: the cost model instead)")

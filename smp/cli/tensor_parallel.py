@@ -1,10 +1,10 @@
 """``--tp T`` of ``smp inspect`` and ``smp simulate``: plan the graph that one tensor-parallel rank runs, and say
 what tensor parallelism costs and what it leaves whole.
 
-The traced graph is sharded with Megatron's pattern (:func:`partitioner.sharding.find_sharding`) and written for tp
-rank 0 (:func:`partitioner.shard_program.shard_graph`): its ops, parameters and activations have their local sizes,
+The traced graph is sharded with Megatron's pattern (:func:`partitioner.tp.sharding.find_sharding`) and written for tp
+rank 0 (:func:`partitioner.tp.shard_program.shard_graph`): its ops, parameters and activations have their local sizes,
 so a plan of it counts memory per rank, and its stage costs include the tp collectives on the link within a node
-(:mod:`partitioner.tp_cost`). Rank 0 holds the largest shard where a size does not divide (``torch.chunk``'s layout),
+(:mod:`partitioner.tp.pricing`). Rank 0 holds the largest shard where a size does not divide (``torch.chunk``'s layout),
 so its numbers are its group's worst. What stays whole on every rank (sizes that do not divide, a weight tied outside
 the embedding/head pair) is listed as a warning on stderr; a degree that leaves some rank no slice of a sharded
 weight is refused. ``--tp 1`` changes nothing.
@@ -30,8 +30,8 @@ def shard_target(graph: Any, tp: int, progress: Callable[[str], None] = lambda m
         return graph, None
     if graph.fx is None:
         raise CLIError(f"--tp {tp} needs a traced model, not a synthetic graph")
-    from partitioner.shard_program import shard_graph
-    from partitioner.sharding import find_sharding
+    from partitioner.tp.shard_program import shard_graph
+    from partitioner.tp.sharding import find_sharding
 
     progress(f"sharding for tensor parallelism of degree {tp} (Megatron's pattern)")
     try:
@@ -76,7 +76,7 @@ def tp_lines(record: dict[str, Any], rates: dict[str, Any], microbatches: int, f
              local_weights: float, dtype: str, step_s: float | None = None) -> list[str]:
     """What tensor parallelism does to a plan: the degree and the sharding, the weights (in ``dtype``) a rank
     holds next to the whole model's, and the tp collectives' seconds per microbatch and per step (from a plan's
-    ``tensor_parallel`` record, :func:`partitioner.tp_cost.tensor_parallel_record`)."""
+    ``tensor_parallel`` record, :func:`partitioner.tp.pricing.tensor_parallel_record`)."""
     if not record:
         return []
     tp, comm = record["degree"], list(record.get("comm_s", []))

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from partitioner.program import flatten_inputs
+from partitioner.capture.program import flatten_inputs
 from pipeline import PeerError
 from pipeline.p2p import named_failures
 from pipeline.param_gather import is_sharded

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from partitioner import PartitionPlan
-from partitioner.stage_modules import split
+from partitioner.capture.stage_modules import split
 from smp.engine.materialize import materialize
 from smp.engine.pipeline_model import PipelineModel
 from smp.engine.planning import smp_runner

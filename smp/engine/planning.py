@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 
 from partitioner import PartitionOptions, PartitionPlan, partition, trace
-from partitioner.shard_program import tensor_parallel_graph
-from partitioner.tracing import price_loss
+from partitioner.capture.tracing import price_loss
+from partitioner.tp.shard_program import tensor_parallel_graph
 from pipeline import PipelineRunner
 from pipeline.p2p import named_failures
 from pipeline.param_gather import GatheredParams
@@ -67,15 +67,15 @@ def pipeline_runner(model: torch.nn.Module, args: tuple = (), kwargs: dict | Non
                     options: PartitionOptions | None = None, weights: str | None = None,
                     loss_fn: Any = None, target: Any = None, **runner_kwargs: Any) -> PipelineRunner:
     """Trace ``model`` on the example inputs ``(args, kwargs)``, **one microbatch** (as every API that takes example
-    inputs: :mod:`partitioner.plan_inputs`; ``step`` takes the whole batch, ``microbatches`` of them), partition on
-    global rank 0, share the plan with every rank and build this rank's :class:`pipeline.PipelineRunner`
+    inputs: :mod:`partitioner.capture.plan_inputs`; ``step`` takes the whole batch, ``microbatches`` of them),
+    partition on global rank 0, share the plan with every rank and build this rank's :class:`pipeline.PipelineRunner`
     (``runner_kwargs``: ``schedule``, ``ranks``/``pipelines``, ``timeout_s``, ``device``, ...). ``num_stages``
     defaults to the pipeline's ranks times ``virtual_stages``; ``options`` default to
     ``PartitionOptions(microbatches=...)``. ``loss_fn`` and ``target``, the example microbatch's target: the loss
     ``step`` will compute, priced on the last stage by the plan.
     Steps may change the batch size and sequence length from one to the next (:mod:`pipeline.shape_classes`).
     ``tp_groups`` (with ``pipelines``): tensor parallelism, each layer split over the ranks of a tp group
-    (:mod:`partitioner.sharding`); the model's parameters become this rank's shards (:mod:`smp.engine.tp_shards`).
+    (:mod:`partitioner.tp.sharding`); the model's parameters become this rank's shards (:mod:`smp.engine.tp_shards`).
 
     The model keeps only this rank's tensors (:mod:`smp.engine.materialize`): built without weights, it gets them
     initialised, or read from the checkpoint ``weights`` (:mod:`smp.engine.weights`: only this rank's keys are read);

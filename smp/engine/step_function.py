@@ -35,7 +35,7 @@ from typing import Any, Callable
 import torch
 import torch.utils._pytree as pytree
 
-from partitioner.throughput import Throughput
+from partitioner.cost.throughput import Throughput
 from pipeline import microbatch
 from smp.engine.execution import run_step
 from smp.engine.step_run import StepRun, StepTimeoutError
@@ -47,7 +47,8 @@ __all__ = ["step", "StepOutput", "StepTimeoutError"]
 
 class StepOutput:
     """One returned value of a step, per microbatch, with SMP's reductions. ``throughput``: the step's samples/s,
-    tokens/s, model FLOP/s per device and MFU (:class:`partitioner.throughput.Throughput`), the same on every rank."""
+    tokens/s, model FLOP/s per device and MFU (:class:`partitioner.cost.throughput.Throughput`), the same on every
+    rank."""
 
     def __init__(self, outputs: list[Any], throughput: Throughput | None = None):
         self.outputs = list(outputs)

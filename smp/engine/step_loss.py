@@ -23,7 +23,7 @@ __all__ = ["step_loss"]
 
 
 def step_loss(graph: OpGraph) -> tuple[Callable[[Any, Any], torch.Tensor], torch.Tensor] | None:
-    """``(loss_fn, target)`` for :func:`partitioner.tracing.price_loss`: a cross-entropy over the largest
+    """``(loss_fn, target)`` for :func:`partitioner.capture.tracing.price_loss`: a cross-entropy over the largest
     floating-point output of ``graph``'s model with two or more dimensions, against a target of class indices; None
     when the model returns a scalar loss itself, or has no such output."""
     prog = graph.fx

@@ -133,7 +133,7 @@ class StepRun:
         self.started = [False] * n
         self.threads: dict[int, _Micro] = {}  # thread id -> the microbatch it runs
         self.backward_missing = False  # set by the model: a training step that never called model.backward
-        self.throughput: Any = None  # the step's partitioner.throughput.Throughput, set by smp.engine.execution
+        self.throughput: Any = None  # the step's partitioner.cost.throughput.Throughput, set by smp.engine.execution
         # Grad mode and autocast are thread-local: the caller's (``with torch.no_grad(): step(...)``) must
         # hold in the microbatch threads too.
         self.grad_enabled = torch.is_grad_enabled()

@@ -1,6 +1,6 @@
 """The user's model holds this rank's tensor-parallel shards: its parameters become the sharded graph's.
 
-A tp rank's graph (:func:`partitioner.shard_program.shard_graph`) holds new parameters, this rank's slices of the
+A tp rank's graph (:func:`partitioner.tp.shard_program.shard_graph`) holds new parameters, this rank's slices of the
 sharded weights. The model's own ``nn.Parameter`` objects take their place: :func:`torch.utils.swap_tensors`
 gives each the shard's data (an optimizer built over ``model.parameters()`` before partitioning steps the shards),
 and the graph is pointed back at them, so the whole weights are released and ``model.parameters()``,
@@ -11,16 +11,16 @@ from __future__ import annotations
 
 import torch
 
-from partitioner.graph import OpGraph
-from partitioner.program import tensor_aliases
-from partitioner.sharding import Shard
+from partitioner.capture.graph import OpGraph
+from partitioner.capture.program import tensor_aliases
+from partitioner.tp.sharding import Shard
 
 __all__ = ["install_shards", "sharded_names", "shard_specs", "shard_owners"]
 
 
 def shard_specs(graph: OpGraph) -> dict[str, Shard]:
     """Every name (tied ones included) of the parameters that ``graph``'s tensor parallelism shards -> its
-    :class:`~partitioner.sharding.Shard` (dimension, whole length, blocks); empty without tensor parallelism."""
+    :class:`~partitioner.tp.sharding.Shard` (dimension, whole length, blocks); empty without tensor parallelism."""
     prog = graph.fx
     if prog is None or prog.sharding is None:
         return {}

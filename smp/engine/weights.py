@@ -21,8 +21,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from partitioner.errors import EngineError
-from partitioner.shard_program import shard_ranges
-from partitioner.sharding import Shard
+from partitioner.tp.shard_program import shard_ranges
+from partitioner.tp.sharding import Shard
 from pipeline.param_gather import shard_of
 
 __all__ = ["WeightsError", "LocalWeights", "Cut", "weight_cuts", "read_weights", "load_local"]

@@ -1,7 +1,7 @@
 """Activation statistics at module boundaries inside each stage, for the training-health rules.
 
 SageMaker Debugger's ``poor_weight_initialization`` and ``exploding_tensor`` rules read layer outputs that its hook
-saved. Here a stage is one flat ``torch.fx.GraphModule`` (:mod:`partitioner.stage_modules`) whose nodes remember
+saved. Here a stage is one flat ``torch.fx.GraphModule`` (:mod:`partitioner.capture.stage_modules`) whose nodes remember
 the module that ran them (``nn_module_stack``), so the output of a layer is the last floating-point node of that
 module. :class:`ActivationTaps` keeps, per local stage, a copy of the stage graph with a tap after each layer's
 output and after each value the stage sends on (the activations crossing stages); the copy shares the stage's
@@ -41,7 +41,7 @@ class ActivationTaps:
     """Variance of every layer output and stage output of this rank's stages, recorded on check steps."""
 
     def __init__(self, stages: Iterable[Any], layers: set[str]) -> None:
-        """``stages``: this rank's :class:`partitioner.stage_modules.Stage` objects, in stage order."""
+        """``stages``: this rank's :class:`partitioner.capture.stage_modules.Stage` objects, in stage order."""
         self.names: list[tuple[str, str]] = []  # tap index -> (module path, "layer" or "boundary")
         self.records: list[list[torch.Tensor]] = []
         self.copies: dict[int, tuple[Any, torch.fx.GraphModule]] = {}  # stage index -> (stage, graph not in use)

@@ -3,7 +3,7 @@
 In SMP v1 a distributed module holds only its tensor-parallel rank's slice of each weight and calls the
 collectives itself. Here a distributed module computes the single-device function with full-size weights and
 SMP's parameter names; ``smp.DistributedModel`` splits it with the engine's tensor parallelism (Megatron's
-pattern found on the traced graph, :mod:`partitioner.sharding`), after which the module's parameters are this
+pattern found on the traced graph, :mod:`partitioner.tp.sharding`), after which the module's parameters are this
 rank's slices, as in SMP. When a module of another library was substituted by a distributed one
 (:mod:`smp.tensor_parallel`), SMP's forward hook turns the original module's call arguments into the
 distributed module's and its return hook turns the outputs back (a ``transformers`` output object, say):

@@ -3,7 +3,7 @@
 SMP v1 splits the embedding dimension over the tp ranks, or the vocabulary with ``vocab_parallel=True``
 (Megatron's vocabulary-parallel embedding, Shoeybi et al. 2019, arXiv:1909.08053). Here it is an
 ``nn.Embedding`` of the global sizes initialised as SMP does (normal, ``initializer_range``); the engine's
-tensor parallelism splits the vocabulary where the traced graph allows (:mod:`partitioner.sharding`), which
+tensor parallelism splits the vocabulary where the traced graph allows (:mod:`partitioner.tp.sharding`), which
 computes the same function either way.
 """
 from __future__ import annotations

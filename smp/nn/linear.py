@@ -3,7 +3,7 @@
 SMP v1 splits its input features over the tensor-parallel ranks (each rank multiplies its slice of the
 features, for the whole tp group's batch, and a reduce-scatter sums the partial products). Here the module is
 an ``nn.Linear`` of the global sizes, and the engine's tensor parallelism splits it on the traced graph
-(:mod:`partitioner.sharding`: column- or row-parallel, whichever its neighbours make cheaper); the function is
+(:mod:`partitioner.tp.sharding`: column- or row-parallel, whichever its neighbours make cheaper); the function is
 the same.
 """
 from __future__ import annotations

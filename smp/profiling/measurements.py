@@ -19,7 +19,7 @@ the same schedule twice: once with the plan's stage times (the *prediction*) and
 ones (what the schedule alone explains).
 
 Throughput is what every step counted (the pipeline's ``throughput`` counter: seconds, samples, tokens, model
-FLOPs, devices) turned into rates by :func:`partitioner.throughput.from_counts`, the definition the run's own
+FLOPs, devices) turned into rates by :func:`partitioner.cost.throughput.from_counts`, the definition the run's own
 figures use, against the peak of the device profile the plan was priced for.
 """
 from __future__ import annotations
@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from partitioner import PartitionPlan
+from partitioner.cost.throughput import Throughput, from_counts, peak_flops_per_s
 from partitioner.errors import EngineError
-from partitioner.throughput import Throughput, from_counts, peak_flops_per_s
 from pipeline.profile_description import PROFILE_FILE, TRACE_FILE, predict, schedule_of
 from pipeline.schedule import Action, Schedule
 from pipeline.simulate import SimResult

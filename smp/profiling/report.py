@@ -217,7 +217,7 @@ def _markdown(m: Measurements, findings: list[Finding], directory: str) -> list[
 
 def _throughput_markdown(m: Measurements) -> list[str]:
     """The throughput section: the median step's rates (the step of median time), then every step's
-    (partitioner.throughput's figures)."""
+    (partitioner.cost.throughput's figures)."""
     figures = m.throughput
     if not figures:
         return ["", "## Throughput", "", "No throughput recorded (a profile written before throughput was)."]
@@ -233,7 +233,7 @@ def _throughput_markdown(m: Measurements) -> list[str]:
     return lines + ["", f"Model FLOPs: the plan's forward FLOPs x 3 for a training step (x 1 forward only), over the "
                     f"step's wall time (the slowest rank) and the pipeline's {figures[0].devices} device(s); MFU "
                     "against the peak of the plan's device profile" + (f" ({peak / 1e12:.3g} TFLOP/s)." if peak else
-                    " (none recorded).") + " See partitioner.throughput."]
+                    " (none recorded).") + " See partitioner.cost.throughput."]
 
 
 def _median_of(m: Measurements, rank: int, name: str, key: str, scale: float = 1.0) -> str:

@@ -19,8 +19,8 @@ import os
 from dataclasses import asdict, dataclass, fields
 from typing import Any, TypeGuard
 
+from partitioner.cost.pipelines import PIPELINE_NAMES, pipeline_of
 from partitioner.errors import EngineError
-from partitioner.pipelines import PIPELINE_NAMES, pipeline_of
 from pipeline.offload import DEFAULT_HORIZON
 from pipeline.profiler import ProfileOptions
 from pipeline.shape_classes import DEFAULT_SHAPE_CACHE_SIZE

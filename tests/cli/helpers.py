@@ -96,8 +96,8 @@ def one_line_error(result: subprocess.CompletedProcess, *needles: str) -> str:
 
 def check_plan_json(path: Path, stages: int, microbatches: int, pipeline: str) -> dict:
     """Required keys and types of ``smp inspect --json``, and an exact round trip through PartitionPlan."""
-    from partitioner.baselines import BASELINES
-    from partitioner.plan import PartitionPlan
+    from partitioner.cut.baselines import BASELINES
+    from partitioner.cut.plan import PartitionPlan
 
     text = path.read_text()
     data = json.loads(text)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from partitioner import trace
-from partitioner.plan import PartitionPlan
+from partitioner.cut.plan import PartitionPlan
 from smp import zoo
 from smp.cli.analysis import analyse
 from smp.cli.options import Options

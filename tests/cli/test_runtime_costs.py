@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-import partitioner.calibration as calibration
+import partitioner.cost.calibration as calibration
 from smp.cli import main as smp_main
 from smp.cli import runtime_costs
 from smp.cli.runtime_costs import PASS_GRID_S, ensure_runtime_costs, fit

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import partitioner.calibration as calibrate_mod
+import partitioner.cost.calibration as calibrate_mod
 from partitioner import DeviceRates, calibrate
 
 ROOT = Path(__file__).resolve().parents[2]

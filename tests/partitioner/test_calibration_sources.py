@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from benchmarks.published import COLLECTIVES, GRID, ROWS, fit, gpt_tokens_per_s, rates_of, selective_share
-from partitioner.devices import LINKS, PROFILES, profile
+from partitioner.cost.devices import LINKS, PROFILES, profile
 
 
 def test_every_row_has_its_citation_and_numbers():

@@ -1,4 +1,4 @@
-"""partitioner.chunk: an LM head heavier than a stage's share, computed in column chunks the stages share."""
+"""partitioner.capture.chunk: an LM head heavier than a stage's share, computed in column chunks the stages share."""
 from __future__ import annotations
 
 import pytest
@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 
 from partitioner import DeviceRates, PartitionOptions, PartitionPlan, partition, trace
-from partitioner.chunk import heavy_linears, split_columns
-from partitioner.portfolio import fixed_plan, make_problem
+from partitioner.capture.chunk import heavy_linears, split_columns
+from partitioner.cut.portfolio import fixed_plan, make_problem
 from smp.testing import run_ranks
 
 VOCAB, SEQ = 32768, 16

@@ -9,7 +9,7 @@ from torch import nn
 
 import partitioner
 from partitioner import DeviceRates, estimate, profile
-from partitioner.portfolio import fixed_plan
+from partitioner.cut.portfolio import fixed_plan
 
 WIDTH, ROWS, TAIL = 4096, 8192, 40
 

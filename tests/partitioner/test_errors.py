@@ -10,9 +10,9 @@ from torch import nn
 
 import partitioner
 from partitioner import MemoryBudgetError, OpGraph, PartitionPlan, TraceError
-from partitioner.graph import GraphError
-from partitioner.objective import check_acyclic
-from partitioner.stage_modules import split
+from partitioner.capture.graph import GraphError
+from partitioner.capture.stage_modules import split
+from partitioner.cut.objective import check_acyclic
 
 
 def _mlp() -> nn.Module:

@@ -1,9 +1,9 @@
-"""``partitioner.layout``: a layout checks itself, names the bad value, and flattens into one JSON row."""
+"""``partitioner.layout.layout``: a layout checks itself, names the bad value, and flattens into one JSON row."""
 from __future__ import annotations
 
 import pytest
 
-from partitioner.layout import Layout, Proposal, Score, partition_pipeline
+from partitioner.layout.layout import Layout, Proposal, Score, partition_pipeline
 
 
 def test_a_layout_counts_its_devices_stages_and_batch() -> None:

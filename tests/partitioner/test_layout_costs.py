@@ -1,4 +1,4 @@
-"""``partitioner.layout_costs``: two traces price every microbatch size exactly (the line through them is the
+"""``partitioner.layout.costs``: two traces price every microbatch size exactly (the line through them is the
 trace at that size), tensor-parallel degrees included; inputs are rescaled on their batch dimension only."""
 from __future__ import annotations
 
@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 import torch
 
-from partitioner.cost import estimate
-from partitioner.devices import profile
-from partitioner.layout_costs import BatchLine, example_batch, head_counts, layout_costs, trace_sizes, with_batch
-from partitioner.shard_program import tensor_parallel_graph
-from partitioner.tracing import trace
+from partitioner.capture.tracing import trace
+from partitioner.cost.devices import profile
+from partitioner.cost.roofline import estimate
+from partitioner.layout.costs import BatchLine, example_batch, head_counts, layout_costs, trace_sizes, with_batch
+from partitioner.tp.shard_program import tensor_parallel_graph
 from smp import zoo
 
 RATES = profile("h100-80gb")

@@ -1,4 +1,4 @@
-"""``partitioner.layout_score``: a fixed layout is priced exactly as ``smp inspect`` and ``smp simulate`` price it;
+"""``partitioner.layout.score``: a fixed layout is priced exactly as ``smp inspect`` and ``smp simulate`` price it;
 what they do not price (checkpointing, data parallelism, ZeRO-1) moves the numbers the way the runtime would; the
 bounds are bounds."""
 from __future__ import annotations
@@ -9,10 +9,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from partitioner.layout import Layout
-from partitioner.layout_costs import layout_costs
-from partitioner.layout_score import LayoutScorer, Pricing, chain_bottleneck, global_rank
-from partitioner.options import PartitionOptions
+from partitioner.cut.options import PartitionOptions
+from partitioner.layout.costs import layout_costs
+from partitioner.layout.layout import Layout
+from partitioner.layout.score import LayoutScorer, Pricing, chain_bottleneck, global_rank
 from smp import zoo
 from smp.cli.commands.plan import pipeline_simulator
 

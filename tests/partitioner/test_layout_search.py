@@ -1,4 +1,4 @@
-"""``partitioner.layout_search``: the search returns what pricing every layout would (brute force over the same
+"""``partitioner.layout.search``: the search returns what pricing every layout would (brute force over the same
 scorer), never a layout over the memory budget, and says what would fit when nothing does."""
 from __future__ import annotations
 
@@ -6,11 +6,11 @@ import dataclasses
 
 import pytest
 
-from partitioner.layout import SCHEDULES
-from partitioner.layout_costs import layout_costs
-from partitioner.layout_score import LayoutScorer, Pricing
-from partitioner.layout_search import NoLayoutFitsError, SearchSpace, candidates, divisors, search, tp_choices
-from partitioner.options import PartitionOptions
+from partitioner.cut.options import PartitionOptions
+from partitioner.layout.costs import layout_costs
+from partitioner.layout.layout import SCHEDULES
+from partitioner.layout.score import LayoutScorer, Pricing
+from partitioner.layout.search import NoLayoutFitsError, SearchSpace, candidates, divisors, search, tp_choices
 from smp import zoo
 from smp.cli.commands.plan import pipeline_simulator
 

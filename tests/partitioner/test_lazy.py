@@ -26,16 +26,16 @@ def test_packages_import_without_torch() -> None:
             "assert {'partition', 'PartitionPlan'} <= set(dir(partitioner)) and 'DistributedModel' in dir(smp)")
 
 
-@pytest.mark.parametrize("first", [pytest.param("import partitioner.portfolio", marks=pytest.mark.slow),
-                                   "from partitioner.portfolio import make_problem",
-                                   "import partitioner.timing, partitioner.tracing, partitioner.stage_modules",
-                                   pytest.param("", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("first", [pytest.param("import partitioner.cut.portfolio", marks=pytest.mark.slow),
+                                   "from partitioner.cut.portfolio import make_problem",
+                                   "import partitioner.cost.timing, partitioner.capture.tracing, "
+                                   "partitioner.capture.stage_modules", pytest.param("", marks=pytest.mark.slow)])
 def test_exported_functions_win_over_their_submodules(first: str) -> None:
     _python(f"{first}\nimport inspect, partitioner\n"
             "for name in ('partition', 'trace', 'measure', 'split', 'calibrate'):\n"
             "    value = getattr(partitioner, name)\n"
             "    assert callable(value) and not inspect.ismodule(value), name\n"
-            "assert partitioner.objective.stage_crossings  # a submodule that is not exported loads on access\n"
+            "assert partitioner.cut.objective.stage_crossings  # a submodule that is not exported loads on access\n"
             "for name in partitioner.__all__:\n"
             "    getattr(partitioner, name)")
 

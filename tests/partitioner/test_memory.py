@@ -1,4 +1,4 @@
-"""``partitioner.memory``: what each stage's rank holds, by kind -- equal to the plan's memory, in the training
+"""``partitioner.cut.memory``: what each stage's rank holds, by kind -- equal to the plan's memory, in the training
 precision, and within 25 % of what a real 2-rank pipeline with Adam holds."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from partitioner import DeviceRates, stage_memory
 from smp.testing import run_ranks
 
 # The accounting vs the bytes a real rank holds, per rank. Parameter state is exact. Activations are what autograd
-# saves for backward (partitioner.autograd_saves: per op, the tensors its derivative formula reads, each storage
+# saves for backward (partitioner.capture.autograd_saves: per op, the tensors its derivative formula reads, each storage
 # once), within TOLERANCE of the saved tensors a rank holds at its peak; the old count (every non-view output) was
 # about 1.8x on GPT-2.
 TOLERANCE = 0.25
@@ -46,10 +46,10 @@ def test_breakdown_is_the_plans_memory(dtype, optimizer) -> None:
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_a_tensor_parallel_rank_holds_its_shards_of_the_sharded_parameters(tp) -> None:
-    """On a graph written for one tp rank (partitioner.shard_program) the weights, gradients, optimizer state and
+    """On a graph written for one tp rank (partitioner.tp.shard_program) the weights, gradients, optimizer state and
     master weights of a sharded parameter count at 1/tp; the replicated ones (a row-parallel bias) whole."""
-    from partitioner.shard_program import shard_graph
-    from partitioner.sharding import find_sharding
+    from partitioner.tp.shard_program import shard_graph
+    from partitioner.tp.sharding import find_sharding
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(*(m for _ in range(2) for m in (torch.nn.Linear(32, 64), torch.nn.GELU(),

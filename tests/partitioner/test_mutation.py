@@ -1,4 +1,4 @@
-"""In-place updates are dependencies (partitioner/mutation.py): every plan and every cut of the op order keeps
+"""In-place updates are dependencies (partitioner/capture/mutation.py): every plan and every cut of the op order keeps
 a mutation, the value it changes and the readers that must see it before or after on the right stages."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from torch import nn
 
 import partitioner
 from partitioner import METHODS
-from partitioner.stage_modules import split
+from partitioner.capture.stage_modules import split
 from tests.conftest import assert_same_step, pipeline_step, train_step
 
 

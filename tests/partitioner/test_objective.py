@@ -9,8 +9,8 @@ import pytest
 
 import partitioner
 from partitioner import DeviceRates, OpGraph
-from partitioner.objective import HEADROOM, NEAR, choose, dominates, evaluate, roomy_budget
-from partitioner.portfolio import make_problem
+from partitioner.cut.objective import HEADROOM, NEAR, choose, dominates, evaluate, roomy_budget
+from partitioner.cut.portfolio import make_problem
 from tests.conftest import stage_array
 
 FAST_LINK = DeviceRates(link_bytes_per_s=1e15, link_latency_s=0.0)  # compute decides the bottleneck

@@ -1,4 +1,4 @@
-"""``partitioner.op_times``: a graph's ops are timed once per machine; later processes read the same costs, so they
+"""``partitioner.cost.op_times``: a graph's ops are timed once per machine; later processes read the same costs, so they
 make the same plan; another graph, or SMP_RECALIBRATE, times them again."""
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-import partitioner.op_times as op_times
+import partitioner.cost.op_times as op_times
 from partitioner import DeviceRates, partition, trace
-from partitioner.calibration import RECALIBRATE_ENV
+from partitioner.cost.calibration import RECALIBRATE_ENV
 
 
 def _mlp_graph(width: int):
@@ -116,7 +116,7 @@ class _Vmapped(torch.nn.Module):
 def test_a_graph_whose_ops_cannot_run_one_at_a_time_is_estimated_with_a_warning(timings) -> None:
     """Run one at a time, vmap's entered level would stay entered and every later op (a pipeline's sends) run under
     it; so such a graph is priced by the cost model, and measure() itself refuses it with the way out."""
-    from partitioner.timing import UntimeableGraphError, measure
+    from partitioner.cost.timing import UntimeableGraphError, measure
 
     x = torch.randn(3, 4)
     graph = trace(_Vmapped(), (x,))

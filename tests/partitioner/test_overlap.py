@@ -1,16 +1,16 @@
-"""``partitioner.overlap``: FSDP-style overlapped collectives expose only what compute cannot hide; our runtime's
+"""``partitioner.sdp.overlap``: FSDP-style overlapped collectives expose only what compute cannot hide; our runtime's
 pricing (no overlap) is unchanged by it."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from partitioner.layout import Layout
-from partitioner.layout_costs import layout_costs
-from partitioner.layout_score import LayoutScorer, Pricing
-from partitioner.options import PartitionOptions
-from partitioner.overlap import StageCollectives, exposed_s, fsdp_unit, overlapped, stage_collectives
-from partitioner.sharded_dp import sharded_params
+from partitioner.cut.options import PartitionOptions
+from partitioner.layout.costs import layout_costs
+from partitioner.layout.layout import Layout
+from partitioner.layout.score import LayoutScorer, Pricing
+from partitioner.sdp.overlap import StageCollectives, exposed_s, fsdp_unit, overlapped, stage_collectives
+from partitioner.sdp.shards import sharded_params
 from smp import zoo
 from smp.cli.commands.plan import pipeline_simulator
 

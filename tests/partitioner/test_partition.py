@@ -17,10 +17,10 @@ import torch
 
 import partitioner
 from partitioner import PartitionPlan
-from partitioner.baselines import all_baselines
-from partitioner.objective import NEAR, check_acyclic, dominates, evaluate
-from partitioner.portfolio import fixed_plan, make_problem
-from partitioner.stage_modules import split
+from partitioner.capture.stage_modules import split
+from partitioner.cut.baselines import all_baselines
+from partitioner.cut.objective import NEAR, check_acyclic, dominates, evaluate
+from partitioner.cut.portfolio import fixed_plan, make_problem
 from smp import zoo
 from tests.conftest import (
     assert_complete_and_acyclic,
@@ -362,8 +362,9 @@ def test_time_prices_keeps_the_cost_models_cut_and_prices_it_as_timed(tmp_path, 
     weights, which cannot run here, keeps the estimate."""
     import numpy as np
 
-    from partitioner import op_times, partition, trace
-    from partitioner.op_times import timed_costs
+    from partitioner import partition, trace
+    from partitioner.cost import op_times
+    from partitioner.cost.op_times import timed_costs
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(op_times, "probe_s", lambda: 1.0)  # the machine's speed held still: the entry is read back

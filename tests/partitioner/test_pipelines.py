@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from partitioner import PartitionOptions
-from partitioner.pipelines import PIPELINE_NAMES, pipeline_of
+from partitioner.cost.pipelines import PIPELINE_NAMES, pipeline_of
 from pipeline.schedule import make_schedule
 from smp.cli.errors import CLIError
 from smp.cli.options import Options

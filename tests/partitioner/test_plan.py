@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 import partitioner
+from partitioner.capture.graph import OpGraph
+from partitioner.cut.plan import PartitionPlan, PlanError
 from partitioner.errors import EngineError
-from partitioner.graph import OpGraph
-from partitioner.plan import PartitionPlan, PlanError
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from partitioner import DeviceRates, PartitionPlan, partition, trace
-from partitioner.plan import PlanMismatchError
+from partitioner.cut.plan import PlanMismatchError
 
 
 def _graph(width: int = 16, layers: int = 3):
@@ -36,8 +36,8 @@ def test_a_plan_of_another_model_or_stage_count_is_refused_with_what_differs():
 def test_a_tensor_parallel_plan_round_trips_and_binds_only_to_its_degree():
     """The plan JSON records tensor parallelism; a plan without the record (older) is degree 1; either binds only
     to a graph sharded for its own degree, with an error that says which."""
-    from partitioner.shard_program import shard_graph
-    from partitioner.sharding import find_sharding
+    from partitioner.tp.shard_program import shard_graph
+    from partitioner.tp.sharding import find_sharding
 
     whole = _graph(width=16, layers=4)  # Linear, ReLU, Linear, ReLU ...: column- then row-parallel pairs
     local = shard_graph(whole, find_sharding(whole.fx.module, 2), 0)

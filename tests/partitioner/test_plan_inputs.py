@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from partitioner import DeviceRates, PartitionPlan, partition, trace
-from partitioner.plan import PlanError, PlanMismatchError
-from partitioner.plan_inputs import input_record, inputs_mismatch
+from partitioner.capture.plan_inputs import input_record, inputs_mismatch
+from partitioner.cut.plan import PlanError, PlanMismatchError
 
 
 class Embed(nn.Module):
@@ -99,7 +99,7 @@ def test_a_dynamic_dimension_matches_any_size_and_a_malformed_record_names_the_v
 
 
 def test_a_plan_priced_at_another_microbatch_size_records_that_size_and_binds_there():
-    from partitioner.plan_inputs import record_at_batch
+    from partitioner.capture.plan_inputs import record_at_batch
 
     record = {"ids": {"shape": [4, 32], "dtype": "int64"}, "mask": {"shape": [4, 32], "dtype": "bool"},
               "table": {"shape": [7, 4], "dtype": "float32"}}

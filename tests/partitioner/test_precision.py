@@ -9,8 +9,8 @@ from torch import nn
 
 import partitioner
 from partitioner import DeviceRates
-from partitioner.portfolio import fixed_plan, make_problem
-from partitioner.precision import param_memory, weight_bytes
+from partitioner.cost.precision import param_memory, weight_bytes
+from partitioner.cut.portfolio import fixed_plan, make_problem
 from tests.conftest import stage_array
 
 

@@ -22,11 +22,11 @@ from torch import nn
 
 import partitioner
 from partitioner import METHODS, OpGraph
-from partitioner.baselines import BASELINES, all_baselines
-from partitioner.dp import grid_comm
-from partitioner.objective import NEAR, dominates, evaluate
-from partitioner.portfolio import make_problem
-from partitioner.stage_modules import split
+from partitioner.capture.stage_modules import split
+from partitioner.cut.baselines import BASELINES, all_baselines
+from partitioner.cut.dp import grid_comm
+from partitioner.cut.objective import NEAR, dominates, evaluate
+from partitioner.cut.portfolio import make_problem
 from tests.conftest import assert_complete_and_acyclic, assert_same_step, pipeline_step, stage_array, train_step
 
 KINDS = ("linear", "add", "mul", "tanh", "scale", "iadd", "slice_iadd", "cat")

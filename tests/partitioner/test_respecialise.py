@@ -1,4 +1,4 @@
-"""A plan re-bound to a trace at other input shapes (partitioner.respecialise): the same stages, ops matched by
+"""A plan re-bound to a trace at other input shapes (partitioner.cut.respecialise): the same stages, ops matched by
 structure (an op elided at some shapes renames the later ones), this class's FLOPs, and a clear error when the
 shapes take another code path that moves weights between stages."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from partitioner import DeviceRates, partition, trace
-from partitioner.respecialise import ShapeClassError, respecialise
+from partitioner.cut.respecialise import ShapeClassError, respecialise
 
 
 class Branchy(nn.Module):

@@ -1,5 +1,6 @@
-"""Activations as autograd keeps them: the op graph's ``act_bytes`` (:mod:`partitioner.autograd_saves`) against
-the storages autograd really saves in one forward (:func:`partitioner.saved_activations.measure_saved_activations`,
+"""Activations as autograd keeps them: the op graph's ``act_bytes`` (:mod:`partitioner.capture.autograd_saves`) against
+the storages autograd really saves in one forward
+(:func:`partitioner.capture.saved_activations.measure_saved_activations`,
 parameters excluded), on single ops, on tiny GPT-2 and Llama (whole model and each stage of a 2-stage plan), and
 the old rule (every non-view output kept) shown to over-count."""
 from __future__ import annotations
@@ -11,9 +12,9 @@ from torch import nn
 
 import partitioner
 from partitioner import DeviceRates, stage_memory
-from partitioner.autograd_saves import saved_bytes
-from partitioner.flops import VIEW_OPS
-from partitioner.saved_activations import measure_saved_activations
+from partitioner.capture.autograd_saves import saved_bytes
+from partitioner.capture.flops import VIEW_OPS
+from partitioner.capture.saved_activations import measure_saved_activations
 
 TOLERANCE = 0.25  # the issue's bar: predicted within 25 % of measured
 ROWS, WIDTH = 8, 32

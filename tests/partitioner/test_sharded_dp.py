@@ -1,4 +1,4 @@
-"""``partitioner.sharded_dp``: with D-way sharding a rank holds 1/D of the weights, resting gradients, optimizer state
+"""``partitioner.sdp.shards``: with D-way sharding a rank holds 1/D of the weights, resting gradients, optimizer state
 and master weights of every parameter over the threshold (tied ones stay whole), the whole gradients during the step,
 the gathered layers of its largest first-to-last-read window, and pays the ring collectives' formula."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ from torch import nn
 
 import partitioner
 from partitioner import DeviceRates, stage_memory
-from partitioner.sharded_dp import PERSISTENCE_THRESHOLD, sharded_dp
+from partitioner.sdp.shards import PERSISTENCE_THRESHOLD, sharded_dp
 from smp import zoo
 
 LINK = DeviceRates(link_bytes_per_s=1e9, link_latency_s=1e-6)

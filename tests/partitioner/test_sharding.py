@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from partitioner import trace
-from partitioner.shard_program import ReplicatedWarning, local_length, shard_graph, tensor_parallel_graph
-from partitioner.sharding import Shard, find_sharding
+from partitioner.tp.shard_program import ReplicatedWarning, local_length, shard_graph, tensor_parallel_graph
+from partitioner.tp.sharding import Shard, find_sharding
 from tests.smp.test_tp_training import VOCAB, build
 
 
@@ -78,7 +78,7 @@ def test_every_rank_writes_the_same_nodes_and_holds_shards_of_its_own():
 def test_dropout_in_a_sharded_graph_draws_from_the_engines_streams():
     import transformers as T
 
-    from partitioner.tp_collectives import tp_attention, tp_dropout
+    from partitioner.tp.collectives import tp_attention, tp_dropout
     torch.manual_seed(0)
     model = T.GPT2LMHeadModel(T.GPT2Config(n_layer=1, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=32,
                                            bos_token_id=0, eos_token_id=0)).train()  # dropout 0.1 everywhere
@@ -95,7 +95,7 @@ def test_dropout_in_a_sharded_graph_draws_from_the_engines_streams():
 
 
 def test_no_stage_cut_falls_between_a_row_parallel_matmul_and_its_all_reduce():
-    from partitioner.tp_collectives import reduce_from
+    from partitioner.tp.collectives import reduce_from
     local = tensor_parallel_graph(_graph("llama"), 2, 0)
     prog = local.fx
     for node in prog.module.graph.nodes:

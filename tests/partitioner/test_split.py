@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import partitioner
-from partitioner.stage_modules import MetaTensorError
+from partitioner.capture.stage_modules import MetaTensorError
 
 
 class _ModeDependent(nn.Module):

@@ -1,4 +1,4 @@
-"""The one definition of a step's throughput and MFU (partitioner.throughput)."""
+"""The one definition of a step's throughput and MFU (partitioner.cost.throughput)."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -6,8 +6,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from partitioner.devices import profile
-from partitioner.throughput import batch_counts, measure, model_flops, peak_flops_per_s
+from partitioner.cost.devices import profile
+from partitioner.cost.throughput import batch_counts, measure, model_flops, peak_flops_per_s
 
 
 def _plan(flops=(1e9, 2e9), rates=None, dtype="bf16"):

@@ -1,13 +1,13 @@
-"""Timing ops and stages for real (partitioner.timing): the weight gradients each timed backward writes are added into
-kept ones, as a step's microbatches after the first add theirs."""
+"""Timing ops and stages for real (partitioner.cost.timing): the weight gradients each timed backward writes are added
+into kept ones, as a step's microbatches after the first add theirs."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
 import partitioner
-from partitioner.stage_modules import split
-from partitioner.timing import measure_stages
+from partitioner.capture.stage_modules import split
+from partitioner.cost.timing import measure_stages
 
 
 def _watch(model: nn.Module) -> list[bool]:

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from partitioner.tp_collectives import TPComm, UnboundGroupError, shard_range, tp_dropout, vocab_cross_entropy
+from partitioner.tp.collectives import TPComm, UnboundGroupError, shard_range, tp_dropout, vocab_cross_entropy
 from smp.testing import run_ranks
 
 

@@ -1,4 +1,4 @@
-"""``partitioner.tp_cost``: every tensor-parallel collective of a sharded graph is found in the op that carries it
+"""``partitioner.tp.pricing``: every tensor-parallel collective of a sharded graph is found in the op that carries it
 and priced as a ring all-reduce or all-gather on the intra-node link; a plan records the degree, the seconds per
 stage and the sharding, and binds only to a graph sharded for the same degree."""
 from __future__ import annotations
@@ -9,21 +9,13 @@ import torch
 
 import partitioner
 from partitioner import DeviceRates, estimate
-from partitioner.cost import needs_grad
-from partitioner.flops import TP_EQUIVALENT
-from partitioner.shard_program import shard_graph
-from partitioner.sharding import find_sharding
-from partitioner.tp_collectives import vocab_cross_entropy, vocab_embedding
-from partitioner.tp_cost import (
-    all_gather_s,
-    all_reduce_s,
-    collective_seconds,
-    collectives,
-    degree_mismatch,
-    gradient_all_reduce_s,
-    tensor_parallel_record,
-    tp_degree,
-)
+from partitioner.capture.flops import TP_EQUIVALENT
+from partitioner.cost.collectives import all_gather_s, all_reduce_s, gradient_all_reduce_s
+from partitioner.cost.roofline import needs_grad
+from partitioner.tp.collectives import vocab_cross_entropy, vocab_embedding
+from partitioner.tp.pricing import collective_seconds, collectives, degree_mismatch, tensor_parallel_record, tp_degree
+from partitioner.tp.shard_program import shard_graph
+from partitioner.tp.sharding import find_sharding
 
 TOKENS, HIDDEN, VOCAB = 2 * 16, 64, 256
 LINK = DeviceRates(link_bytes_per_s=1e9, link_latency_s=1e-6)

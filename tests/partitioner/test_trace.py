@@ -11,10 +11,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import partitioner
-from partitioner.baselines import block_index
-from partitioner.cost import estimate
-from partitioner.stage_modules import split
-from partitioner.timing import measure_stages
+from partitioner.capture.stage_modules import split
+from partitioner.cost.roofline import estimate
+from partitioner.cost.timing import measure_stages
+from partitioner.cut.baselines import block_index
 from smp import zoo
 from tests.conftest import tensor_leaves
 
@@ -103,7 +103,8 @@ def test_zoo_graph_is_topological_and_consistent(zoo_graph):
         assert producer.setdefault(v, s) == s
     assert set(g.value.tolist()) == set(range(len(g.value_bytes)))
     assert np.all(g.flops >= 0) and np.all(g.value_bytes >= 0)
-    # What autograd saves (partitioner.autograd_saves): an op may keep its input rather than its output, but every
+    # What autograd saves (partitioner.capture.autograd_saves): an op may keep its input rather than its output, but
+    # every
     # saved storage is an op's output, a model input or a buffer no larger than one (a dropout mask, norm statistics).
     assert np.all(g.act_bytes >= 0) and np.all(g.act_float_bytes <= g.act_bytes)
     assert g.act_bytes.sum() <= 2 * g.out_bytes.sum() + sum(v.numel() * v.element_size() for v in g.fx.input_meta
@@ -463,9 +464,9 @@ def test_a_custom_autograd_function_is_named_in_a_warning():
             return self.b(ScaleGrad.apply(self.a(x)))
 
     apply = torch.autograd.Function.__dict__["apply"]
-    with pytest.warns(partitioner.tracing.CustomGradientWarning, match=r"Net applies .*ScaleGrad'\]"):
+    with pytest.warns(partitioner.capture.tracing.CustomGradientWarning, match=r"Net applies .*ScaleGrad'\]"):
         partitioner.trace(Net(), (torch.randn(2, 4),))
     with warnings.catch_warnings():
-        warnings.simplefilter("error", partitioner.tracing.CustomGradientWarning)
+        warnings.simplefilter("error", partitioner.capture.tracing.CustomGradientWarning)
         partitioner.trace(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), (torch.randn(2, 4),))
     assert torch.autograd.Function.__dict__["apply"] is apply  # tracing put autograd back as it was

@@ -137,7 +137,7 @@ class _SplitEdges(nn.Module):
 
 def _split_backward_edges(rank: int, world: int, m: int):
     from partitioner import DeviceRates, trace
-    from partitioner.portfolio import fixed_plan
+    from partitioner.cut.portfolio import fixed_plan
     from pipeline import PipelineRunner
 
     torch.manual_seed(0)
@@ -218,7 +218,7 @@ class _Skips(nn.Module):
 
 def _coalesced(rank: int, world: int) -> list[str]:
     from partitioner import DeviceRates, trace
-    from partitioner.portfolio import fixed_plan
+    from partitioner.cut.portfolio import fixed_plan
     from pipeline import PipelineRunner
 
     torch.manual_seed(0)

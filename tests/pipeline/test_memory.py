@@ -61,7 +61,7 @@ PLACEMENT = {2: [0] * 8 + [1] * 9, 4: [0] * 6 + [1] + [2] * 2 + [3] * 8}
 
 def _peaks(rank: int, world: int, ms: tuple[int, ...]):
     from partitioner import DeviceRates, trace
-    from partitioner.portfolio import fixed_plan
+    from partitioner.cut.portfolio import fixed_plan
     from pipeline import PipelineRunner
 
     torch.manual_seed(0)

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from partitioner.plan import PlanMismatchError
+from partitioner.cut.plan import PlanMismatchError
 from pipeline.profiler import ProfileOptions, Profiler, memory_sample
 from pipeline.schedule import Action
 from pipeline.timeline import load_trace

@@ -39,7 +39,7 @@ def test_zero_bubble_splits_pay_the_pass_cost_per_action() -> None:
 
 def test_the_cpu_profile_carries_the_runtimes_costs_and_gpu_profiles_none() -> None:
     from partitioner import profile
-    from partitioner.calibration import CPU_PASS_OVERHEAD_S, CPU_STEP_OVERHEAD_S, recorded_runtime_costs
+    from partitioner.cost.calibration import CPU_PASS_OVERHEAD_S, CPU_STEP_OVERHEAD_S, recorded_runtime_costs
 
     cpu = calibrate()
     costs = recorded_runtime_costs()  # this machine's, once measured; until then the defaults

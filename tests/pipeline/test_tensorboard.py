@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from partitioner.throughput import Throughput
+from partitioner.cost.throughput import Throughput
 from pipeline.tensorboard import TensorBoardMissingError, TensorBoardWriter
 
 

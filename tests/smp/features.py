@@ -117,8 +117,8 @@ def shard_grad_error(model, grads: dict) -> tuple[float, int]:
     ``smp.DistributedModel`` and the single-process ``grads`` (by parameter name), each tensor-parallel shard
     against its slice of the whole gradient; and how many of this rank's parameters are shards."""
     import smp
-    from partitioner.program import tensor_aliases
-    from partitioner.shard_program import shard_tensor
+    from partitioner.capture.program import tensor_aliases
+    from partitioner.tp.shard_program import shard_tensor
     graph = model.partition_plan().traced_graph()
     alias = tensor_aliases(graph.fx.module)
     shards = {alias.get(t, t): s for t, s in graph.fx.sharding.params.items()} if smp.tp_size() > 1 else {}

@@ -1,5 +1,5 @@
 """Throughput in a profile and its report (smp.profiling.measurements, smp.profiling.report): every step's counts
-are recorded by the pipeline, turned into rates by partitioner.throughput's one definition, and shown by
+are recorded by the pipeline, turned into rates by partitioner.cost.throughput's one definition, and shown by
 ``smp report`` (samples/s, tokens/s, model FLOP/s per device, MFU)."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from partitioner.throughput import Throughput, from_counts, peak_flops_per_s
+from partitioner.cost.throughput import Throughput, from_counts, peak_flops_per_s
 from pipeline.timeline import Counter
 from smp.profiling.measurements import load_profile
 from smp.profiling.report import write_report

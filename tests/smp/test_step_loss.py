@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import partitioner
-from partitioner.tracing import price_loss
+from partitioner.capture.tracing import price_loss
 from smp import zoo
 from smp.engine.step_loss import step_loss
 

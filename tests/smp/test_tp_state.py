@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from partitioner.shard_program import shard_ranges, shard_tensor, unshard_tensor
-from partitioner.sharding import Shard
+from partitioner.tp.shard_program import shard_ranges, shard_tensor, unshard_tensor
+from partitioner.tp.sharding import Shard
 from smp.checkpoint.commit import CheckpointError
 from smp.checkpoint.tp_state import (
     ShardedParam,

@@ -41,8 +41,8 @@ def _loss(out, _target):
 
 
 def _run(rank: int, world: int, kind: str, pp: int, schedule: str) -> dict:
-    from partitioner.program import tensor_aliases
-    from partitioner.shard_program import shard_tensor
+    from partitioner.capture.program import tensor_aliases
+    from partitioner.tp.shard_program import shard_tensor
     from smp.engine.planning import pipeline_runner
     tp, m = world // pp, 2
     ids = torch.randint(0, VOCAB, (4, 8), generator=torch.Generator().manual_seed(1))
@@ -107,8 +107,8 @@ def test_pp2_tp2_reproduces_the_single_process_losses_and_gradients(kind, schedu
 
 def _smp_run(rank: int, world: int, kind: str, pp: int, tp: int, prescaled: bool = True) -> dict:
     import smp
-    from partitioner.program import tensor_aliases
-    from partitioner.shard_program import shard_tensor
+    from partitioner.capture.program import tensor_aliases
+    from partitioner.tp.shard_program import shard_tensor
     m, rdp = 2, world // (pp * tp)
     ids = torch.randint(0, VOCAB, (4 * rdp, 8), generator=torch.Generator().manual_seed(1))
     ref = build(kind)

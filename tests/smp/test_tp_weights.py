@@ -10,8 +10,8 @@ import warnings
 import pytest
 import torch
 
-from partitioner.shard_program import shard_tensor
-from partitioner.sharding import Shard
+from partitioner.tp.shard_program import shard_tensor
+from partitioner.tp.sharding import Shard
 from smp.engine.weights import Cut, WeightsError, read_weights, weight_cuts
 from smp.testing import run_ranks
 from tests.smp.test_tp_training import VOCAB, build

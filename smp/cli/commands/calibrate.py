@@ -1,6 +1,6 @@
 """``smp calibrate``: this machine's CPU profile, what every CPU plan and prediction is priced with.
 
-The profile's rates are microbenchmarks (:mod:`partitioner.calibration`); its per-pass and per-step costs are what
+The profile's rates are microbenchmarks (:mod:`partitioner.cost.calibration`); its per-pass and per-step costs are what
 our runtime pays beyond the ops, measured on two local ranks (:mod:`smp.cli.runtime_costs`). Both are
 measured once per machine and kept; ``--refresh`` measures both again (after a change of machine load or of
 kernel settings that should show in plans).
@@ -30,7 +30,7 @@ def run(ns: argparse.Namespace) -> int:
     """Run ``smp calibrate`` on parsed arguments."""
     import torch
 
-    from partitioner.calibration import cache_file, calibrate, recorded_runtime_costs, runtime_costs_file
+    from partitioner.cost.calibration import cache_file, calibrate, recorded_runtime_costs, runtime_costs_file
     from smp.cli.runtime_costs import ensure_runtime_costs, measure_runtime_costs
 
     before = torch.get_num_threads()

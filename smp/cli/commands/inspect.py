@@ -42,7 +42,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def check_work(opts: Options) -> None:
     """Refuse up front what the plan's, the baselines' (and the measured) simulations would not finish."""
-    from partitioner.baselines import BASELINES
+    from partitioner.cut.baselines import BASELINES
 
     one = schedule_actions(opts.partitions, opts.microbatches)
     work = {name: one for name in ("plan", *BASELINES)}
@@ -79,7 +79,7 @@ def _inspect(ns: argparse.Namespace, opts: Options) -> int:
     print(f"{target.spec}: {whole.describe()}" + (f"; tp rank 0 of {opts.tp}: {graph.describe()}" if sharding else ""))
     print(format_report(plan, graph))
     if sharding is not None:
-        from partitioner.precision import weight_bytes
+        from partitioner.cost.precision import weight_bytes
 
         dtype = opts.partition.dtype
         print("\n".join(tp_lines(plan.tensor_parallel, plan.rates, opts.microbatches,

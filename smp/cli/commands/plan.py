@@ -1,11 +1,11 @@
 """``smp plan``: choose the whole layout of a training job on N devices, and write the smp config that runs it.
 
-The search is :mod:`partitioner.layout_search` over the layouts :func:`partitioner.layout_search.candidates` lists
+The search is :mod:`partitioner.layout.search` over the layouts :func:`partitioner.layout.search.candidates` lists
 (pp x tp x dp = N, microbatching, schedule, activation checkpointing, ZeRO-1, placement, sharded data parallelism
 over a divisor of dp), each priced by
-:mod:`partitioner.layout_score` with this command's pipeline simulator (:func:`pipeline_simulator`: the schedules
+:mod:`partitioner.layout.score` with this command's pipeline simulator (:func:`pipeline_simulator`: the schedules
 and the simulation ``smp simulate`` runs), on tp rank 0's graph at each microbatch size
-(:mod:`partitioner.layout_costs`: two traces on meta, whatever the number of sizes). Fixed degrees (``--tp``,
+(:mod:`partitioner.layout.costs`: two traces on meta, whatever the number of sizes). Fixed degrees (``--tp``,
 ``--pp``, ``--dp``, ``--sdp``, ``--microbatch-size``) narrow the search; with all of them, one schedule and no
 checkpointing, the layout is priced exactly as ``smp simulate`` prices it (with ``--sdp``, as ``smp simulate --sdp``
 with dp = sdp; on one node, as ``smp inspect``).
@@ -27,7 +27,7 @@ import sys
 import time
 from typing import Any
 
-from partitioner.devices import DEVICES, LINKS, PRECISIONS
+from partitioner.cost.devices import DEVICES, LINKS, PRECISIONS
 from partitioner.units import format_bytes, format_seconds
 from smp.cli.errors import CLIError
 from smp.cli.options import RANKS_PER_NODE, add_target_args, budget, check_output, positive_int, times_ops
@@ -94,9 +94,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 def pipeline_simulator(schedule: str, ranks: int, microbatches: int, virtual_stages: int, forward_s: list[float],
                        backward_s: list[float], comm_s: dict[tuple[int, int], float],
                        deps: list[tuple[int, int]], rates: Any) -> Any:
-    """The :class:`partitioner.layout_score.PipelineSimulator` of ``smp plan``: the schedule ``smp simulate``
+    """The :class:`partitioner.layout.score.PipelineSimulator` of ``smp plan``: the schedule ``smp simulate``
     builds, simulated the same way (:func:`smp.cli.analysis.simulate_stages`)."""
-    from partitioner.layout_score import SimOutcome
+    from partitioner.layout.score import SimOutcome
     from pipeline.schedule import peak_in_flight
     from smp.cli.analysis import simulate_stages
 
@@ -139,8 +139,8 @@ def _fixed(value: int | None) -> tuple[int, ...] | None:
 
 
 def _space(ns: argparse.Namespace, rpn: int) -> Any:
-    from partitioner.layout import CHECKPOINTING, SCHEDULES
-    from partitioner.layout_search import SearchSpace
+    from partitioner.layout.layout import CHECKPOINTING, SCHEDULES
+    from partitioner.layout.search import SearchSpace
 
     schedules = _names(ns.schedules, SCHEDULES, "--schedules")
     if ns.config and set(schedules) - set(CONFIG_SCHEDULES):
@@ -171,7 +171,7 @@ def _space(ns: argparse.Namespace, rpn: int) -> Any:
 
 def run(ns: argparse.Namespace) -> int:
     """Run ``smp plan`` on parsed arguments."""
-    from partitioner.options import PartitionOptions
+    from partitioner.cut.options import PartitionOptions
 
     check_output(ns.json, "--json", (".json",))
     check_output(ns.config, "--config", (".json",))
@@ -191,9 +191,9 @@ def run(ns: argparse.Namespace) -> int:
 
 def _plan(ns: argparse.Namespace, target: Any, space: Any, options: Any, rpn: int, progress: Any,
           start: float) -> int:
-    from partitioner.layout_costs import head_counts, layout_costs
-    from partitioner.layout_score import LayoutScorer, Pricing
-    from partitioner.layout_search import candidates, search, tp_choices
+    from partitioner.layout.costs import head_counts, layout_costs
+    from partitioner.layout.score import LayoutScorer, Pricing
+    from partitioner.layout.search import candidates, search, tp_choices
     from smp.engine.materialize import has_meta
 
     tps = [t for t in tp_choices(ns.devices, rpn, head_counts(target.model)) if ns.tp in (None, t)]
@@ -238,7 +238,7 @@ def _plan(ns: argparse.Namespace, target: Any, space: Any, options: Any, rpn: in
 def _cut(scorer: Any, layout: Any) -> Any:
     """The partition the planner priced for ``layout`` (None for one stage, or with tensor parallelism, where a
     run partitions its own shards), its example inputs at the layout's microbatch size."""
-    from partitioner.plan_inputs import record_at_batch
+    from partitioner.capture.plan_inputs import record_at_batch
 
     if layout.pp == 1 or layout.tp > 1:
         return None

@@ -287,7 +287,7 @@ def _scaling(graph: Any, opts: Options, costs: PipelineCosts, rpn: int, inter: t
 def _tensor_parallel(whole: Any, graph: Any, opts: Options, costs: PipelineCosts, step_s: float) -> dict[str, Any]:
     """Print what ``--tp`` does (the tp collectives per microbatch and step, the parameter state per rank) and
     return it for the JSON; nothing for ``--tp 1``."""
-    from partitioner.precision import weight_bytes
+    from partitioner.cost.precision import weight_bytes
 
     if opts.tp == 1:
         return {}
@@ -310,7 +310,7 @@ def _sharded(opts: Options, costs: PipelineCosts, link: Any) -> dict[str, Any]:
     """Print what ``--sdp`` does (the collectives per microbatch and step, and with a real plan what the rank of the
     largest peak holds) and return it for the JSON; nothing for ``--sdp 1``."""
     from partitioner import DeviceRates
-    from partitioner.sharded_dp import PERSISTENCE_THRESHOLD
+    from partitioner.sdp.shards import PERSISTENCE_THRESHOLD
 
     if opts.sdp == 1:
         return {}

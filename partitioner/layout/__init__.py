@@ -1,0 +1,11 @@
+"""The layout planner: how to run a model on N devices (pp x tp x dp, sdp, microbatches, schedule), searched
+with the cost model ``smp inspect`` and ``smp simulate`` use.
+
+Owns: ``layout`` (:class:`Layout`, its :class:`Score`, a :class:`Proposal`), ``costs`` (per-op costs at every
+microbatch size and tp degree from two traces), ``score`` (pricing one layout, its bounds), ``sharded`` (a layout's
+sharded data parallelism: its links and what the gathers add per pass) and ``search`` (branch and bound over the
+candidates).
+
+May import: every other folder of the partitioner (``capture``, ``cost``, ``cut``, ``tp``, ``sdp``): it composes
+the axes.
+"""

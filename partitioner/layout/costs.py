@@ -1,0 +1,273 @@
+"""Per-op costs of one model at every microbatch size and tensor-parallel degree a layout search asks for.
+
+Tracing is what costs time (seconds to a minute for a 70B-parameter shape, on meta), so the model is traced at most
+twice, however many microbatch sizes are searched. The work of every op of a model whose ops treat the samples of a
+batch alike (transformers, convolutional nets: anything without batch-size-dependent control flow) is *affine* in
+the microbatch size ``b``: FLOPs, bytes moved, bytes kept for backward and bytes of every value are ``x0 + b x1``
+(activations scale with ``b``; weights read and ops on the weights alone do not). So the model is traced (on fake
+tensors, :func:`partitioner.trace`) at two sizes ``b1 < b2`` whose graphs have the same ops, and the graph at any
+size is the line through them, array by array (:class:`BatchLine`): exact for those affine counts, and checked —
+two traces whose ops differ are not interpolated, and every size is then traced on its own. The sizes traced are
+the example inputs' own ``b0`` and ``2 b0`` (``2`` and ``4`` for ``b0 = 1``: torch elides a copy or two at batch 1,
+so batch 1 is priced with the ops of larger batches, a copy more). A size that was traced is priced from its own
+trace, exactly as ``smp inspect`` prices it.
+
+Seconds follow: the roofline of :func:`partitioner.cost.roofline.estimate` on the graph at that size, plus the
+tensor-parallel
+collectives (:mod:`partitioner.tp.pricing`), whose seconds are affine in their bytes and so interpolated the same way.
+Each tp degree is a graph of tp rank 0 (:func:`partitioner.tp.shard_program.shard_graph`), sharded from each trace.
+
+``timed`` (planning for this machine's CPU, the model with its weights): the two traces run on real inputs (the
+example's rows repeated to the size) and every op is timed (:func:`partitioner.cost.op_times.timed_costs`, as ``smp
+inspect`` on ``cpu``), the upper size at least the largest searched; an op's seconds at other sizes are the line
+through its two timings (an op costs a fixed dispatch plus work per sample). A tp degree above 1 cannot run in one
+process, so its roofline is scaled by the whole model's timed / estimated seconds at that size, forward and backward
+apart.
+"""
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import numpy as np
+import torch
+import torch.utils._pytree as pytree
+
+from ..capture.graph import OpGraph
+from ..capture.tracing import trace
+from ..cost.devices import DeviceRates
+from ..cost.op_times import timed_costs
+from ..cost.roofline import NodeCosts, estimate
+from ..cost.throughput import batch_counts
+from ..tp.shard_program import shard_graph
+from ..tp.sharding import find_sharding
+
+__all__ = ["BatchLine", "LayoutCosts", "layout_costs", "example_batch", "with_batch", "tiled", "trace_sizes",
+           "head_counts"]
+
+_PER_OP = ("flops", "out_bytes", "act_bytes", "move_bytes", "act_float_bytes", "move_float_bytes")
+_PER_VALUE = ("value_bytes", "value_float_bytes")
+
+
+def example_batch(args: tuple, kwargs: dict) -> int:
+    """The example inputs' batch size: the leading dimension of the first tensor input with a dimension (as
+    :func:`partitioner.cost.throughput.batch_counts` counts samples)."""
+    for leaf in pytree.tree_leaves((tuple(args), dict(kwargs))):
+        if isinstance(leaf, torch.Tensor) and leaf.dim():
+            return int(leaf.shape[0])
+    raise ValueError("the example inputs have no tensor with a batch dimension to rescale; give the model at least "
+                     "one tensor input whose first dimension is the batch")
+
+
+def with_batch(args: tuple, kwargs: dict, batch: int, size: int) -> tuple[tuple, dict]:
+    """The example inputs with every tensor whose first dimension is ``batch`` given ``size`` rows instead (on
+    the meta device: tracing needs shapes and dtypes only); other values are kept."""
+    def resize(t: torch.Tensor) -> torch.Tensor:
+        if t.dim() == 0 or t.shape[0] != batch:
+            return t
+        return torch.empty((size, *t.shape[1:]), dtype=t.dtype, device="meta")
+
+    out_args, out_kwargs = pytree.tree_map_only(torch.Tensor, resize, (tuple(args), dict(kwargs)))
+    return tuple(out_args), dict(out_kwargs)
+
+
+def tiled(args: tuple, kwargs: dict, batch: int, size: int) -> tuple[tuple, dict]:
+    """The example inputs with every tensor whose first dimension is ``batch`` given ``size`` rows of its own, the
+    example's rows repeated in order (real values: token ids stay in the vocabulary); other values are kept."""
+    rows = torch.arange(size) % batch
+
+    def tile(t: torch.Tensor) -> torch.Tensor:
+        return t if t.dim() == 0 or t.shape[0] != batch else t[rows.to(t.device)]
+
+    return pytree.tree_map_only(torch.Tensor, tile, (tuple(args), dict(kwargs)))
+
+
+def trace_sizes(batch: int, sizes: Iterable[int], timed: bool = False) -> tuple[int, ...]:
+    """The microbatch sizes to trace for ``sizes`` when the example inputs have ``batch`` samples: the one size
+    needed, or two to draw the line through (``batch`` and ``2 batch``; 2 and 4 for a batch of 1). ``timed``: the
+    upper one is at least the largest of ``sizes``, because timings are not exact as traced counts are: a line
+    drawn beyond its two points multiplies their difference, and with it a shared machine's drift between them (a
+    GPT-2 microbatch of 16 was priced at half its time from timings at 4 and 8)."""
+    wanted = sorted(set(sizes))
+    if len(wanted) == 1:
+        return (wanted[0],)
+    lo, hi = (batch, 2 * batch) if batch > 1 else (2, 4)
+    return (lo, max(hi, wanted[-1])) if timed else (lo, hi)
+
+
+def head_counts(model: torch.nn.Module) -> tuple[int, ...]:
+    """The attention head counts a tensor-parallel degree must divide, read from a Hugging Face style ``config``
+    (``num_attention_heads``, ``num_key_value_heads``, ``n_head``); empty when the model has none."""
+    config = getattr(model, "config", None)
+    names = ("num_attention_heads", "num_key_value_heads", "n_head")
+    return tuple(sorted({int(v) for v in (getattr(config, n, None) for n in names) if isinstance(v, int) and v > 0}))
+
+
+@dataclasses.dataclass
+class BatchLine:
+    """One graph at the microbatch sizes it was traced at (``traced``), and, when two of them have the same ops,
+    the pair ``line`` to interpolate every other size from."""
+
+    traced: dict[int, OpGraph]
+    line: tuple[int, int] | None = None
+    timed: dict[int, NodeCosts] | None = None  # per traced size, the ops timed on this machine
+
+    def graph(self, size: int) -> OpGraph:
+        """The graph at microbatch size ``size``: its own trace, or the line's arrays at ``size`` (``fx`` and the
+        names of the lower trace: enough to price and partition, not to run)."""
+        if size in self.traced:
+            return self.traced[size]
+        if self.line is None:
+            raise ValueError(f"microbatch size {size} was not traced (traced: {sorted(self.traced)}) and the traces "
+                             "differ in their ops, so no size can be interpolated")
+        lo, hi = (self.traced[b] for b in self.line)
+        changes: dict[str, Any] = {name: _at(getattr(lo, name), getattr(hi, name), self.line, size)
+                                   for name in _PER_OP + _PER_VALUE if getattr(lo, name) is not None}
+        return dataclasses.replace(lo, **changes)
+
+    def seconds(self, size: int, rates: DeviceRates, dtype: str) -> NodeCosts:
+        """Per-op seconds at ``size`` (:func:`partitioner.cost.roofline.estimate` on its trace, or on the interpolated
+        graph with the tp collectives' seconds interpolated)."""
+        if self.timed is not None:
+            if size in self.timed:
+                return self.timed[size]
+            assert self.line is not None  # graph() raises first otherwise
+            lo_t, hi_t = (self.timed[b] for b in self.line)
+            return NodeCosts(np.maximum(_at(lo_t.forward_s, hi_t.forward_s, self.line, size), 0.0),
+                             np.maximum(_at(lo_t.backward_s, hi_t.backward_s, self.line, size), 0.0),
+                             lo_t.needs_grad, measured=True)
+        if size in self.traced:
+            return estimate(self.traced[size], rates, dtype)
+        assert self.line is not None  # graph() raises first otherwise
+        roof = estimate(dataclasses.replace(self.graph(size), fx=None), rates, dtype)  # no fx: no collectives
+        lo, hi = (estimate(self.traced[b], rates, dtype) for b in self.line)
+        if lo.tp_forward_s is None or hi.tp_forward_s is None or lo.tp_backward_s is None or hi.tp_backward_s is None:
+            return roof
+        tp_fwd = np.maximum(_at(lo.tp_forward_s, hi.tp_forward_s, self.line, size), 0.0)
+        tp_bwd = np.maximum(_at(lo.tp_backward_s, hi.tp_backward_s, self.line, size), 0.0)
+        return NodeCosts(roof.forward_s + tp_fwd, roof.backward_s + tp_bwd, roof.needs_grad, tp_forward_s=tp_fwd,
+                         tp_backward_s=tp_bwd)
+
+
+def _at(lo: np.ndarray, hi: np.ndarray, line: tuple[int, int], size: int) -> np.ndarray:
+    """The line through ``lo`` (at ``line[0]``) and ``hi`` (at ``line[1]``), at ``size``; integer arrays stay
+    integer (the counts are integers wherever the line is exact)."""
+    b1, b2 = line
+    lo_f = np.asarray(lo, np.float64)
+    out = lo_f + (np.asarray(hi, np.float64) - lo_f) * ((size - b1) / (b2 - b1))
+    return np.rint(out).astype(lo.dtype) if np.issubdtype(lo.dtype, np.integer) else out
+
+
+class LayoutCosts:
+    """A model's graphs and per-op seconds per (tp degree, microbatch size), computed once each; ``skipped``: tp
+    degrees that cannot shard this model, and why; ``tokens_per_sample``: token ids per sample of the example
+    inputs (None when the input is not token ids)."""
+
+    def __init__(self, lines: dict[int, BatchLine], whole: BatchLine, rates: DeviceRates, dtype: str,
+                 skipped: dict[int, str], tokens_per_sample: float | None) -> None:
+        self.lines, self.whole, self.rates, self.dtype, self.skipped = lines, whole, rates, dtype, skipped
+        self.tokens_per_sample = tokens_per_sample
+        self._costs: dict[tuple[int, int], NodeCosts] = {}
+        self._graphs: dict[tuple[int, int], OpGraph] = {}
+
+    @property
+    def tp_degrees(self) -> list[int]:
+        """The tp degrees priced, ascending."""
+        return sorted(self.lines)
+
+    def graph(self, tp: int, size: int) -> OpGraph:
+        """tp rank 0's graph at microbatch size ``size``."""
+        key = (tp, size)
+        if key not in self._graphs:
+            self._graphs[key] = self.lines[tp].graph(size)
+        return self._graphs[key]
+
+    def costs(self, tp: int, size: int) -> NodeCosts:
+        """tp rank 0's per-op seconds at microbatch size ``size`` (timed: see the module docstring)."""
+        key = (tp, size)
+        if key not in self._costs:
+            costs = self.lines[tp].seconds(size, self.rates, self.dtype)
+            if tp > 1 and self.whole.timed is not None:  # the roofline, scaled to the whole model's timed seconds
+                timed = self.whole.seconds(size, self.rates, self.dtype)
+                roof = BatchLine(self.whole.traced, self.whole.line).seconds(size, self.rates, self.dtype)
+                f = timed.forward_s.sum() / max(roof.forward_s.sum(), 1e-30)
+                b = timed.backward_s.sum() / max(roof.backward_s.sum(), 1e-30)
+                costs = dataclasses.replace(costs, forward_s=costs.forward_s * f, backward_s=costs.backward_s * b,
+                                            measured=True)
+            self._costs[key] = costs
+        return self._costs[key]
+
+    def model_flops(self, size: int) -> float:
+        """Forward FLOPs of the whole model (no tp) on one microbatch of ``size``: the model FLOPs of
+        :mod:`partitioner.cost.throughput`."""
+        return float(self.whole.graph(size).flops.sum())
+
+
+def _same_ops(a: OpGraph, b: OpGraph) -> bool:
+    return a.names == b.names and a.kinds == b.kinds and np.array_equal(a.src, b.src) and np.array_equal(a.dst, b.dst)
+
+
+def _shard(graph: OpGraph, tp: int) -> tuple[OpGraph | None, str]:
+    """tp rank 0's graph of ``graph``, or None and why tensor parallelism of degree ``tp`` cannot split it."""
+    if graph.fx is None:
+        return None, "the graph is synthetic (no traced program to shard)"
+    with warnings.catch_warnings():  # torch's deprecation notices while copying the graph
+        warnings.simplefilter("ignore")
+        sharding = find_sharding(graph.fx.module, tp)
+        if not sharding.params:
+            return None, "no layer splits (no column/row-parallel matmul pair with sizes it divides)"
+        thin = sorted((s.size // s.groups, name) for name, s in sharding.params.items() if s.size // s.groups < tp)
+        if thin:
+            return None, f"{thin[0][1]} has only {thin[0][0]} slices along its split dimension"
+        return shard_graph(graph, sharding, 0), ""
+
+
+def layout_costs(model: torch.nn.Module, args: tuple, kwargs: dict, *, sizes: Iterable[int], tp_degrees: Iterable[int],
+                 rates: DeviceRates, dtype: str, progress: Callable[[str], None] = lambda m: None,
+                 timed: bool = False) -> LayoutCosts:
+    """Trace ``model`` (example inputs ``args``/``kwargs``: one microbatch) at the sizes :func:`trace_sizes` picks
+    for microbatch ``sizes``, shard each trace for every degree of ``tp_degrees`` (those that cannot split the model
+    are skipped, with the reason), and return the :class:`LayoutCosts` that prices any of those sizes and degrees;
+    ``timed``: the ops timed on this machine at the traced sizes (see the module docstring)."""
+    wanted = sorted(set(sizes))
+    batch = example_batch(args, kwargs)
+    times: dict[int, NodeCosts] = {}
+
+    def traced_at(size: int) -> OpGraph:
+        progress(f"tracing at microbatch size {size}" + (" and timing its ops" if timed else ""))
+        if not timed:
+            return trace(model, *with_batch(args, kwargs, batch, size))
+        a, k = tiled(args, kwargs, batch, size)
+        graph = trace(model, a, k)
+        times[size] = timed_costs(graph, a, k, rates)
+        return graph
+
+    whole = {b: traced_at(b) for b in trace_sizes(batch, wanted, timed)}
+    line: tuple[int, int] | None = (min(whole), max(whole)) if len(whole) == 2 else None
+    if line is not None and not _same_ops(whole[line[0]], whole[line[1]]):
+        progress(f"the traces at microbatch sizes {line} differ in their ops: tracing every size on its own")
+        line = None
+        whole.update({b: traced_at(b) for b in wanted if b not in whole})
+    first = whole[min(whole)]
+    samples, tokens = batch_counts([dict(zip(first.fx.input_names, first.fx.input_meta))]) if first.fx else (0, None)
+    lines: dict[int, BatchLine] = {}
+    skipped: dict[int, str] = {}
+    for tp in sorted(set(tp_degrees)):
+        if tp == 1:
+            lines[1] = BatchLine(dict(whole), line, dict(times) if timed else None)
+            continue
+        progress(f"sharding for tensor parallelism of degree {tp}")
+        shards: dict[int, OpGraph] = {}
+        for b, g in whole.items():
+            local, why = _shard(g, tp)
+            if local is None:
+                skipped[tp] = why
+                break
+            shards[b] = local
+        else:
+            lines[tp] = BatchLine(shards, line)
+    per_sample = tokens / samples if tokens is not None and samples else None
+    return LayoutCosts(lines, BatchLine(dict(whole), line, dict(times) if timed else None), rates, dtype, skipped,
+                       per_sample)

@@ -1,0 +1,400 @@
+"""Pricing one layout: the step, throughput, MFU, memory per device, bubble and exposed communication.
+
+A layout (:class:`partitioner.layout.layout.Layout`) is priced with the functions ``smp inspect`` and ``smp simulate``
+use, so fixed degrees get their numbers: tp rank 0's graph at the microbatch size (:mod:`partitioner.layout.costs`) is
+cut into pp x v stages by :func:`partitioner.partition` with the same options (microbatches, pipeline, device,
+precision, links, memory budget, optimizer), the stage costs and the bytes crossing each boundary
+(:func:`partitioner.cut.objective.stage_crossings`) go through the pipeline simulator, and the memory of each stage is
+:func:`partitioner.stage_memory` with the simulated schedule's microbatches in flight. A boundary between stages on
+one node costs the link within a node, between nodes the inter-node link; which ranks share a node follows the
+layout's placement, with ``ranks_per_node`` ranks a node (for "DPT", replica 0's as ``smp simulate`` counts them).
+
+What neither command prices, the layout adds, as the runtime runs it:
+
+* activation checkpointing ("full": every stage recomputes its forward in backward, :mod:`pipeline.executor`): the
+  backward costs a forward more; a stage keeps the tensors it received per microbatch in flight, and one
+  microbatch's activations while it recomputes;
+* data parallelism: after the step each pipeline rank averages its stages' gradients over the dp replicas in one
+  all-reduce (:mod:`smp.engine.execution`; :func:`partitioner.cost.collectives.gradient_all_reduce_s`: a ring
+  all-reduce on
+  the intra-node link when the replicas share a node, else on the inter-node link), so the step is the latest of each
+  rank's pipeline end plus its all-reduce; ZeRO-1 (torch's ``ZeroRedundancyOptimizer``, SMP's
+  ``shard_optimizer_state``) divides the optimizer state by dp and adds an all-gather of the updated weights;
+* sharded data parallelism (sdp = D > 1, ZeRO-3 over D of the dp replicas): priced by
+  :func:`partitioner.sdp.shards.sharded_dp` as ``smp simulate --sdp`` prices it: the stages cut without the memory
+  budget (the sharded ranks are held to it), each stage's all-gathers added to its forward and backward, each
+  rank's reduce-scatter and all-reduce after its pipeline end (instead of the plain all-reduce), its memory the
+  sharded rank's peak; the sharding group's link is the intra-node one when its D replicas share a node (our
+  runtime's collectives do not overlap compute; ``Pricing.overlap``: FSDP's do, :mod:`partitioner.sdp.overlap`);
+* throughput and MFU over the job, by :func:`partitioner.cost.throughput.from_counts` (the one definition).
+
+The simulator is passed in (``simulate``, a :class:`PipelineSimulator`): the partitioner does not import the
+pipeline package (:mod:`pipeline.simulate` is what the ``smp`` command passes).
+
+:meth:`LayoutScorer.bound` gives, without partitioning, a lower bound on the step (a rank does at least
+``m x max(total op seconds / pp, the largest op)`` of work, as Alpa and Aceso bound a stage) and on the largest
+device's memory (the mean over the pp ranks of the parameter state, as if sdp sharded every parameter, and the
+activations), and an estimate to
+order candidates by, without communication: ``(m + pp - 1) c`` for GPipe and 1F1B, ``(m + (pp - 1)/v) c``
+interleaved, ``(m + (pp - 1)/3) c`` for ZB-H1 (Narayanan et al. 2021; Qi et al. 2023), where ``c``, a rank's time
+per microbatch, is v times the least bottleneck of the ops cut in topological order into pp x v contiguous stages
+that each fit the memory budget with the microbatches in flight (:func:`chain_bottleneck`; at least the work / pp;
+infinite when no such cut fits, which puts the layout last). Where the budget binds, the partitioner trades speed
+for memory too, so the estimate follows it there.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Protocol
+
+import numpy as np
+
+from ..cost.collectives import all_gather_s, all_reduce_s, gradient_all_reduce_s
+from ..cost.devices import DeviceRates
+from ..cost.precision import activation_bytes, param_memory_parts
+from ..cost.throughput import from_counts
+from ..cut.memory import StageMemory, stage_memory
+from ..cut.objective import MemoryBudgetError, stage_crossings
+from ..cut.options import UNLIMITED, PartitionOptions
+from ..cut.plan import PartitionPlan
+from ..cut.portfolio import partition
+from ..sdp.shards import PERSISTENCE_THRESHOLD, ShardedRank, sharded_dp
+from .costs import LayoutCosts
+from .layout import Layout, Score, partition_pipeline
+from .sharded import sdp_links, sdp_passes
+
+__all__ = ["SimOutcome", "PipelineSimulator", "Pricing", "Bound", "LayoutScorer", "global_rank", "chain_bottleneck"]
+
+
+@dataclass(frozen=True)
+class SimOutcome:
+    """What the pipeline simulator returns for one schedule: the step, the idle fraction, when each rank's last
+    action ends, and each stage's most microbatches in flight (:func:`pipeline.schedule.peak_in_flight`)."""
+
+    step_s: float
+    bubble: float
+    rank_end_s: list[float]
+    peak_in_flight: list[int]
+
+
+class PipelineSimulator(Protocol):
+    """Simulates ``schedule`` (a :data:`partitioner.layout.layout.SCHEDULES` name) on ``ranks`` ranks
+    (``virtual_stages``
+    stages each) for ``microbatches`` microbatches, from per-stage seconds, per-boundary seconds and stage edges."""
+
+    def __call__(self, schedule: str, ranks: int, microbatches: int, virtual_stages: int, forward_s: list[float],
+                 backward_s: list[float], comm_s: dict[tuple[int, int], float],
+                 deps: list[tuple[int, int]], rates: DeviceRates) -> SimOutcome: ...
+
+
+@dataclass(frozen=True)
+class Pricing:
+    """What every layout is priced under: the partitioner's ``options`` (device, precision, links, memory budget,
+    optimizer, memory weight; microbatches and pipeline are each layout's), ``ranks_per_node`` and, under sdp, the
+    elements below which a parameter stays whole (``sdp_threshold``, SMP's ``sdp_param_persistence_threshold``);
+    ``overlap``: sdp's collectives overlap with compute as in FSDP (:mod:`partitioner.sdp.overlap`; not our runtime)."""
+
+    options: PartitionOptions
+    ranks_per_node: int
+    sdp_threshold: int = PERSISTENCE_THRESHOLD
+    overlap: bool = False
+
+    @property
+    def rates(self) -> DeviceRates:
+        """The device and link rates (:meth:`partitioner.PartitionOptions.resolve_rates`)."""
+        return self.options.resolve_rates()
+
+
+@dataclass(frozen=True)
+class Bound:
+    """Before partitioning: ``step_s`` and ``memory_bytes`` are lower bounds on the layout's step and largest
+    device; ``estimate_s`` is the optimistic step candidates are ordered by."""
+
+    step_s: float
+    estimate_s: float
+    memory_bytes: float
+
+
+class _Sums(NamedTuple):
+    """Per microbatch on tp rank 0: op seconds, forward seconds, the largest op (and with its recompute), and bytes
+    of parameter state (by kind, :func:`partitioner.cost.precision.param_memory_parts`) and activations."""
+
+    seconds: float
+    forward_s: float
+    op_s: float
+    op_recompute_s: float
+    parts: dict[str, float]
+    activations: float
+
+
+def _shares(layout: Layout) -> dict[str, int]:
+    """By kind of parameter state, what divides it on a rank at best: ZeRO-1 the optimizer state by dp; sdp every
+    kind by its degree, but the gradients, whole during the step unless there is one microbatch (all parameters
+    sharded: the least memory sdp can give)."""
+    if layout.zero1:
+        return {"optimizer": layout.dp}
+    if layout.sdp == 1:
+        return {}
+    return {kind: layout.sdp for kind in ("weights", "optimizer", "master")
+            + (("gradients",) if layout.microbatches == 1 else ())}
+
+
+def global_rank(layout: Layout, pipe_rank: int, replica: int, tp_rank: int = 0) -> int:
+    """The global rank of (pipeline rank, dp replica, tp rank) under the layout's placement (tp fastest)."""
+    pp, tp, dp = layout.pp, layout.tp, layout.dp
+    if layout.placement == "DPT":
+        return (replica * pp + pipe_rank) * tp + tp_rank
+    return (pipe_rank * dp + replica) * tp + tp_rank
+
+
+class LayoutScorer:
+    """Prices layouts of one model (``costs``) under ``pricing`` with ``simulate``; partitions are cached by what
+    they depend on (tp, microbatch size, stages, microbatches, pipeline), so layouts that differ only in schedule
+    variant, checkpointing, ZeRO-1 or placement share one."""
+
+    def __init__(self, costs: LayoutCosts, pricing: Pricing, simulate: PipelineSimulator) -> None:
+        self.costs, self.pricing, self.simulate = costs, pricing, simulate
+        self.rates = pricing.rates
+        self.inter = dataclasses.replace(self.rates, link_bytes_per_s=self.rates.inter_node_bytes_per_s,
+                                         link_latency_s=self.rates.inter_node_latency_s)
+        self._plans: dict[tuple[int, int, int, int, str, bool], PartitionPlan] = {}
+        self.budget = pricing.options.budget(self.rates)
+        self._totals: dict[tuple[int, int], _Sums] = {}
+        self._chains: dict[tuple, float] = {}
+
+    @property
+    def partitions(self) -> int:
+        """Stage partitions made so far."""
+        return len(self._plans)
+
+    # -- bounds ----------------------------------------------------------------------------------------------------
+
+    def _sums(self, tp: int, size: int) -> _Sums:
+        """The totals of tp rank 0's graph on one microbatch of ``size`` that the bounds read (cached)."""
+        key = (tp, size)
+        if key not in self._totals:
+            c, g = self.costs.costs(tp, size), self.costs.graph(tp, size)
+            o = self.pricing.options
+            parts = {kind: float(v.sum()) for kind, v in param_memory_parts(g, o.dtype, o.optimizer).items()}
+            self._totals[key] = _Sums(float(c.total_s.sum()), float(c.forward_s.sum()), float(c.total_s.max(initial=0)),
+                                      float((c.total_s + c.forward_s).max(initial=0)), parts,
+                                      float(activation_bytes(g, o.dtype).sum()))
+        return self._totals[key]
+
+    def bound(self, layout: Layout) -> Bound:
+        """Lower bounds on the step and the largest device's memory, and the estimate to order by (module
+        docstring); nothing is partitioned or simulated."""
+        t = self._sums(layout.tp, layout.microbatch_size)
+        ckpt = layout.checkpointing == "full"
+        work = t.seconds + t.forward_s if ckpt else t.seconds
+        m, pp, v = layout.microbatches, layout.pp, layout.virtual_stages
+        busy = m * max(work / pp, t.op_recompute_s if ckpt else t.op_s)
+        # Some rank holds at least the mean of the gradients, and reduces them at best over the intra-node link.
+        local = any(_replicas_share_node(pp, layout.tp, layout.dp, layout.placement, self.pricing.ranks_per_node))
+        reduce = all_reduce_s(t.parts["gradients"] / pp, layout.dp, self.rates if local else self.inter)
+        if layout.sdp > 1:  # a reduce-scatter over the sharding group moves no less than an all-gather of the same
+            reduce = min(all_gather_s(t.parts["gradients"] / pp, layout.sdp, link) for link in (self.rates, self.inter))
+        fill = {"1f1b": pp - 1.0, "gpipe": pp - 1.0, "interleaved-virtual": (pp - 1.0) / v,
+                "zero-bubble": (pp - 1.0) / 3}[layout.schedule]
+        rank_s = v * self._chain(layout)
+        shares = _shares(layout)
+        state = sum(x / shares.get(kind, 1) for kind, x in t.parts.items())
+        # Every stage holds a microbatch's activations at once (checkpointed: while it recomputes), GPipe's all m.
+        held = t.activations / v if ckpt else (m if layout.schedule == "gpipe" else 1) * t.activations
+        return Bound(step_s=max(busy, reduce), estimate_s=max(busy, (m + fill) * max(rank_s, work / pp)) + reduce,
+                     memory_bytes=(state + held) / pp)
+
+    def _chain(self, layout: Layout) -> float:
+        """A stage's time in the estimate: the least bottleneck of the ops cut in topological order into the layout's
+        stages, each fitting the budget with the microbatches the partitioner counts in flight (1F1B's p - s, GPipe's
+        m; a checkpointed stage one, recomputing); infinity when no such cut fits (cached)."""
+        ckpt, m, k = layout.checkpointing == "full", layout.microbatches, layout.stages
+        flight = [1] * k if ckpt else [m] * k if layout.schedule == "gpipe" else [min(m, k - s) for s in range(k)]
+        shares = _shares(layout)
+        key = (layout.tp, layout.microbatch_size, k, ckpt, tuple(flight), tuple(sorted(shares.items())))
+        if key not in self._chains:
+            c, g = self.costs.costs(layout.tp, layout.microbatch_size), self.costs.graph(layout.tp,
+                                                                                        layout.microbatch_size)
+            o = self.pricing.options
+            parts = param_memory_parts(g, o.dtype, o.optimizer)
+            state = np.sum([v / shares.get(kind, 1) for kind, v in parts.items()], axis=0)
+            self._chains[key] = chain_bottleneck(c.total_s + c.forward_s if ckpt else c.total_s, k,
+                                                 fixed=g.by_first_user(state), acts=activation_bytes(g, o.dtype),
+                                                 in_flight=flight, budget=self.budget)
+        return self._chains[key]
+
+    # -- the price -------------------------------------------------------------------------------------------------
+
+    def plan(self, layout: Layout) -> PartitionPlan:
+        """The layout's stages: :func:`partitioner.partition` of tp rank 0's graph at the microbatch size into pp x v
+        stages with the pricing's options, this layout's microbatches and pipeline (cached). When no plan fits the
+        partitioner's memory budget, the plan for no budget (checkpointing or ZeRO-1 may still make it fit: the
+        score says); under sdp, as ``smp simulate --sdp``, the plan for no budget (the sharded ranks are held to it)."""
+        pipeline = partition_pipeline(layout.schedule)
+        key = (layout.tp, layout.microbatch_size, layout.stages, layout.microbatches, pipeline, layout.sdp > 1)
+        if key not in self._plans:
+            graph = self.costs.graph(layout.tp, layout.microbatch_size)
+            costs = self.costs.costs(layout.tp, layout.microbatch_size)
+            opts = PartitionOptions.of(self.pricing.options, microbatches=layout.microbatches, pipeline=pipeline)
+            free = PartitionOptions.of(opts, device_memory=UNLIMITED)
+            try:
+                self._plans[key] = partition(graph, layout.stages, free if layout.sdp > 1 else opts, costs=costs)
+            except MemoryBudgetError:
+                self._plans[key] = partition(graph, layout.stages, free, costs=costs)
+        return self._plans[key]
+
+    def stage_comm(self, layout: Layout,
+                   crossing: dict[tuple[int, int], tuple[int, int]]) -> dict[tuple[int, int], float]:
+        """Seconds per stage boundary and microbatch: nothing between stages of one rank, the intra-node link within
+        a node, the inter-node link across (replica 0's ranks)."""
+        rpn, pp = self.pricing.ranks_per_node, layout.pp
+        comm = {}
+        for (s, t), (nbytes, count) in crossing.items():
+            a, b = s % pp, t % pp
+            if a == b:
+                comm[(s, t)] = 0.0
+                continue
+            same = global_rank(layout, a, 0) // rpn == global_rank(layout, b, 0) // rpn
+            comm[(s, t)] = (self.rates if same else self.inter).comm_s(nbytes, messages=count)
+        return comm
+
+    def _replica_link(self, layout: Layout, pipe_rank: int) -> DeviceRates:
+        """The link a pipeline rank's dp replicas reduce over: within a node when they all share one."""
+        shared = _replicas_share_node(layout.pp, layout.tp, layout.dp, layout.placement, self.pricing.ranks_per_node)
+        return self.rates if shared[pipe_rank] else self.inter
+
+    def score(self, layout: Layout) -> Score:
+        """The layout's :class:`partitioner.layout.layout.Score` (see the module docstring)."""
+        plan, o = self.plan(layout), self.pricing.options
+        graph, costs = self.costs.graph(layout.tp, layout.microbatch_size), self.costs.costs(layout.tp,
+                                                                                            layout.microbatch_size)
+        k, pp, m, ckpt = layout.stages, layout.pp, layout.microbatches, layout.checkpointing == "full"
+        stage = plan.stage_of_ops(graph)
+        fwd = np.array([s.forward_s for s in plan.stages])
+        bwd = np.array([s.backward_s for s in plan.stages]) + (fwd if ckpt else 0.0)
+        tp_f, tp_b = (np.bincount(stage, weights=x, minlength=k) if x is not None else np.zeros(k)
+                      for x in (costs.tp_forward_s, costs.tp_backward_s))
+        # sdp: each stage's all-gathers in its forward and backward, every microbatch (overlapped: what is exposed)
+        link = sdp_links(layout, self.rates, self.inter, self.pricing.ranks_per_node)[0]
+        gf, gb, tail = sdp_passes(layout, plan, graph, self.pricing.sdp_threshold, link, fwd, bwd, self.pricing.overlap)
+        crossing = stage_crossings(graph, stage, k, o.dtype)
+        deps = sorted(crossing)
+        sim = self._sim(layout, fwd + gf, bwd + gb, self.stage_comm(layout, crossing), deps)
+        quiet = self._sim(layout, np.maximum(fwd - tp_f, 0.0), np.maximum(bwd - tp_b - (tp_f if ckpt else 0.0), 0.0),
+                          {}, deps)  # the same step with free communication
+        memory = stage_memory(plan, graph, sim.peak_in_flight)
+        ranks = [[s for s in range(k) if s % pp == r] for r in range(pp)]
+        held = [self._rank_memory(layout, [memory[s] for s in mine], [plan.stages[s].bytes_in for s in mine])
+                for mine in ranks]
+        reduce = [self._reduce_s(layout, r, [memory[s] for s in mine]) for r, mine in enumerate(ranks)]
+        if layout.sdp > 1:  # the sharded ranks' state, and their reduce-scatter and all-reduce instead
+            sharded = self.sharded(layout, plan, sim.peak_in_flight)
+            held = [(r.peak_bytes - r.activation_bytes, acts) for r, (_, acts) in zip(sharded, held)]
+            reduce = [r.end_of_step_s if tail is None else r.all_reduce_s + tail[r.rank] for r in sharded]
+        # after each rank's pipeline its all-reduce; the step's fixed cost (pipeline.step_model) stays
+        step = max(end + ar for end, ar in zip(sim.rank_end_s, reduce)) + sim.step_s - max(sim.rank_end_s)
+        worst = max(range(pp), key=lambda r: sum(held[r]))
+        tp_step = m * max(sum(tp_f[s] + tp_b[s] + (tp_f[s] if ckpt else 0.0) for s in mine) for mine in ranks)
+        samples = layout.global_batch
+        per_sample = self.costs.tokens_per_sample
+        flops = self.costs.model_flops(layout.microbatch_size) * m * layout.dp * 3  # a training step
+        out = from_counts(step, samples, None if per_sample is None else round(samples * per_sample), flops,
+                          layout.devices, self.rates.matmul_flops_per_s(o.dtype))
+        return Score(step_s=step, pipeline_s=sim.step_s, dp_comm_s=step - sim.step_s, samples_per_s=out.samples_per_s,
+                     tokens_per_s=out.tokens_per_s, flops_per_s_per_device=out.flops_per_s_per_device, mfu=out.mfu,
+                     memory_bytes=int(round(sum(held[worst]))), budget_bytes=self.budget, bubble=sim.bubble,
+                     exposed_comm_s=max(0.0, step - quiet.step_s), tp_comm_s=float(tp_step),
+                     parameter_bytes=int(round(held[worst][0])), activation_bytes=int(round(held[worst][1])))
+
+    def sharded(self, layout: Layout, plan: PartitionPlan,
+                in_flight: Sequence[int] | None = None) -> list[ShardedRank]:
+        """The layout's sharded data parallelism (:func:`partitioner.sdp.shards.sharded_dp`)
+        on ``plan``: per stage, or with ``in_flight`` (the schedule's peak per stage) per pipeline rank. The sharding
+        group, sdp replicas, and all dp replicas run on the intra-node link when they share a node (replicas are
+        pp x tp ranks apart under "DPT", tp under "PDT"), else on the inter-node one."""
+        link, replica_link = sdp_links(layout, self.rates, self.inter, self.pricing.ranks_per_node)
+        return sharded_dp(plan, self.costs.graph(layout.tp, layout.microbatch_size), layout.sdp, replicas=layout.dp,
+                          threshold=self.pricing.sdp_threshold, link=link, replica_link=replica_link,
+                          stage_rank=None if in_flight is None else [s % layout.pp for s in range(layout.stages)],
+                          in_flight=in_flight)
+
+    def _sim(self, layout: Layout, fwd: Any, bwd: Any, comm: dict[tuple[int, int], float],
+             deps: list[tuple[int, int]]) -> SimOutcome:
+        return self.simulate(layout.schedule, layout.pp, layout.microbatches, layout.virtual_stages,
+                             [float(x) for x in fwd], [float(x) for x in bwd], comm, deps, self.rates)
+
+    def _rank_memory(self, layout: Layout, mine: Sequence[StageMemory], received: Sequence[int]) -> tuple[float, float]:
+        """(parameter state, activations at the peak) of a pipeline rank holding stages ``mine``: ZeRO-1 divides the
+        optimizer state by dp; checkpointed stages keep what they received per microbatch in flight, plus one
+        microbatch's activations while recomputing."""
+        optimizer = sum(s.optimizer_bytes for s in mine) / (layout.dp if layout.zero1 else 1)
+        state = sum(s.weights_bytes + s.gradient_bytes + s.master_bytes for s in mine) + optimizer
+        if layout.checkpointing == "full":
+            acts = sum(s.in_flight * r for s, r in zip(mine, received)) + max(s.activation_bytes_per_microbatch
+                                                                              for s in mine)
+        else:
+            acts = sum(s.activation_bytes for s in mine)
+        return float(state), float(acts)
+
+    def _reduce_s(self, layout: Layout, pipe_rank: int, mine: Sequence[StageMemory]) -> float:
+        """Seconds of a pipeline rank's data-parallel gradient all-reduce after the step (and ZeRO-1's all-gather of
+        the updated weights)."""
+        if layout.dp == 1:
+            return 0.0
+        link = self._replica_link(layout, pipe_rank)
+        seconds = gradient_all_reduce_s(sum(s.gradient_bytes for s in mine), layout.dp, self.rates, link)
+        if layout.zero1:
+            seconds += all_gather_s(sum(s.weights_bytes for s in mine), layout.dp, link)
+        return seconds
+
+
+def chain_bottleneck(seconds: np.ndarray, stages: int, *, fixed: np.ndarray | None = None,
+                     acts: np.ndarray | None = None, in_flight: Sequence[int] = (), budget: float | None = None,
+                     rtol: float = 1e-3) -> float:
+    """The least bottleneck of ``seconds`` (per op, in order) cut into at most ``stages`` contiguous runs, to
+    ``rtol``: bisection on the bottleneck, each probe packed greedily (the classic linear-partition bound; greedy
+    packing is optimal for contiguous runs). With a ``budget``, stage s must also hold its ops' ``fixed`` bytes and
+    ``in_flight[s]`` times their ``acts``: infinity when no contiguous cut fits."""
+    t = np.asarray(seconds, np.float64)
+    cum = np.concatenate([[0.0], np.cumsum(t)])
+    memory: dict[int, np.ndarray] = {}
+    if budget is not None and fixed is not None and acts is not None:
+        cf, ca = (np.concatenate([[0.0], np.cumsum(np.asarray(x, np.float64))]) for x in (fixed, acts))
+        memory = {f: cf + f * ca for f in set(in_flight)}
+
+    def fits(cap: float) -> bool:
+        pos = 0
+        for s in range(stages):
+            end = int(np.searchsorted(cum, cum[pos] + cap, side="right")) - 1
+            if memory:
+                held = memory[in_flight[s]]
+                end = min(end, int(np.searchsorted(held, held[pos] + budget, side="right")) - 1)
+            pos = max(pos, end)
+            if pos >= len(t):
+                return True
+        return False
+
+    largest = float(t.max(initial=0.0))
+    lo = max(cum[-1] / stages, largest)
+    hi = lo + largest  # without memory, greedy packing always fits under T/k + the largest op
+    if not fits(hi):
+        hi = cum[-1] + largest
+        if not fits(hi):
+            return math.inf
+    while hi - lo > rtol * lo:
+        cap = (lo + hi) / 2
+        lo, hi = (lo, cap) if fits(cap) else (cap, hi)
+    return hi
+
+
+@functools.lru_cache(maxsize=4096)
+def _replicas_share_node(pp: int, tp: int, dp: int, placement: str, ranks_per_node: int) -> tuple[bool, ...]:
+    """Per pipeline rank, whether its dp replicas (tp rank 0) are all on one node: the first and the last replica's
+    ranks are (placement puts them in order)."""
+    probe = Layout(pp=pp, tp=tp, dp=dp, microbatch_size=1, microbatches=pp, placement=placement)
+    return tuple(global_rank(probe, r, 0) // ranks_per_node == global_rank(probe, r, dp - 1) // ranks_per_node
+                 for r in range(pp))

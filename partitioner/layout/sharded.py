@@ -1,0 +1,40 @@
+"""A layout's sharded data parallelism: the links of its sharding and replica groups, and what the sdp gathers add
+to each pass of its stages (:mod:`partitioner.sdp`), as :class:`partitioner.layout.score.LayoutScorer` prices it."""
+from __future__ import annotations
+
+import numpy as np
+
+from ..capture.graph import OpGraph
+from ..cost.devices import DeviceRates
+from ..cut.plan import PartitionPlan
+from ..sdp.overlap import overlapped, stage_collectives
+from ..sdp.shards import sharded_dp
+from .layout import Layout
+
+__all__ = ["sdp_links", "sdp_passes"]
+
+
+def sdp_links(layout: Layout, rates: DeviceRates, inter: DeviceRates,
+              ranks_per_node: int) -> tuple[DeviceRates, DeviceRates]:
+    """The links of ``layout``'s sharding group (sdp replicas) and of all its dp replicas: ``rates`` (within a node)
+    when they share a node (replicas are pp x tp ranks apart under "DPT", tp under "PDT"), else ``inter``."""
+    apart = layout.tp * (layout.pp if layout.placement == "DPT" else 1)
+    link, replica_link = (rates if n * apart <= ranks_per_node else inter for n in (layout.sdp, layout.dp))
+    return link, replica_link
+
+
+def sdp_passes(layout: Layout, plan: PartitionPlan, graph: OpGraph, threshold: int, link: DeviceRates,
+               forward_s: np.ndarray, backward_s: np.ndarray,
+               overlap: bool) -> tuple[np.ndarray | float, np.ndarray | float, np.ndarray | None]:
+    """What ``layout``'s sharded data parallelism adds, per stage, to each microbatch's forward and backward of
+    ``forward_s`` / ``backward_s``, and per pipeline rank after its pipeline (None: the reduce-scatter of
+    :class:`partitioner.sdp.shards.ShardedRank`, not overlapped). Without ``overlap`` (our runtime) the stage's
+    gathers whole in each pass; with it, :func:`partitioner.sdp.overlap.overlapped`'s exposed seconds."""
+    if layout.sdp == 1:
+        return 0.0, 0.0, None
+    if not overlap:
+        gather = np.array([r.gather_forward_s for r in sharded_dp(plan, graph, layout.sdp, replicas=layout.dp,
+                                                                  threshold=threshold, link=link)])
+        return gather, gather, None
+    fwd, bwd, tail = overlapped(stage_collectives(plan, graph, layout.sdp, threshold, link), forward_s, backward_s)
+    return fwd, bwd, np.bincount(np.arange(layout.stages) % layout.pp, weights=tail, minlength=layout.pp)

@@ -1,0 +1,8 @@
+"""Sharded data parallelism (ZeRO-3, SMP's ``sharded_data_parallel_degree``): what it shards and what it costs.
+
+Owns: ``shards`` (which parameters are sharded, what each pipeline rank holds and spends,
+:func:`~partitioner.sharded_dp`) and ``overlap`` (the exposed seconds of FSDP's prefetched all-gathers and
+reduce-scatters).
+
+May import: ``partitioner.capture``, ``partitioner.cost``, ``partitioner.cut`` and the foundation.
+"""

@@ -1,0 +1,235 @@
+"""Sharded data parallelism (SMP v1's ``sharded_data_parallel_degree``): what each pipeline rank holds and what the
+sharding costs per step.
+
+Each stage's parameters are sharded over ``degree`` (D) of its data-parallel replicas, ZeRO stage 3 (Rajbhandari et
+al. 2020, "ZeRO: Memory optimizations toward training trillion parameter models", SC'20, section 5.3; PyTorch FSDP,
+Zhao et al. 2023, VLDB 16(12)), as :mod:`smp.engine.sharded_dp` runs it. A parameter of at least ``threshold``
+elements (SMP's ``sdp_param_persistence_threshold``) that only one stage uses is sharded; the rest (small ones, tied
+weights used on two stages; buffers are not parameters) stay whole on every replica and are all-reduced as in plain
+data parallelism. A sharded parameter is all-gathered where the stage first reads it, freed after its last forward read,
+and gathered again in the backward: two all-gathers per microbatch. Its gradient accumulates whole over the step's
+microbatches and is reduce-scattered once per step, in the stage's last backward as soon as it is complete (the
+whole buffer freed then): with one microbatch only one parameter's gradient is whole at a time, with more every
+sharded gradient of the stage is whole until that last backward. With ``replicas`` (R) above D (hybrid sharding)
+each shard's gradient is then all-reduced over the R / D groups.
+
+Per rank (:class:`ShardedRank`): weights, optimizer state and fp32 master weights of sharded parameters / D; their
+gradients / D at rest and whole during the step; the gathered whole copies alive at once (the most, over the
+stage's ops in forward order, of the sharded parameters whose first-to-last-read window covers the op);
+activations as without sharding (:func:`partitioner.stage_memory`). Bytes per parameter by kind are
+:func:`partitioner.cost.precision.param_memory_parts`'s. Collectives are ring algorithms priced with
+:func:`partitioner.cost.collectives.all_gather_s` (a reduce-scatter moves the same bytes in the same steps) and
+:func:`partitioner.cost.collectives.all_reduce_s` on the ``link`` of the sharding group: one collective per sharded
+parameter, one coalesced all-reduce of the whole parameters' gradients, with its copies
+(:func:`partitioner.cost.collectives.gradient_all_reduce_s`, as the engine averages data-parallel gradients). They are
+priced
+whole, not overlapped with compute: the runtime (:mod:`pipeline.param_gather`) waits for each one where it is issued;
+:mod:`partitioner.sdp.overlap` prices FSDP's overlapped collectives, for published runs.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from ..capture.graph import OpGraph
+from ..cost.collectives import all_gather_s, all_reduce_s, gradient_all_reduce_s
+from ..cost.devices import DeviceRates
+from ..cost.precision import param_memory_parts
+from ..cut.memory import stage_memory
+from ..cut.objective import stage_params
+from ..cut.plan import PartitionPlan
+
+__all__ = ["PERSISTENCE_THRESHOLD", "ShardedRank", "sharded_params", "gathered_window", "sharded_dp"]
+
+PERSISTENCE_THRESHOLD = 1_000_000  # SMP v1's default sdp_param_persistence_threshold, in elements
+_FP32_BYTES = 4
+
+
+@dataclass(frozen=True)
+class ShardedRank:
+    """What one pipeline rank holds and spends under sharded data parallelism of ``degree`` over ``replicas``.
+
+    Bytes at the training precision: ``weights_bytes``, ``gradient_bytes`` (at rest: the shards),
+    ``gradient_peak_bytes`` (during the step's backward: whole), ``optimizer_bytes``, ``master_bytes``,
+    ``gathered_bytes`` (whole copies alive at once; ``gathered`` names them at that peak) and
+    ``activation_bytes`` (at the schedule's peak in flight). ``sharded``: parameters sharded, of ``params`` the
+    rank's stages hold. Seconds: ``gather_forward_s`` / ``gather_backward_s`` per microbatch, ``reduce_scatter_s``
+    and ``all_reduce_s`` once per step, for ``microbatches`` per step."""
+
+    rank: int
+    stages: tuple[int, ...]
+    degree: int
+    replicas: int
+    params: int
+    sharded: int
+    weights_bytes: int
+    gradient_bytes: int
+    gradient_peak_bytes: int
+    optimizer_bytes: int
+    master_bytes: int
+    gathered_bytes: int
+    activation_bytes: int
+    gathered: tuple[str, ...]
+    gather_forward_s: float
+    gather_backward_s: float
+    reduce_scatter_s: float
+    all_reduce_s: float
+    microbatches: int
+
+    @property
+    def peak_bytes(self) -> int:
+        """Everything at once: the shards, whole gradients, optimizer state, gathered copies and activations."""
+        return (self.weights_bytes + self.gradient_peak_bytes + self.optimizer_bytes + self.master_bytes
+                + self.gathered_bytes + self.activation_bytes)
+
+    @property
+    def all_gather_s(self) -> float:
+        """Seconds of all-gathers per step: forward and backward, every microbatch."""
+        return self.microbatches * (self.gather_forward_s + self.gather_backward_s)
+
+    @property
+    def end_of_step_s(self) -> float:
+        """Seconds of the reduce-scatter and all-reduce after the step's last backward."""
+        return self.reduce_scatter_s + self.all_reduce_s
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready, with the derived totals."""
+        return {**asdict(self), "stages": list(self.stages), "gathered": list(self.gathered),
+                "peak_bytes": self.peak_bytes, "all_gather_s": self.all_gather_s}
+
+
+def sharded_params(graph: OpGraph, stage: np.ndarray, num_stages: int, degree: int,
+                   threshold: int = PERSISTENCE_THRESHOLD) -> np.ndarray:
+    """Per parameter, whether ``degree``-way sharding splits it: an ``nn.Parameter`` (frozen ones too; not a buffer)
+    of at least ``threshold`` elements that one stage uses (none for degree 1). A graph without its traced program
+    (:meth:`OpGraph.load`) knows only its trainable parameters, and their bytes as fp32 elements."""
+    if degree <= 1 or not len(graph.param_names):
+        return np.zeros(len(graph.param_names), bool)
+    p_stage, p_idx = stage_params(graph, np.asarray(stage, np.int64), num_stages)
+    holders = np.bincount(p_idx, minlength=len(graph.param_names))
+    if graph.fx is not None:
+        named = dict(graph.fx.module.named_parameters(remove_duplicate=False))
+        param = np.array([n in named for n in graph.param_names], bool)
+        numel = np.array([named[n].numel() if n in named else 0 for n in graph.param_names], np.int64)
+    else:
+        param, numel = np.asarray(graph.param_trainable, bool), np.asarray(graph.param_bytes, np.int64) // _FP32_BYTES
+    return param & (numel >= max(threshold, 1)) & (holders == 1)
+
+
+def gathered_window(graph: OpGraph, ops: np.ndarray, params: np.ndarray,
+                    nbytes: np.ndarray) -> tuple[float, list[int]]:
+    """The most bytes of whole ``params`` (their ``nbytes``) alive at once over ``ops`` (one stage's ops in forward
+    order), each alive from its first read to its last; and the parameters alive at that op."""
+    if not len(params) or not len(ops):
+        return 0.0, []
+    users = np.isin(graph.use_param, params)
+    first = np.full(len(graph.param_names), graph.num_nodes, np.int64)
+    last = np.full(len(graph.param_names), -1, np.int64)
+    np.minimum.at(first, graph.use_param[users], graph.use_node[users])
+    np.maximum.at(last, graph.use_param[users], graph.use_node[users])
+    start = np.searchsorted(ops, first[params])
+    stop = np.searchsorted(ops, last[params], side="right")
+    live = np.zeros(len(ops) + 1)
+    np.add.at(live, start, nbytes[params])
+    np.add.at(live, stop, -nbytes[params])
+    alive = np.cumsum(live)[:-1]
+    peak = int(np.argmax(alive))
+    at_peak = params[(start <= peak) & (peak < stop)]
+    return float(alive[peak]), [int(p) for p in at_peak]
+
+
+def sharded_dp(plan: PartitionPlan, graph: OpGraph, degree: int, *, replicas: int | None = None,
+               threshold: int = PERSISTENCE_THRESHOLD, link: DeviceRates | None = None,
+               replica_link: DeviceRates | None = None, stage_rank: Sequence[int] | None = None,
+               in_flight: Sequence[int] | None = None) -> list[ShardedRank]:
+    """Per pipeline rank of ``plan`` (made from ``graph``; ``stage_rank``: each stage's rank, default stage s on
+    rank s), what it holds and spends with its stages' parameters sharded over ``degree`` of ``replicas``
+    data-parallel replicas (default ``degree``), at the plan's dtype and optimizer. ``link``: the sharding group's
+    (its ``link_*`` rates; default the plan's link within a node); ``replica_link``: the all-reduce's across the
+    groups and of the whole parameters over all replicas (default ``link``). ``in_flight``: as
+    :func:`partitioner.stage_memory`'s. Degree 1 holds what :func:`partitioner.stage_memory` counts."""
+    replicas = degree if replicas is None else replicas
+    if isinstance(degree, bool) or not isinstance(degree, int) or degree < 1:
+        raise ValueError(f"the sharded data-parallel degree must be a positive integer (1: no sharding), got "
+                         f"{degree!r}")
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1 or replicas % degree:
+        raise ValueError(f"the sharded data-parallel degree {degree} must divide the data-parallel degree "
+                         f"{replicas!r} (ranks holding a replica of each stage): choose a divisor of {replicas!r}")
+    k, opts = plan.num_stages, plan.options
+    stage_rank = list(range(k)) if stage_rank is None else [int(r) for r in stage_rank]
+    if len(stage_rank) != k:
+        raise ValueError(f"stage_rank has {len(stage_rank)} entries for {k} stages: give each stage's rank")
+    device = DeviceRates.from_dict(plan.rates)
+    link = link or device
+    replica_link = replica_link or link
+    stage = plan.stage_of_ops(graph)
+    shard = sharded_params(graph, stage, k, degree, threshold)
+    parts = param_memory_parts(graph, opts.get("dtype", "fp32"), opts.get("optimizer", "adam"))
+    mems = stage_memory(plan, graph, in_flight)
+    p_stage, p_idx = stage_params(graph, stage, k)
+    order = np.argsort(stage, kind="stable")  # each stage's ops in forward (index) order
+    bounds = np.searchsorted(stage[order], np.arange(k + 1))
+    rows = []
+    for s in range(k):
+        held = p_idx[p_stage == s]
+        mine, whole = held[shard[held]], held[~shard[held]]
+        gathered, alive = gathered_window(graph, order[bounds[s]:bounds[s + 1]], mine, parts["weights"])
+        grads = parts["gradients"]
+        # One microbatch: each gradient is reduced as it comes, so its shards plus one whole one; else all whole.
+        one = opts.get("microbatches", 1) == 1
+        mine_peak = float(grads[mine].sum()) / degree + (float(grads[mine].max()) if len(mine) else 0.0) if one \
+            else float(grads[mine].sum())
+        rows.append(_Stage(
+            at_rest={name: float(parts[name][whole].sum()) + float(parts[name][mine].sum()) / degree
+                     for name in ("weights", "gradients", "optimizer", "master")},
+            gradient_peak=float(grads[whole].sum()) + mine_peak,
+            gathered=gathered, alive=alive,
+            gather_s=float(sum(all_gather_s(float(parts["weights"][p]), degree, link) for p in mine)),
+            scatter_s=float(sum(all_gather_s(float(grads[p]), degree, link) for p in mine)),
+            # The whole parameters' gradients over every replica, then each shard's over the R / D groups.
+            reduce_s=(gradient_all_reduce_s(float(grads[whole].sum()), replicas, device, replica_link)
+                      + all_reduce_s(float(grads[mine].sum()) / degree, replicas // degree, replica_link)),
+            params=len(held), sharded=len(mine), activations=mems[s].activation_bytes))
+    return [_rank(r, [s for s in range(k) if stage_rank[s] == r], rows, graph, degree, replicas,
+                  int(opts.get("microbatches", 1)))
+            for r in sorted(set(stage_rank))]
+
+
+@dataclass(frozen=True)
+class _Stage:
+    """One stage's part of its rank's :class:`ShardedRank`."""
+
+    at_rest: dict[str, float]
+    gradient_peak: float
+    gathered: float
+    alive: list[int]
+    gather_s: float
+    scatter_s: float
+    reduce_s: float
+    params: int
+    sharded: int
+    activations: int
+
+
+def _rank(rank: int, stages: list[int], rows: list[_Stage], graph: OpGraph, degree: int, replicas: int,
+          microbatches: int) -> ShardedRank:
+    """One rank's :class:`ShardedRank` from its stages': bytes and seconds add up, the gathered copies are one
+    stage's at a time (a rank runs one op at a time)."""
+    mine = [rows[s] for s in stages]
+    peak = max(mine, key=lambda row: row.gathered)
+
+    def rest(name: str) -> int:
+        return round(sum(row.at_rest[name] for row in mine))
+
+    gather = sum(row.gather_s for row in mine)
+    return ShardedRank(
+        rank=rank, stages=tuple(stages), degree=degree, replicas=replicas, params=sum(row.params for row in mine),
+        sharded=sum(row.sharded for row in mine), weights_bytes=rest("weights"), gradient_bytes=rest("gradients"),
+        gradient_peak_bytes=round(sum(row.gradient_peak for row in mine)), optimizer_bytes=rest("optimizer"),
+        master_bytes=rest("master"), gathered_bytes=round(peak.gathered),
+        activation_bytes=sum(row.activations for row in mine), gathered=tuple(graph.param_names[p] for p in peak.alive),
+        gather_forward_s=gather, gather_backward_s=gather, reduce_scatter_s=sum(row.scatter_s for row in mine),
+        all_reduce_s=sum(row.reduce_s for row in mine), microbatches=microbatches)
