@@ -12,7 +12,7 @@ import partitioner
 from partitioner import DeviceRates, MemoryBudgetError, PartitionOptions, PartitionPlan, UnknownDeviceError
 from partitioner.cost.devices import LINKS, PROFILES, profile
 from partitioner.cut.portfolio import fixed_plan
-from tests.partitioner.test_properties import synthetic_graph
+from tests.partitioner.cut.test_properties import synthetic_graph
 
 GRAPH = synthetic_graph(40, np.random.default_rng(0))
 

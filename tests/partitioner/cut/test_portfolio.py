@@ -31,7 +31,7 @@ from tests.conftest import (
     stage_array,
     train_step,
 )
-from tests.partitioner.test_objective import FAST_LINK, embedding_first
+from tests.partitioner.cut.test_objective import FAST_LINK, embedding_first
 
 STAGES = (2, 4, 8)
 
