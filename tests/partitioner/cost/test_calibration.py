@@ -14,7 +14,7 @@ import torch
 import partitioner.cost.calibration as calibrate_mod
 from partitioner import DeviceRates, calibrate
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture
