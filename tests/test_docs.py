@@ -285,6 +285,36 @@ def test_every_module_path_and_name_exists() -> None:
     assert not wrong, "the docs name what does not exist:\n" + "\n".join(wrong)
 
 
+# Where a user imports from: each package's front door, and the SMP v1 modules a v1 script imports by name
+# (``smdistributed.modelparallel.torch.nn.huggingface.gpt2`` and its siblings are SMP v1's own paths).
+FRONT_DOORS = {"partitioner", "pipeline", "smp", "smp.nn", "smp.amp", "smp.optimizers", "smp.utils", "smp.model",
+               *(f"smp.nn.huggingface.{family}" for family in ("gpt2", "bert", "roberta", "gptj", "gptneo"))}
+_PROSE_IMPORT = re.compile(r"`(from\s+[\w.]+\s+import\s+[^`]+)`")
+
+
+def _imported_modules(source: str) -> list[str]:
+    """The modules of our packages that the import statements of ``source`` name (``from X import y``: X)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+            [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+        found += [n for n in names if n.split(".")[0] in PACKAGES]
+    return found
+
+
+def test_every_documented_import_is_from_a_front_door() -> None:
+    """What the README, the manual and the examples tell a user to import comes from a package's front door, not
+    from a module inside it (the inside may move; ``partitioner/`` did)."""
+    sources = [(f"{b.doc}:{b.line}", b.text) for b in BLOCKS if b.lang == "python"]
+    for doc in DOCS:
+        sources += [(str(doc.relative_to(ROOT)), m) for m in _PROSE_IMPORT.findall("\n".join(_read_blocks(doc)[1]))]
+    sources += [(str(p.relative_to(ROOT)), p.read_text()) for p in sorted((ROOT / "examples").glob("*.py"))]
+    inside = [f"{where}: {module}" for where, text in sources for module in _imported_modules(text)
+              if module not in FRONT_DOORS]
+    assert not inside, ("these imports name a module inside a package; import from its front door "
+                        f"({sorted(FRONT_DOORS)}) and export the name there:\n" + "\n".join(inside))
+
+
 def test_every_public_name_is_in_the_manual() -> None:
     text = _all_text()
     missing = [f"{pkg}.{name}" for pkg in PACKAGES for name in importlib.import_module(pkg).__all__

@@ -1,7 +1,8 @@
 """The layout we promise newcomers: packages import downwards only (smp -> pipeline -> partitioner), the
-subpackages of smp import only what their ``__init__`` docstrings allow, no import cycle between the files of a
-package (function-level imports included), no library file over 400 lines, no object reaching into another's
-private names, and every public name documented."""
+folders of partitioner and the subpackages of smp import only what their ``__init__`` docstrings allow, each
+folder of partitioner names its modules in that docstring, no import cycle between the files of a package
+(function-level imports included), at most 8 levels of imports between the files of one package, no library file
+over 400 lines, no object reaching into another's private names, and every public name documented."""
 from __future__ import annotations
 
 import ast
@@ -15,6 +16,20 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("partitioner", "pipeline", "smp")
 ORDER = {name: i for i, name in enumerate(PACKAGES)}  # a package may import only those before it
 MAX_LINES = 400
+MAX_LEVELS = 8  # the longest chain of imports between the files of one package (a folder): a newcomer reads it
+
+# What each folder of partitioner may import of partitioner, besides itself and the foundation (the package's own
+# files: errors, units, lazy). The order is the flow: capture -> cost -> an axis -> the cut -> sdp -> the planner;
+# each folder's __init__ docstring says the same in words. A new axis is a new folder here.
+PARTITIONER_FOLDERS = {
+    "partitioner.capture": set(),
+    "partitioner.cost": {"partitioner.capture"},
+    "partitioner.tp": {"partitioner.capture", "partitioner.cost"},
+    "partitioner.cut": {"partitioner.capture", "partitioner.cost", "partitioner.tp"},
+    "partitioner.sdp": {"partitioner.capture", "partitioner.cost", "partitioner.cut"},
+    "partitioner.layout": {"partitioner.capture", "partitioner.cost", "partitioner.cut", "partitioner.tp",
+                           "partitioner.sdp"},
+}
 
 # What each part of smp may import of smp (longest prefix wins; the SMP surface at the top level may import any
 # of them but the command line and the test harness). Each subpackage's __init__ docstring says the same in words.
@@ -107,11 +122,16 @@ def test_packages_import_downwards_only(package):
 @pytest.mark.parametrize("package", PACKAGES)
 def test_no_export_is_named_like_a_submodule(package):
     """Importing a submodule sets it as the package's attribute: an export of the same name would be hidden. Only
-    the package's own submodules are set on it (``smp.runtime.state`` is set on ``smp.runtime``, not on ``smp``)."""
-    sources = importlib.import_module("partitioner.lazy").type_checking_imports(str(ROOT / package / "__init__.py"))
-    exports = {name for name, (module, _) in sources.items() if module}
-    clash = exports & {m.rpartition(".")[2] for m in _modules(package) if m.count(".") == 1}
-    assert not clash, f"{package} exports {sorted(clash)}, also the names of its submodules: rename the modules"
+    a package's own submodules are set on it (``smp.runtime.state`` is set on ``smp.runtime``, not on ``smp``), and
+    every package and folder is checked."""
+    lazy = importlib.import_module("partitioner.lazy")
+    mods = _modules(package)
+    for name, path in mods.items():
+        if path.name != "__init__.py":
+            continue
+        exports = {n for n, (module, _) in lazy.type_checking_imports(str(path)).items() if module}
+        clash = exports & {m.rpartition(".")[2] for m in mods if m.rpartition(".")[0] == name}
+        assert not clash, f"{name} exports {sorted(clash)}, also the names of its submodules: rename the modules"
 
 
 def _layer(module: str) -> str:
@@ -126,6 +146,66 @@ def test_smp_subpackages_import_only_their_layers():
             if target in mods and target != "smp" and not target.startswith(_layer(module) + "."):
                 assert any(target == a or target.startswith(a + ".") for a in allowed), \
                     f"{module} imports {target}: {_layer(module)} may import only {sorted(allowed)}"
+
+
+def _folder(module: str) -> str | None:
+    return next((f for f in PARTITIONER_FOLDERS if module == f or module.startswith(f + ".")), None)
+
+
+def test_partitioner_folders_import_only_their_layers():
+    mods = _modules("partitioner")
+    folders = {f for m in mods if (f := _folder(m))}
+    assert folders == set(PARTITIONER_FOLDERS), \
+        f"partitioner's folders {sorted(folders)}: give each one its arrows in PARTITIONER_FOLDERS"
+    for module, path in mods.items():
+        folder = _folder(module)
+        if folder is None:  # the foundation and the package's front door
+            assert module == "partitioner" or not {t for t in _imports(module, path) if _folder(t)}, \
+                f"{module} is the foundation: it imports no folder"
+            continue
+        for target in _imports(module, path):
+            there = _folder(target)
+            if target in mods and there not in (None, folder):
+                assert there in PARTITIONER_FOLDERS[folder], \
+                    f"{module} imports {target}: {folder} may import only {sorted(PARTITIONER_FOLDERS[folder])}"
+
+
+def test_each_partitioner_folder_names_its_modules():
+    for folder in PARTITIONER_FOLDERS:
+        base = ROOT / folder.replace(".", "/")
+        doc = ast.get_docstring(ast.parse((base / "__init__.py").read_text())) or ""
+        unnamed = [p.stem for p in sorted(base.glob("*.py")) if p.name != "__init__.py" and f"``{p.stem}``" not in doc]
+        assert "May import" in doc and not unnamed, \
+            f"{folder}'s docstring must say what it may import and name each module: missing {unnamed}"
+
+
+def _packages(package: str) -> dict[str, dict[str, Path]]:
+    """Each package (a folder with ``__init__.py``) -> its own files (not its subpackages'), by module name."""
+    found: dict[str, dict[str, Path]] = {}
+    for module, path in _modules(package).items():
+        if path.name != "__init__.py":
+            found.setdefault(module.rpartition(".")[0], {})[module] = path
+    return found
+
+
+def import_levels(files: dict[str, Path]) -> int:
+    """The longest chain of imports between ``files`` (module -> path), counted in files: 1 when none imports
+    another."""
+    graph = {m: {i for i in _imports(m, p) if i in files and i != m} for m, p in files.items()}
+    depth: dict[str, int] = {}
+
+    def level(m: str) -> int:
+        if m not in depth:
+            depth[m] = 1 + max((level(n) for n in graph[m]), default=0)
+        return depth[m]
+
+    return max((level(m) for m in files), default=0)
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_few_levels_of_imports_inside_each_package(package):
+    deep = {name: n for name, files in _packages(package).items() if (n := import_levels(files)) > MAX_LEVELS}
+    assert not deep, f"packages with more than {MAX_LEVELS} levels of imports between their files: {deep}"
 
 
 def test_profile_analysis_moves_no_tensors():
