@@ -23,7 +23,6 @@ same way every time, so a plan made on one rank binds to another rank's trace (`
 from __future__ import annotations
 
 import contextlib
-import copy
 import math
 import operator
 from typing import Any
@@ -34,7 +33,7 @@ import torch.fx
 
 from .build import build_graph
 from .graph import OpGraph
-from .program import TracedProgram
+from .program import TracedProgram, copy_graph
 
 __all__ = ["heavy_linears", "split_columns", "merge_weight_slices", "HEAVY", "CHUNK", "MAX_CHUNKS", "MIN_ROWS"]
 
@@ -92,7 +91,7 @@ def split_columns(graph: OpGraph, chunks: dict[str, int]) -> OpGraph:
     prog: TracedProgram = graph.fx
     if prog is None:
         raise ValueError("split_columns needs a traced graph (partitioner.trace), not a synthetic one")
-    fx_graph = copy.deepcopy(prog.module.graph)
+    fx_graph = copy_graph(prog.module.graph)
     nodes = {n.name: n for n in fx_graph.nodes}
     for name, k in sorted(chunks.items()):
         node = nodes.get(name)

@@ -8,6 +8,8 @@ flatten into its placeholders. Device constants the trace baked into the graph (
 """
 from __future__ import annotations
 
+import copy
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -15,7 +17,8 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
-__all__ = ["TracedProgram", "flatten_inputs", "tensor_aliases", "set_device", "graph_modules", "DEVICE_ARGS"]
+__all__ = ["TracedProgram", "flatten_inputs", "tensor_aliases", "set_device", "graph_modules", "copy_graph",
+           "DEVICE_ARGS"]
 
 DEVICE_ARGS = "smp_device_args"  # node.meta key: the args/kwargs of a node that hold the traced device
 
@@ -64,6 +67,15 @@ def set_device(module: torch.fx.GraphModule, device: torch.device | str) -> None
                 else:
                     node.kwargs = {**node.kwargs, spot: dev}
         graph_module.recompile()
+
+
+def copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:
+    """A deep copy of ``graph`` to rewrite. Copying an exported graph's codegen rebuilds its pytree specs, which on
+    torch 2.13 warns that ``LeafSpec`` is deprecated from inside torch's own objects: nothing the user can act on, so
+    that one warning is silenced here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
+        return copy.deepcopy(graph)
 
 
 def graph_modules(module: torch.nn.Module) -> list[torch.fx.GraphModule]:

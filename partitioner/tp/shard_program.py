@@ -15,7 +15,6 @@ Every rank writes the same nodes under the same names, so one plan cut on rank 0
 from __future__ import annotations
 
 import contextlib
-import copy
 import operator
 import warnings
 from typing import Any, Callable, Collection, Sequence
@@ -26,7 +25,7 @@ import torch.fx
 from ..capture.build import build_graph
 from ..capture.flops import op_name
 from ..capture.graph import OpGraph
-from ..capture.program import tensor_aliases
+from ..capture.program import copy_graph, tensor_aliases
 from .collectives import (
     FOLDED,
     TPComm,
@@ -266,7 +265,7 @@ def shard_graph(graph: OpGraph, sharding: Sharding, rank: int) -> OpGraph:
         raise ValueError("shard_graph needs a traced graph (partitioner.trace), not a synthetic one")
     if sharding.tp == 1:
         return graph
-    fx_graph = copy.deepcopy(prog.module.graph)
+    fx_graph = copy_graph(prog.module.graph)
     writer = _Writer(fx_graph, sharding, rank)
     writer.write()
     fx_graph.lint()

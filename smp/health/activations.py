@@ -12,12 +12,13 @@ device; nothing is copied off the device before the check reads every statistic 
 """
 from __future__ import annotations
 
-import copy
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 import torch.fx
+
+from partitioner.capture.program import copy_graph
 
 __all__ = ["ActivationTaps", "layer_paths"]
 
@@ -51,7 +52,7 @@ class ActivationTaps:
 
     def _tap(self, stage: Any, layers: set[str]) -> torch.fx.GraphModule:
         module: torch.fx.GraphModule = stage.module
-        graph = copy.deepcopy(module.graph)
+        graph = copy_graph(module.graph)
         last: dict[str, torch.fx.Node] = {}  # layer -> its last floating-point node, in graph order
         for node in graph.nodes:
             if node.op == "call_function" and _is_float(node):

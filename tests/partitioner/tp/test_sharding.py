@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from partitioner import trace
+from partitioner.capture.chunk import split_columns
 from partitioner.tp.shard_program import ReplicatedWarning, local_length, shard_graph, tensor_parallel_graph
 from partitioner.tp.sharding import Shard, find_sharding
 from tests.smp.test_tp_training import VOCAB, build
@@ -101,3 +102,15 @@ def test_no_stage_cut_falls_between_a_row_parallel_matmul_and_its_all_reduce():
     for node in prog.module.graph.nodes:
         if node.target is reduce_from and node.args[0].op == "call_function":
             assert prog.op_of[node.name] == prog.op_of[node.args[0].name], node.name  # one op: placed together
+
+
+def test_writing_a_ranks_graph_warns_nothing_the_user_cannot_act_on():
+    """A tp run printed torch's ``LeafSpec`` FutureWarning: copying an exported graph rebuilds torch's own pytree
+    specs. Writing a rank's graph, and cutting a linear into column chunks, must be silent."""
+    graph = _graph("llama")
+    sh = find_sharding(graph.fx.module, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        local = shard_graph(graph, sh, 0)
+        linear = next(n.name for n in local.fx.module.graph.nodes if n.target == torch.ops.aten.linear.default)
+        assert split_columns(local, {linear: 2}).num_nodes > local.num_nodes
