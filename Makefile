@@ -3,7 +3,7 @@
 # because a plain `pip install torch` on Linux pulls the CUDA build and several GB of CUDA libraries: a wheel pip
 # finds without an index (its find-links, e.g. one already on this machine's disk), else PyTorch's CPU index.
 # `make TORCH_INDEX=https://download.pytorch.org/whl/cu126` picks the index, `make TORCH_INDEX=` PyPI's build,
-# `make TORCH=torch==2.6.0` the version. With your own torch, `pip install -e ".[test]"` keeps it (torch>=2.6).
+# `make TORCH=torch==2.9.0` the version. With your own torch, `pip install -e ".[test]"` keeps it (torch>=2.9).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0

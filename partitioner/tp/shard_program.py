@@ -43,11 +43,10 @@ from .pricing import collective_seconds
 from .shard_rules import node_args
 from .sharding import Shard, Sharding, find_sharding
 
-__all__ = ["MIN_TORCH", "shard_graph", "tensor_parallel_graph", "local_length", "shard_ranges", "shard_tensor",
+__all__ = ["shard_graph", "tensor_parallel_graph", "local_length", "shard_ranges", "shard_tensor",
            "unshard_tensor", "COMM_ATTR", "ReplicatedWarning"]
 
 
-MIN_TORCH = (2, 6)   # the oldest torch tensor parallelism runs on (tp = 1 keeps the package's own floor)
 COMM_ATTR = "tp_comm"  # the attribute of a sharded program (and of its stage modules) holding its TPComm
 
 
@@ -302,10 +301,6 @@ def tensor_parallel_graph(graph: OpGraph, tp: int, rank: int, shardable: Collect
         raise ValueError("tensor parallelism needs a traced graph (partitioner.trace), not a synthetic one")
     if tp == 1:
         return graph
-    if tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < MIN_TORCH:
-        raise RuntimeError(f"tensor_parallel_degree={tp} needs torch >= {'.'.join(map(str, MIN_TORCH))} (DTensor's "
-                           f"uneven shards and DeviceMesh.from_group, and gloo's all-gather, as used here); this is "
-                           f"torch {torch.__version__}: upgrade torch, or use tensor_parallel_degree=1")
     sharding = find_sharding(graph.fx.module, tp, shardable)
     if sharding.replicated:
         warnings.warn(f"tensor_parallel_degree={tp} leaves {len(sharding.replicated)} layer(s) whole on every tp "
