@@ -5,6 +5,10 @@ A ``python`` block runs in a fresh interpreter (this one's executable, from an e
 PYTHONPATH and one OpenMP thread). An HTML comment on the line right before its fence changes that:
 ``<!-- no-run: reason -->`` compiles it and executes only its imports; ``<!-- slow -->`` runs it only under
 ``-m slow``; ``<!-- launch -n N -->`` runs it as a script of N ranks through ``smp launch`` (under ``-m slow``).
+A ``console`` block marked ``<!-- output -->`` shows what deterministic commands print (a GPU profile's prices, one-line
+errors): each ``$ smp ...`` line runs, and its output must be the lines shown under it, wall-clock seconds masked and a
+``...`` line standing for any lines; ``SMP_UPDATE_DOCS=1`` writes a fresh run's output into the block instead (its
+``...`` lines kept where they still match).
 In ``bash`` blocks every ``smp ...`` line, in ``console`` blocks every ``$ smp ...`` line, must parse with the real
 parser, and a line it refuses must be followed by the parser's own message. The ``<!-- synopsis -->`` block names
 only real options, docs/cli.md names every option, and the module paths, public names and links of the text exist.
@@ -33,7 +37,7 @@ TIMEOUT_S = 120
 README_MAX_LINES = 200  # a front page: what the engine is, how to start, where to read on
 PACKAGES = ("partitioner", "pipeline", "smp")
 COMMAND_LANGS = ("bash", "console")
-KNOWN_MARKS = re.compile(r"no-run: \S.*|slow|launch -n [1-9]\d*|synopsis")
+KNOWN_MARKS = re.compile(r"no-run: \S.*|slow|launch -n [1-9]\d*|synopsis|output")
 
 _FENCE = re.compile(r"^(\s*)```(\S*)\s*$")
 _MARK = re.compile(r"^\s*<!--\s*(.*?)\s*-->\s*$")
@@ -90,6 +94,7 @@ BLOCKS = [b for doc in DOCS for b in _read_blocks(doc)[0]]
 
 def _param(block: Block) -> object:
     runs_long = block.lang == "python" and not block.mark("no-run") and bool(block.mark("slow") or block.mark("launch"))
+    runs_long = runs_long or (block.lang == "console" and bool(block.mark("output") and block.mark("slow")))
     return pytest.param(block, id=f"{block.doc}:{block.line}", marks=[pytest.mark.slow] if runs_long else [])
 
 
@@ -103,6 +108,8 @@ def test_block(block: Block, tmp_path: Path) -> None:
         _check_python(block, tmp_path)
     elif block.lang in COMMAND_LANGS:
         _check_command_lines(block)
+        if block.mark("output"):
+            _check_output(block)
     elif block.mark("synopsis"):
         _check_synopsis(block)
     else:
@@ -209,6 +216,71 @@ def _check_command_lines(block: Block) -> None:
             assert following.strip() == error, (
                 f"{block.doc}:{line}: `smp {' '.join(argv)}` does not parse: {error}"
                 + ("" if block.lang == "bash" else f"\n(the block shows: {following.strip()!r})"))
+
+
+# Wall-clock seconds a deterministic command still prints ("searched 2072 layouts in 40.9 s").
+_WALL = re.compile(r"\bin \d+(?:\.\d+)? s\b")
+
+
+def _same(shown: list[str], printed: list[str]) -> bool:
+    """``printed`` is what ``shown`` shows: line for line, wall-clock seconds masked, a ``...`` line standing for
+    any lines (none included)."""
+    if not shown:
+        return not printed
+    if shown[0].strip() == "...":
+        return any(_same(shown[1:], printed[k:]) for k in range(len(printed) + 1))
+    return bool(printed) and _WALL.sub("in _ s", shown[0].rstrip()) == _WALL.sub("in _ s", printed[0].rstrip()) \
+        and _same(shown[1:], printed[1:])
+
+
+def _kept_elisions(shown: list[str], printed: list[str]) -> list[str]:
+    """``printed`` with the ``...`` lines of ``shown`` kept where they still stand between matching lines (a fresh
+    run written into a block keeps what the block chose to elide)."""
+    if "..." not in (s.strip() for s in shown):
+        return printed
+    cut = next(k for k, s in enumerate(shown) if s.strip() == "...")
+    head, tail = shown[:cut], [s for s in shown[cut + 1:] if s.strip() != "..."]
+    if printed[:len(head)] == head and (not tail or printed[-len(tail):] == tail):
+        return head + ["..."] + (tail and printed[-len(tail):])
+    return printed
+
+
+def _run_smp(argv: list[str]) -> list[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
+           "COLUMNS": "200"}
+    done = subprocess.run([sys.executable, "-m", "smp.cli", *argv], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=TIMEOUT_S * 5)
+    return (done.stdout + done.stderr).rstrip("\n").splitlines()
+
+
+def _check_output(block: Block) -> None:
+    """Each ``$ smp ...`` line of ``block`` prints what the block shows under it (see the module docstring)."""
+    lines = block.text.rstrip("\n").splitlines()
+    starts = [k for k, line in enumerate(lines) if line.startswith("$ ")]
+    fresh, wrong = list(lines), []
+    for k, end in reversed(list(zip(starts, starts[1:] + [len(lines)]))):
+        command = lines[k][2:]
+        while command.rstrip().endswith("\\"):
+            k += 1
+            command = command.rstrip()[:-1] + " " + lines[k].strip()
+        argv = shlex.split(command, comments=True)
+        assert argv[:1] == ["smp"], f"{block.doc}:{block.line}: an output block runs smp commands only: {command}"
+        shown, printed = lines[k + 1:end], _run_smp(argv[1:])
+        if not _same(shown, printed):
+            wrong.append(f"$ {command}\n" + "\n".join(printed))
+            fresh[k + 1:end] = _kept_elisions(shown, printed)
+    if wrong and os.environ.get("SMP_UPDATE_DOCS") == "1":
+        path = ROOT / block.doc
+        text = path.read_text().splitlines()
+        old = block.text.rstrip("\n").splitlines()
+        at = block.line  # the fence's line (1-based): the block's lines follow it
+        indent = re.match(r"\s*", text[block.line - 1]).group(0)
+        assert [line[len(indent):] for line in text[at:at + len(old)]] == old, f"{block.doc}:{block.line} moved"
+        text[at:at + len(old)] = [indent + line if line else line for line in fresh]
+        path.write_text("\n".join(text) + "\n")
+        return
+    assert not wrong, (f"{block.doc}:{block.line}: the block shows another output than a fresh run prints "
+                       "(SMP_UPDATE_DOCS=1 writes the fresh one in):\n" + "\n\n".join(wrong))
 
 
 def _check_synopsis(block: Block) -> None:
