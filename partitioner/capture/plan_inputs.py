@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["input_record", "inputs_mismatch", "record_at_batch"]
+__all__ = ["input_record", "inputs_mismatch", "inputs_named_apart", "record_at_batch"]
 
 
 def input_record(graph: Any) -> dict[str, dict[str, Any]]:
@@ -62,6 +62,23 @@ def inputs_mismatch(record: dict[str, Any], graph: Any, microbatches: int | None
     listed = "; ".join(f"input {name!r} is {_show(got)} here but {_show(want)} in the plan"
                        for name, want, got in wrong)
     return f"was made for example inputs of other shapes: {listed}. {_hint(wrong[0], microbatches)}"
+
+
+def inputs_named_apart(record: dict[str, Any], graph: Any) -> str:
+    """What to say of a plan whose ops are not ``graph``'s, as the end of a sentence that starts with "; ": which
+    tensor inputs ``graph``'s trace has that ``record`` (a plan's ``inputs``) has not and the other way round (a step
+    that passes ``labels=`` to a model planned from ``(input_ids,)`` traces the loss too, so the plan misses those
+    ops), or, when the names agree or there is no record, that the plan was made for another model."""
+    here = input_record(graph)
+    extra, absent = [n for n in here if n not in record], [n for n in record if n not in here]
+    if not record or not here or (not extra and not absent):
+        return ("; it was made for another model or other inputs. Make the plan from this model: smp replan on a "
+                "profile of it, or partitioner.partition")
+    said = [f"this call passes {extra} that the plan's example inputs did not" if extra else "",
+            f"the plan's example inputs had {absent} that this call does not pass" if absent else ""]
+    return (f"; the inputs differ: {' and '.join(s for s in said if s)} (the plan: {sorted(record)}; this call: "
+            f"{sorted(here)}). Call the model with the inputs the plan was made from, or make the plan from a "
+            "factory that returns the inputs the step passes (smp plan / smp inspect TARGET)")
 
 
 def _well_formed(entry: Any) -> bool:

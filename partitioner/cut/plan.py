@@ -16,7 +16,7 @@ import numpy as np
 
 from ..capture.chunk import split_columns
 from ..capture.graph import OpGraph, unique_ints
-from ..capture.plan_inputs import input_record, inputs_mismatch
+from ..capture.plan_inputs import input_record, inputs_mismatch, inputs_named_apart
 from ..capture.stage_modules import split
 from ..errors import EngineError
 from ..tp.pricing import degree_mismatch, tensor_parallel_record
@@ -193,9 +193,8 @@ class PartitionPlan:
                      if missing else "", f"{len(extra)} of the plan's {len(planned)} ops are not in the model "
                      f"(first: {extra[:3]})" if extra else ""]
             raise PlanMismatchError(
-                f"{source} does not fit this model: {' and '.join(p for p in parts if p)}; it was made for another "
-                "model or other input shapes. Make the plan from this model: smp replan on a profile of it, or "
-                "partitioner.partition")
+                f"{source} does not fit this model: {' and '.join(p for p in parts if p)}"
+                f"{inputs_named_apart(self.inputs, graph)}")
         return replace(self, graph=graph)
 
     def stage_modules(self, graph: Any = None) -> list:

@@ -59,3 +59,18 @@ def test_a_tensor_parallel_plan_round_trips_and_binds_only_to_its_degree():
     with pytest.raises(PlanMismatchError, match=r"made for a model without tensor parallelism but the graph is "
                                                 r"sharded for tensor-parallel degree 2"):
         old.bind(local)
+
+
+def test_a_step_that_passes_other_keyword_inputs_is_told_which():
+    """A GPT-2 plan made from ``(input_ids,)`` and a step that calls ``model(ids, labels=ids)``: the trace holds the
+    loss ops the plan lacks, and the error names ``labels``, not only op names."""
+    import transformers as T
+
+    cfg = T.GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=2, n_head=2)
+    torch.manual_seed(0)
+    model = T.GPT2LMHeadModel(cfg)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    plan = PartitionPlan.from_json(partition(trace(model, (ids,), {}), 2, rates=DeviceRates()).to_json())
+    with pytest.raises(PlanMismatchError, match=r"this call passes \['labels'\] that the plan's example inputs did "
+                                                r"not .*the plan: \['input_ids'\]; this call: \['input_ids', 'labels'\]"):
+        plan.bind(trace(model, (ids,), {"labels": ids}), "partition_file 'job.plan.json'")
