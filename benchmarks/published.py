@@ -284,7 +284,7 @@ class Predictor:
         from partitioner.cut.options import UNLIMITED, PartitionOptions
         from partitioner.layout.score import LayoutScorer, Pricing
         from partitioner.sdp.shards import PERSISTENCE_THRESHOLD
-        from smp.cli.commands.plan import pipeline_simulator
+        from pipeline.stage_simulation import pipeline_simulator
 
         c = self.costs
         kind = SelectiveCosts if self.row.checkpointing == "selective" else LayoutCosts
@@ -320,7 +320,7 @@ class Predictor:
         from partitioner.layout.costs import layout_costs
         from partitioner.layout.score import LayoutScorer, Pricing
         from partitioner.layout.search import candidates, search, tp_choices
-        from smp.cli.commands.plan import pipeline_simulator
+        from pipeline.stage_simulation import pipeline_simulator
 
         space = self._space(False)
         tps = tp_choices(self.row.devices, 8, _heads(self.model))

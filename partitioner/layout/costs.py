@@ -41,6 +41,7 @@ from ..cost.devices import DeviceRates
 from ..cost.op_times import timed_costs
 from ..cost.roofline import NodeCosts, estimate
 from ..cost.throughput import batch_counts
+from ..tp.rank_zero import thin_params
 from ..tp.shard_program import shard_graph
 from ..tp.sharding import find_sharding
 
@@ -218,7 +219,7 @@ def _shard(graph: OpGraph, tp: int) -> tuple[OpGraph | None, str]:
         sharding = find_sharding(graph.fx.module, tp)
         if not sharding.params:
             return None, "no layer splits (no column/row-parallel matmul pair with sizes it divides)"
-        thin = sorted((s.size // s.groups, name) for name, s in sharding.params.items() if s.size // s.groups < tp)
+        thin = thin_params(sharding)
         if thin:
             return None, f"{thin[0][1]} has only {thin[0][0]} slices along its split dimension"
         return shard_graph(graph, sharding, 0), ""

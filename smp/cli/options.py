@@ -217,7 +217,7 @@ class Options:
     times each stage for real; ``max_actions`` bounds the simulation; ``tp``: the tensor-parallel degree
     (:mod:`smp.cli.tensor_parallel`); ``sdp``: the sharded data-parallel degree, ``sdp_threshold`` the elements
     below which a parameter stays whole (None: :data:`partitioner.sdp.shards.PERSISTENCE_THRESHOLD`;
-    :mod:`smp.cli.sharded_dp`).
+    :mod:`smp.cli.sharded_dp`, :meth:`sharding`).
 
     ``Options(4, microbatches=8, memory_weight=0)``: keywords other than these go to PartitionOptions."""
 
@@ -277,14 +277,13 @@ class Options:
         object.__setattr__(other, "partition", PartitionOptions.of(self.partition, **changes))
         return other
 
-    @property
-    def stage_options(self) -> Any:
-        """The options the stages are cut with: :attr:`partition`, without its memory budget under ``--sdp`` above 1
-        (the partitioner counts every parameter whole; :func:`smp.cli.sharded_dp.check_budget` holds the sharded
-        ranks to the budget instead)."""
-        from partitioner.cut.options import UNLIMITED, PartitionOptions
+    def sharding(self, link: Any = None) -> Any:
+        """``--sdp`` and ``--sdp-threshold`` as a :class:`partitioner.sdp.group.ShardingGroup` whose collectives run on
+        ``link`` (:func:`partitioner.sdp.group.group_link`; None: the plan's link within a node)."""
+        from partitioner.sdp.group import ShardingGroup
+        from partitioner.sdp.shards import PERSISTENCE_THRESHOLD
 
-        return self.partition if self.sdp == 1 else PartitionOptions.of(self.partition, device_memory=UNLIMITED)
+        return ShardingGroup(self.sdp, self.sdp_threshold or PERSISTENCE_THRESHOLD, link)
 
     @property
     def microbatches(self) -> int:

@@ -9,9 +9,10 @@ launch`` runs them) train a small MLP through ``smp.init`` (``pipeline_parallel_
 pipeline), ``smp.DistributedModel`` and an ``@smp.step`` function with its loss and ``model.backward``, at
 :data:`MICROBATCHES` microbatches. Each count's median step (barrier to barrier) is set against the step model of the
 plan the run made, its ops timed on this machine: the per-pass cost is the one whose predictions, each with the best
-per-step cost, fit the measured steps best (least squares on the relative error, :func:`fit`). Then the ranks time
-4 KB all-reduces back to back: what one takes beyond the link's price for it is the per-collective cost
-(:attr:`partitioner.DeviceRates.collective_overhead_s`; gloo's rounds of wake-ups make it 30 times a message's latency).
+per-step cost, fit the measured steps best (least squares on the relative error,
+:func:`partitioner.cost.runtime_fit.fit_runtime_costs`). Then the ranks time 4 KB all-reduces back to back: what one
+takes beyond the link's price for it is the per-collective cost (:attr:`partitioner.DeviceRates.collective_overhead_s`;
+gloo's rounds of wake-ups make it 30 times a message's latency).
 
 The result is kept with the machine's CPU profile (:func:`partitioner.cost.calibration.record_runtime_costs`), measured
 once per machine on first use (:func:`ensure_runtime_costs`, called when the command line prices a multi-rank CPU
@@ -24,15 +25,13 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-__all__ = ["measure_runtime_costs", "ensure_runtime_costs", "fit", "MICROBATCHES", "PASS_GRID_S"]
+__all__ = ["measure_runtime_costs", "ensure_runtime_costs", "MICROBATCHES"]
 
 MICROBATCHES = (1, 2, 4, 8, 16)
-PASS_GRID_S = tuple(i * 2e-5 for i in range(151))  # per-pass costs tried: 0 to 3 ms in 20 us steps
 _STEPS = 21  # timed steps per microbatch count, after two warm-up steps (the first one partitions)
 _TRIED: set[str] = set()  # measurements this process began: each once (a failure is not retried per command)
 
@@ -58,6 +57,7 @@ def _rank(rank: int, world: int, steps: int) -> list[dict[str, Any]] | None:
 
     import smp
     from partitioner.cost.devices import DeviceRates
+    from partitioner.cost.runtime_fit import PASS_GRID_S
     from pipeline.schedule import make_schedule
     from pipeline.step_model import plan_step
     from smp.runtime import state
@@ -118,30 +118,11 @@ def _collective_s(repeats: int = 7, calls: int = 10) -> float:
     return max(0.0, statistics.median(runs) - all_reduce_s(flat.numel() * 4, dist.get_world_size(), link))
 
 
-def fit(measured_s: Sequence[float], predicted_s: Sequence[Sequence[float]]) -> tuple[float, float, float]:
-    """The per-pass cost (one of :data:`PASS_GRID_S`) and per-step cost (>= 0) that fit ``measured_s`` best, and the
-    largest relative error left. ``predicted_s[k][i]``: run ``k``'s step predicted with per-pass cost
-    ``PASS_GRID_S[i]`` and no per-step cost; the per-step cost for each is the least-squares one in closed form."""
-    if not measured_s or len(measured_s) != len(predicted_s):
-        raise ValueError(f"one row of predictions per measured step is needed, got {len(measured_s)} steps and "
-                         f"{len(predicted_s)} rows")
-    best = (float("inf"), 0.0, 0.0)
-    for i, o in enumerate(PASS_GRID_S):
-        pred = [row[i] for row in predicted_s]
-        # Minimising sum(((p + s) / t - 1) ** 2) over s: s = sum((t - p) / t**2) / sum(1 / t**2).
-        s = max(0.0, sum((t - p) / t ** 2 for p, t in zip(pred, measured_s)) / sum(1 / t ** 2 for t in measured_s))
-        loss = sum(((p + s) / t - 1) ** 2 for p, t in zip(pred, measured_s))
-        if loss < best[0]:
-            best = (loss, o, s)
-    _, o, s = best
-    worst = max(abs((row[PASS_GRID_S.index(o)] + s) / t - 1) for row, t in zip(predicted_s, measured_s))
-    return o, s, worst
-
-
 def measure_runtime_costs(steps: int = _STEPS, timeout: float = 300.0) -> dict[str, float]:
     """Measure this machine's per-pass and per-step costs on two local ranks and keep them
     (:func:`partitioner.cost.calibration.record_runtime_costs`); returns what was kept."""
     from partitioner.cost.calibration import record_runtime_costs
+    from partitioner.cost.runtime_fit import fit_runtime_costs
     from smp.testing import run_ranks
 
     got = run_ranks(_rank, 2, steps, timeout=timeout, pg_timeout=timeout, allow_failure=True)
@@ -149,7 +130,7 @@ def measure_runtime_costs(steps: int = _STEPS, timeout: float = 300.0) -> dict[s
     if failed:
         raise RuntimeError(f"measuring the runtime's costs on 2 local ranks failed: {failed[0][-600:]}")
     *rows, last = got[0]
-    o, s, worst = fit([r["measured_s"] for r in rows], [r["predicted_s"] for r in rows])
+    o, s, worst = fit_runtime_costs([r["measured_s"] for r in rows], [r["predicted_s"] for r in rows])
     how = {f"measured_s_{r['microbatches']}": r["measured_s"] for r in rows}
     c = float(f"{last['collective_s']:.2g}")
     record_runtime_costs(float(f"{o:.2g}"), float(f"{s:.2g}"), c, worst_error=worst, **how)

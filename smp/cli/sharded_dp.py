@@ -1,18 +1,14 @@
 """``--sdp D`` of ``smp inspect`` and ``smp simulate``: each stage's parameters sharded over D data-parallel replicas
-(SMP's ``sharded_data_parallel_degree``), priced by :func:`partitioner.sdp.shards.sharded_dp`.
+(SMP's ``sharded_data_parallel_degree``), as the library prices them, held to the budget, printed.
 
-The stages are cut as without sharding (the partitioner counts parameters whole), but without the memory budget:
-the sharded ranks are held to it instead (:func:`check_budget`). The sharding group's collectives run on the plan's
-link within a node when the D replicas of a stage share one, else on the inter-node link (a ring is as slow as its
-slowest hop). Replicas of a stage are a pipeline (P stages x tp ranks) apart, SMP's "cluster" placement
-(:mod:`smp.runtime.topology`). The engine gathers synchronously, so each microbatch's all-gathers add to its stage's
-forward and backward; the reduce-scatter and all-reduce run once, after the rank's last backward of the step
-(:func:`with_end_of_step`). ``--sdp 1`` changes nothing.
+The sharding group and its link are :mod:`partitioner.sdp.group`'s (replicas of a stage are a pipeline, P stages x tp
+ranks, apart: SMP's "cluster" placement, :mod:`smp.runtime.topology`); a plan's step with the collectives is
+:func:`pipeline.sharded_step.sharded_step`'s. The stages are cut without the memory budget; the sharded ranks are held
+to it instead (:func:`check_budget`, which says so in the command line's terms). ``--sdp 1`` changes nothing.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
 from typing import Any
 
 from partitioner.units import format_bytes, format_seconds
@@ -20,30 +16,18 @@ from smp.cli.errors import CLIError
 from smp.cli.options import RANKS_PER_NODE, Options
 from smp.cli.text import table
 
-__all__ = ["group_link", "check_budget", "with_end_of_step", "record", "price_plan", "memory_table", "sdp_lines",
-           "MAX_LISTED"]
+__all__ = ["check_budget", "price_plan", "memory_table", "sdp_lines", "MAX_LISTED"]
 
 MAX_LISTED = 4  # gathered parameters named per stage; the rest are counted
 
 
-def group_link(rates: dict[str, Any], degree: int, ranks_apart: int, ranks_per_node: int,
-               inter: tuple[float, float] | None = None) -> Any:
-    """The :class:`partitioner.DeviceRates` whose ``link_*`` a stage's sharding group runs on: the plan's ``rates``
-    link when the ``degree`` replicas, ``ranks_apart`` ranks apart, fit in ``ranks_per_node``; else the inter-node
-    link (``inter``: its bandwidth and latency, default the rates')."""
-    from partitioner import DeviceRates
-
-    intra = DeviceRates.from_dict(rates)
-    if degree * ranks_apart <= ranks_per_node:
-        return intra
-    bw, lat = inter or (intra.inter_node_bytes_per_s, intra.inter_node_latency_s)
-    return replace(intra, link=intra.inter_node_link, link_bytes_per_s=bw, link_latency_s=lat)
-
-
 def check_budget(ranks: Sequence[Any], budget: float | None, degree: int) -> None:
-    """Refuse sharded ranks (:class:`partitioner.sdp.shards.ShardedRank`) whose peak exceeds ``budget`` bytes."""
-    worst = max(ranks, key=lambda r: r.peak_bytes)
-    if budget is None or worst.peak_bytes <= budget:
+    """Refuse sharded ranks (:class:`partitioner.sdp.shards.ShardedRank`) whose peak exceeds ``budget`` bytes
+    (:func:`partitioner.sdp.group.over_budget`)."""
+    from partitioner.sdp.group import over_budget
+
+    worst = over_budget(ranks, budget)
+    if worst is None or budget is None:
         return
     raise CLIError(f"--sdp {degree}: the rank of stage(s) {list(worst.stages)} needs {format_bytes(worst.peak_bytes)} "
                    f"at its peak (weights {format_bytes(worst.weights_bytes)}, gradients during the step "
@@ -54,48 +38,22 @@ def check_budget(ranks: Sequence[Any], budget: float | None, degree: int) -> Non
                    "raise --device-memory")
 
 
-def with_end_of_step(sim: Any, end_s: Sequence[float]) -> tuple[float, float]:
-    """The step and bubble of a simulated schedule (:class:`pipeline.simulate.SimResult`) when each rank then
-    spends ``end_s[rank]`` on the step's reduce-scatter and all-reduce (counted busy); the step's fixed cost
-    (:func:`pipeline.step_model.predict_step`) is kept."""
-    last = [e[-1] if e else 0.0 for e in sim.ends]
-    step = max(t + x for t, x in zip(last, end_s)) + sim.step_s - max(last, default=0.0)
-    busy = sum(sim.busy_s) + sum(end_s)
-    return step, (1.0 - busy / (len(sim.busy_s) * step) if step > 0 else 0.0)
-
-
-def record(ranks: Sequence[Any], threshold: int, link: Any, budget: float | None, step_s: float | None = None,
-           bubble: float | None = None) -> dict[str, Any]:
-    """What a plan or a simulation records of sharded data parallelism (JSON-ready): the degree, the replicas, the
-    threshold, the link, the budget, each rank's :meth:`partitioner.sdp.shards.ShardedRank.to_dict` and the
-    predicted step with the collectives."""
-    out = {"degree": ranks[0].degree, "replicas": ranks[0].replicas, "threshold": threshold,
-           "link": {"name": link.link, "bytes_per_s": link.link_bytes_per_s, "latency_s": link.link_latency_s},
-           "device_memory": budget, "ranks": [r.to_dict() for r in ranks]}
-    if step_s is not None:
-        out.update(predicted_step_s=step_s, bubble=bubble)
-    return out
-
-
 def price_plan(plan: Any, graph: Any, opts: Options, sim: Any) -> None:
-    """``smp inspect --sdp``: price ``plan``'s ranks sharded (activations in flight as ``sim``, the pipeline's
-    simulation, keeps them), hold them to the budget, simulate the step with the collectives and record it all
-    in ``plan.extra["sharded_data_parallel"]``."""
+    """``smp inspect --sdp``: price ``plan``'s ranks sharded (:func:`pipeline.sharded_step.sharded_step`; activations
+    in flight as ``sim``, the pipeline's simulation, keeps them), hold them to the budget and record it all in
+    ``plan.extra["sharded_data_parallel"]`` (:func:`partitioner.sdp.group.sharded_dp_record`)."""
     from partitioner import DeviceRates
-    from partitioner.sdp.shards import PERSISTENCE_THRESHOLD, sharded_dp
-    from pipeline.schedule import peak_in_flight
-    from smp.cli.analysis import plan_sim
+    from partitioner.sdp.group import group_link, sharded_dp_record
+    from pipeline.sharded_step import sharded_step
 
-    threshold = opts.sdp_threshold or PERSISTENCE_THRESHOLD
-    link = group_link(plan.rates, opts.sdp, plan.num_stages * opts.tp, RANKS_PER_NODE)
-    ranks = sharded_dp(plan, graph, opts.sdp, threshold=threshold, link=link, in_flight=peak_in_flight(sim.schedule))
-    budget = opts.partition.budget(DeviceRates.from_dict(plan.rates))
-    check_budget(ranks, budget, opts.sdp)
-    with_gathers = plan_sim(plan, graph, opts, forward_s=[s.forward_s + r.gather_forward_s
-                                                          for s, r in zip(plan.stages, ranks)],
-                            backward_s=[s.backward_s + r.gather_backward_s for s, r in zip(plan.stages, ranks)])
-    step, bubble = with_end_of_step(with_gathers, [r.end_of_step_s for r in ranks])
-    plan.extra["sharded_data_parallel"] = record(ranks, threshold, link, budget, step, bubble)
+    rates = DeviceRates.from_dict(plan.rates)
+    link = group_link(rates, opts.sdp, plan.num_stages * opts.tp, RANKS_PER_NODE)
+    group = opts.sharding(link)
+    priced = sharded_step(plan, graph, opts.partition, sim, group)
+    budget = opts.partition.budget(rates)
+    check_budget(priced.ranks, budget, opts.sdp)
+    plan.extra["sharded_data_parallel"] = sharded_dp_record(priced.ranks, group.threshold, link, budget,
+                                                            priced.step_s, priced.bubble)
 
 
 def memory_table(rec: dict[str, Any]) -> list[str]:

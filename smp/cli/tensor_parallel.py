@@ -1,18 +1,16 @@
 """``--tp T`` of ``smp inspect`` and ``smp simulate``: plan the graph that one tensor-parallel rank runs, and say
 what tensor parallelism costs and what it leaves whole.
 
-The traced graph is sharded with Megatron's pattern (:func:`partitioner.tp.sharding.find_sharding`) and written for tp
-rank 0 (:func:`partitioner.tp.shard_program.shard_graph`): its ops, parameters and activations have their local sizes,
-so a plan of it counts memory per rank, and its stage costs include the tp collectives on the link within a node
-(:mod:`partitioner.tp.pricing`). Rank 0 holds the largest shard where a size does not divide (``torch.chunk``'s layout),
-so its numbers are its group's worst. What stays whole on every rank (sizes that do not divide, a weight tied outside
-the embedding/head pair) is listed as a warning on stderr; a degree that leaves some rank no slice of a sharded
-weight is refused. ``--tp 1`` changes nothing.
+The graph is tp rank 0's (:func:`partitioner.tp.rank_zero.rank_zero_graph`): Megatron's pattern found on the traced
+graph and written for rank 0, whose ops, parameters and activations have their local sizes and whose shards are its
+group's largest, so a plan of it counts memory per rank, and its stage costs include the tp collectives on the link
+within a node (:mod:`partitioner.tp.pricing`). What stays whole on every rank (sizes that do not divide, a weight tied
+outside the embedding/head pair) is listed as a warning on stderr; a degree that leaves some rank no slice of a sharded
+weight is refused (:func:`partitioner.tp.rank_zero.thin_params`). ``--tp 1`` changes nothing.
 """
 from __future__ import annotations
 
 import sys
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -25,23 +23,20 @@ MAX_LISTED = 12  # replicated layers named one per line; the rest are counted
 
 
 def shard_target(graph: Any, tp: int, progress: Callable[[str], None] = lambda m: None) -> tuple[Any, Any]:
-    """``(graph tp rank 0 runs, its Sharding)`` for degree ``tp``; ``(graph, None)`` for ``tp`` 1."""
+    """``(graph tp rank 0 runs, its Sharding)`` for degree ``tp`` (:func:`partitioner.tp.rank_zero.rank_zero_graph`),
+    what cannot be sharded refused in the command line's terms; ``(graph, None)`` for ``tp`` 1."""
     if tp == 1:
         return graph, None
     if graph.fx is None:
         raise CLIError(f"--tp {tp} needs a traced model, not a synthetic graph")
-    from partitioner.tp.shard_program import shard_graph
-    from partitioner.tp.sharding import find_sharding
+    from partitioner.tp.rank_zero import rank_zero_graph, thin_params
 
     progress(f"sharding for tensor parallelism of degree {tp} (Megatron's pattern)")
     try:
-        with warnings.catch_warnings():  # torch's deprecation notices while copying the graph
-            warnings.simplefilter("ignore", FutureWarning)
-            sharding = find_sharding(graph.fx.module, tp)
-            local = shard_graph(graph, sharding, 0)
+        local, sharding = rank_zero_graph(graph, tp)
     except (ValueError, TypeError, RuntimeError) as exc:
         raise CLIError(f"--tp {tp}: cannot shard this model: {type(exc).__name__}: {exc}") from None
-    thin = sorted((s.size // s.groups, name) for name, s in sharding.params.items() if s.size // s.groups < tp)
+    thin = thin_params(sharding)
     if thin:
         size, name = thin[0]
         raise CLIError(f"--tp {tp} is more ranks than {name} has slices to share ({size} along the split "

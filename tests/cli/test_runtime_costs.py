@@ -1,5 +1,6 @@
-"""The runtime's costs per pass, per step and per collective are measured on real ranks of this machine, fitted,
-kept, and measured once: never inside a rank, never again per command after a failure."""
+"""The runtime's costs per pass, per step and per collective are measured on real ranks of this machine, fitted
+(the fit: ``tests/partitioner/cost/test_runtime_fit.py``), kept, and measured once: never inside a rank, never again
+per command after a failure."""
 from __future__ import annotations
 
 import json
@@ -9,7 +10,7 @@ import pytest
 import partitioner.cost.calibration as calibration
 from smp.cli import main as smp_main
 from smp.cli import runtime_costs
-from smp.cli.runtime_costs import PASS_GRID_S, ensure_runtime_costs, fit
+from smp.cli.runtime_costs import ensure_runtime_costs
 
 
 @pytest.fixture
@@ -20,27 +21,6 @@ def cache_home(tmp_path, monkeypatch):
     monkeypatch.setattr(calibration, "_LOADED", {})
     monkeypatch.setattr(runtime_costs, "_TRIED", set())
     return tmp_path
-
-
-def _rows(base: list[float], passes: list[int]) -> list[list[float]]:
-    """Predicted steps per grid cost of runs whose ops take ``base`` and whose critical paths have ``passes``."""
-    return [[b + n * o for o in PASS_GRID_S] for b, n in zip(base, passes)]
-
-
-def test_the_fit_recovers_the_costs_that_made_the_steps() -> None:
-    base, passes = [3e-3, 5e-3, 9e-3], [6, 10, 18]
-    measured = [b + n * 8.4e-4 + 2.5e-3 for b, n in zip(base, passes)]
-    o, s, worst = fit(measured, _rows(base, passes))
-    assert o == pytest.approx(8.4e-4, abs=1e-9) and s == pytest.approx(2.5e-3, rel=1e-6) and worst < 1e-9
-
-
-def test_the_fit_never_gives_a_negative_step_cost() -> None:
-    base, passes = [3e-3, 5e-3, 9e-3], [6, 10, 18]
-    measured = [b + n * 5e-4 - 1e-3 for b, n in zip(base, passes)]  # steps shorter than a cost-free pass model
-    o, s, _ = fit(measured, _rows(base, passes))
-    assert s == 0.0 and 0 < o < 5e-4
-    with pytest.raises(ValueError, match="one row of predictions per measured step is needed, got 2 steps and 1"):
-        fit([1.0, 2.0], _rows([1.0], [2]))
 
 
 def test_smp_calibrate_measures_on_two_ranks_keeps_and_shows_the_costs(cache_home, capsys) -> None:

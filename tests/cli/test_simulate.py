@@ -42,24 +42,6 @@ def test_simulate_past_the_model_scales_stage_times(tmp_path: Path, capsys) -> N
     assert formula < data["predicted_step_s"] < 3 * formula + 64 * 4 * 1e-3
 
 
-def test_scaling_formula_is_what_the_simulator_gives_for_equal_stages() -> None:
-    """The formula `smp simulate` prints for large cells: equal stages, free communication, with and without the
-    runtime's per-pass and per-step costs."""
-    from partitioner import DeviceRates
-    from smp.cli.analysis import simulate_stages
-    from smp.cli.commands.simulate import formula_step
-
-    for rates in (DeviceRates(), DeviceRates(pass_overhead_s=1e-3, step_overhead_s=2e-3)):
-        for name in ("gpipe", "1f1b"):
-            for p, m in ((4, 8), (8, 3), (16, 32)):
-                T = 0.024
-                sim = simulate_stages(name, m, [T / 3 / p] * p, [2 * T / 3 / p] * p, rates)
-                assert sim.step_s == pytest.approx(formula_step(p, m, T, rates))
-                if not rates.pass_overhead_s:
-                    assert sim.step_s == pytest.approx((m + p - 1) * T / p)
-                    assert sim.bubble == pytest.approx((p - 1) / (m + p - 1))
-
-
 @pytest.mark.slow
 def test_simulate_1024_stages() -> None:
     out = ok(smp("simulate", "zoo:gpt2", "--partitions", "1024", "--microbatches", "2048", "--schedules",

@@ -3,8 +3,8 @@
 The search is :mod:`partitioner.layout.search` over the layouts :func:`partitioner.layout.search.candidates` lists
 (pp x tp x dp = N, microbatching, schedule, activation checkpointing, ZeRO-1, placement, sharded data parallelism
 over a divisor of dp), each priced by
-:mod:`partitioner.layout.score` with this command's pipeline simulator (:func:`pipeline_simulator`: the schedules
-and the simulation ``smp simulate`` runs), on tp rank 0's graph at each microbatch size
+:mod:`partitioner.layout.score` with the pipeline simulator of :func:`pipeline.stage_simulation.pipeline_simulator`
+(the schedules and the simulation ``smp simulate`` runs), on tp rank 0's graph at each microbatch size
 (:mod:`partitioner.layout.costs`: two traces on meta, whatever the number of sizes). Fixed degrees (``--tp``,
 ``--pp``, ``--dp``, ``--sdp``, ``--microbatch-size``) narrow the search; with all of them, one schedule and no
 checkpointing, the layout is priced exactly as ``smp simulate`` prices it (with ``--sdp``, as ``smp simulate --sdp``
@@ -34,7 +34,7 @@ from smp.cli.options import RANKS_PER_NODE, add_target_args, budget, check_outpu
 from smp.cli.target import load_target, pricing_threads
 from smp.cli.text import Progress, table
 
-__all__ = ["register", "run", "pipeline_simulator", "smp_config", "CONFIG_SCHEDULES"]
+__all__ = ["register", "run", "smp_config", "CONFIG_SCHEDULES"]
 
 # Layout schedule -> the smp config's "pipeline" (SMP's names): what smp.init can run.
 CONFIG_SCHEDULES = {"1f1b": "interleaved", "gpipe": "simple"}
@@ -89,20 +89,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", metavar="FILE", help='write {"layouts": [...]}, best first')
     p.add_argument("--config", metavar="FILE", help="write the best layout as an smp config (smp.init(FILE))")
     p.set_defaults(func=run)
-
-
-def pipeline_simulator(schedule: str, ranks: int, microbatches: int, virtual_stages: int, forward_s: list[float],
-                       backward_s: list[float], comm_s: dict[tuple[int, int], float],
-                       deps: list[tuple[int, int]], rates: Any) -> Any:
-    """The :class:`partitioner.layout.score.PipelineSimulator` of ``smp plan``: the schedule ``smp simulate``
-    builds, simulated the same way (:func:`smp.cli.analysis.simulate_stages`)."""
-    from partitioner.layout.score import SimOutcome
-    from pipeline.schedule import peak_in_flight
-    from smp.cli.analysis import simulate_stages
-
-    sim = simulate_stages(schedule, microbatches, forward_s, backward_s, rates, deps=deps, comm=comm_s,
-                          num_ranks=ranks, virtual_stages=virtual_stages)
-    return SimOutcome(sim.step_s, sim.bubble, [e[-1] if e else 0.0 for e in sim.ends], peak_in_flight(sim.schedule))
 
 
 def smp_config(layout: Any, dtype: str) -> dict[str, Any]:
@@ -194,6 +180,7 @@ def _plan(ns: argparse.Namespace, target: Any, space: Any, options: Any, rpn: in
     from partitioner.layout.costs import head_counts, layout_costs
     from partitioner.layout.score import LayoutScorer, Pricing
     from partitioner.layout.search import candidates, search, tp_choices
+    from pipeline.stage_simulation import pipeline_simulator
     from smp.engine.materialize import has_meta
 
     tps = [t for t in tp_choices(ns.devices, rpn, head_counts(target.model)) if ns.tp in (None, t)]

@@ -1,9 +1,10 @@
 """``smp simulate``: predict the step time, throughput and bubble of a P-stage pipeline, up to 1024+ stages,
 compare schedules on the same stage costs and links, and show how the step scales with p and m.
 
-Stage costs and links come from :mod:`smp.cli.pricing`; every schedule runs through :mod:`pipeline.simulate`.
-The simulated actions of all schedules are added up before the model is built (:mod:`smp.cli.limits`).
-``--sdp D`` adds the sharded parameters' collectives to the stages and the step (:mod:`smp.cli.sharded_dp`).
+Stage costs and links, and each schedule's step on them, come from :mod:`pipeline.stage_pricing`; every schedule runs
+through :mod:`pipeline.simulate`. The simulated actions of all schedules are added up before the model is built
+(:mod:`smp.cli.limits`). ``--sdp D`` adds the sharded parameters' collectives to the stages and the step
+(:mod:`smp.cli.sharded_dp`).
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import argparse
 import json
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from partitioner.units import format_bytes, format_seconds
 from smp.cli.errors import CLIError
@@ -27,13 +28,15 @@ from smp.cli.options import (
     size,
 )
 from smp.cli.plan_table import pipeline_title, priced_for
-from smp.cli.pricing import PipelineCosts, pipeline_costs, sim_row
-from smp.cli.sharded_dp import check_budget, group_link, record, sdp_lines
+from smp.cli.sharded_dp import check_budget, sdp_lines
 from smp.cli.target import load_target, priced_options, pricing_threads, trace_target
 from smp.cli.tensor_parallel import replicated_warnings, shard_target, tp_lines, warn
 from smp.cli.text import Progress, ms, table
 
-__all__ = ["register", "run", "COMPARED", "check_work", "formula_step"]
+if TYPE_CHECKING:
+    from pipeline.stage_pricing import PipelineCosts
+
+__all__ = ["register", "run", "COMPARED", "check_work", "sim_row"]
 
 # --schedules name -> pipeline.schedule name.
 COMPARED = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved-virtual": "interleaved-virtual", "zero-bubble": "zb-h1"}
@@ -88,6 +91,18 @@ def _scaling_cells(P: int, M: int) -> tuple[list[int], list[int], bool]:
     return ps, ms_, P * M <= SCALING_SIM_MAX
 
 
+def sim_row(name: str, costs: PipelineCosts, microbatches: int, ranks: int, ranks_per_node: int,
+            inter: tuple[float, float], virtual: int = 1) -> dict[str, Any]:
+    """One schedule simulated on ``costs`` (:func:`pipeline.stage_pricing.simulate_costs`: step, bubble, peak
+    activations per rank; with ``--sdp`` the reduce-scatter and all-reduce in the step) as its JSON row."""
+    from pipeline.stage_pricing import simulate_costs
+
+    r = simulate_costs(name, costs, microbatches, ranks, ranks_per_node, inter, virtual)
+    return {"schedule": name, "virtual_stages": virtual, "predicted_step_s": r.step_s, "bubble": r.bubble,
+            "throughput_microbatches_per_s": microbatches / r.step_s if r.step_s > 0 else 0.0,
+            "peak_activation_bytes": r.peak_activation_bytes}
+
+
 def check_work(opts: Options, compared: list[str], V: int) -> None:
     """Refuse up front a comparison (and scaling table) that would not finish in minutes or fit in memory."""
     P, M = opts.partitions, opts.microbatches
@@ -115,6 +130,8 @@ def run(ns: argparse.Namespace) -> int:
 
 def _simulate(ns: argparse.Namespace, opts: Options) -> int:
     from partitioner import DeviceRates
+    from partitioner.sdp.group import group_link
+    from pipeline.stage_pricing import pipeline_costs
 
     compared = _schedule_list(ns.schedules, opts.schedule)
     P, M, V, rpn = opts.partitions, opts.microbatches, ns.virtual_stages, ns.ranks_per_node
@@ -135,11 +152,11 @@ def _simulate(ns: argparse.Namespace, opts: Options) -> int:
     inter = (rates.inter_node_bytes_per_s if ns.inter_node_bandwidth is None else ns.inter_node_bandwidth,
              rates.inter_node_latency_s if ns.inter_node_latency is None else ns.inter_node_latency)
 
-    def sdp_link(ranks: int) -> Any:
-        """The sharding groups' link when a pipeline takes ``ranks`` of the nodes' ``rpn`` (None: no --sdp)."""
-        return group_link(rates.to_dict(), opts.sdp, ranks, rpn, inter) if opts.sdp > 1 else None
+    def sdp_group(ranks: int) -> Any:
+        """The sharding group, on its link when a pipeline takes ``ranks`` of the nodes' ``rpn`` (None: no --sdp)."""
+        return opts.sharding(group_link(rates, opts.sdp, ranks, rpn, inter)) if opts.sdp > 1 else None
 
-    costs = pipeline_costs(graph, opts, P, sdp_link=sdp_link(P))
+    costs = pipeline_costs(graph, opts.partition, P, sdp=sdp_group(P))
     if costs.sdp:
         check_budget(costs.sdp, opts.partition.budget(rates), opts.sdp)
     rows: dict[str, dict[str, Any]] = {}
@@ -152,20 +169,20 @@ def _simulate(ns: argparse.Namespace, opts: Options) -> int:
                 rows[label] = {"schedule": name, "virtual_stages": V, "skipped": why}
                 continue
             progress(f"simulating {label}: {P * V} virtual stages x {M} microbatches")
-            rows[label] = sim_row(name, pipeline_costs(graph, opts, P * V, exact=costs.exact, sdp_link=sdp_link(P)),
-                                  M, P, rpn, inter, virtual=V)
+            rows[label] = sim_row(name, pipeline_costs(graph, opts.partition, P * V, exact=costs.exact,
+                                                       sdp=sdp_group(P)), M, P, rpn, inter, virtual=V)
         else:
             label = "zero-bubble (ZB-H1)" if name == "zb-h1" else key
             progress(f"simulating {label}: {P} stages x {M} microbatches")
             rows[label] = sim_row(name, costs, M, P, rpn, inter)
     progress("scaling table")
     main_row = rows[opts.schedule]
-    scaling = _scaling(graph, opts, costs, rpn, inter, main_row, sdp_link)
+    scaling = _scaling(graph, opts, costs, rpn, inter, main_row, sdp_group)
     ok = {k: r for k, r in rows.items() if "skipped" not in r}
     best = min(ok, key=lambda k: ok[k]["predicted_step_s"])
     _print(target.spec, graph, opts, costs, rpn, inter, rows, best, scaling)
     tp = _tensor_parallel(whole, graph, opts, costs, main_row["predicted_step_s"])
-    sdp = _sharded(opts, costs, sdp_link(P))
+    sdp = _sharded(opts, costs, sdp_group(P))
     if ns.json:
         out = {"target": target.spec, "partitions": P, "microbatches": M, "pipeline": opts.pipeline,
                "schedule": opts.schedule, "ranks_per_node": rpn, "exact": costs.exact, "note": costs.note,
@@ -250,19 +267,15 @@ def _print(spec: str, graph: Any, opts: Options, costs: PipelineCosts, rpn: int,
               f"{format_seconds(formula)})")
 
 
-def formula_step(p: int, m: int, total_s: float, rates: Any) -> float:
-    """The step of GPipe or 1F1B over p equal stages of a model whose microbatch costs ``total_s``, communication
-    free: (m + p - 1) (T/p + 2 o) + s, with the runtime's per-pass and per-step costs o and s of ``rates``
-    (:mod:`pipeline.step_model`), what the simulator gives."""
-    return (m + p - 1) * (total_s / p + 2 * rates.pass_overhead_s) + rates.step_overhead_s
-
-
 def _scaling(graph: Any, opts: Options, costs: PipelineCosts, rpn: int, inter: tuple[float, float],
-             main_row: dict[str, Any], sdp_link: Callable[[int], Any]) -> list[dict[str, Any]]:
+             main_row: dict[str, Any], sdp_group: Callable[[int], Any]) -> list[dict[str, Any]]:
     """The chosen schedule at p in {P/4, P/2, P} x m in {M/4, M/2, M}: simulated with the same pricing rule
     and links as the main result when every cell has p * m <= SCALING_SIM_MAX; otherwise, for every cell, the
-    equal-stage compute-only formula (:func:`formula_step`), bubble = (p - 1) / (m + p - 1), which the simulator
-    reproduces when communication is free."""
+    equal-stage compute-only formula (:func:`pipeline.stage_simulation.formula_step`), bubble = (p - 1) / (m + p - 1),
+    which the simulator reproduces when communication is free."""
+    from pipeline.stage_pricing import pipeline_costs
+    from pipeline.stage_simulation import formula_step
+
     P, M = opts.partitions, opts.microbatches
     total = sum(costs.forward_s) + sum(costs.backward_s)
     ps, ms_, simulated = _scaling_cells(P, M)
@@ -278,7 +291,7 @@ def _scaling(graph: Any, opts: Options, costs: PipelineCosts, rpn: int, inter: t
                 r = main_row
             else:
                 if p not in cache:
-                    cache[p] = pipeline_costs(graph, opts, p, exact=costs.exact, sdp_link=sdp_link(p))
+                    cache[p] = pipeline_costs(graph, opts.partition, p, exact=costs.exact, sdp=sdp_group(p))
                 r = sim_row(opts.schedule, cache[p], m, p, rpn, inter)
             out.append({"p": p, "m": m, "step_s": r["predicted_step_s"], "bubble": r["bubble"], "simulated": True})
     return out
@@ -306,22 +319,22 @@ def _tensor_parallel(whole: Any, graph: Any, opts: Options, costs: PipelineCosts
     return {**record, "per_step_s": [M * c for c in costs.tp_comm_s], "param_state": costs.param_state}
 
 
-def _sharded(opts: Options, costs: PipelineCosts, link: Any) -> dict[str, Any]:
+def _sharded(opts: Options, costs: PipelineCosts, group: Any) -> dict[str, Any]:
     """Print what ``--sdp`` does (the collectives per microbatch and step, and with a real plan what the rank of the
-    largest peak holds) and return it for the JSON; nothing for ``--sdp 1``."""
+    largest peak holds) and return it for the JSON; nothing for ``--sdp 1`` (``group`` None)."""
     from partitioner import DeviceRates
-    from partitioner.sdp.shards import PERSISTENCE_THRESHOLD
+    from partitioner.sdp.group import sharded_dp_record
 
-    if opts.sdp == 1:
+    if group is None:
         return {}
-    threshold, M = opts.sdp_threshold or PERSISTENCE_THRESHOLD, opts.microbatches
+    threshold, link, M = group.threshold, group.link, opts.microbatches
     print()
     if not costs.sdp:  # the model spread evenly over the stages
         print(f"sharded data parallelism: degree {opts.sdp} on {link.link}; per stage (the model's total / "
               f"{len(costs.forward_s)}): all-gathers {format_seconds(costs.sdp_gather_s[0])} per microbatch (inside "
               f"the stage costs), reduce-scatter and all-reduce {format_seconds(costs.sdp_end_s[0])} once per step")
         return {"degree": opts.sdp, "threshold": threshold, "gather_s": costs.sdp_gather_s, "end_s": costs.sdp_end_s}
-    rec = record(costs.sdp, threshold, link, opts.partition.budget(DeviceRates.from_dict(costs.rates)))
+    rec = sharded_dp_record(costs.sdp, threshold, link, opts.partition.budget(DeviceRates.from_dict(costs.rates)))
     print("\n".join(sdp_lines(rec, M)))
     r = max(costs.sdp, key=lambda x: x.peak_bytes)
     print(f"  per rank on stage {r.rank} (the largest peak; {opts.partition.dtype}, {opts.partition.optimizer}): "

@@ -13,8 +13,8 @@ from partitioner.cut.options import PartitionOptions
 from partitioner.layout.costs import layout_costs
 from partitioner.layout.layout import Layout
 from partitioner.layout.score import LayoutScorer, Pricing, chain_bottleneck, global_rank
+from pipeline.stage_simulation import pipeline_simulator
 from smp import zoo
-from smp.cli.commands.plan import pipeline_simulator
 
 OPTIONS = PartitionOptions(device="h100-80gb", dtype="bf16")
 
@@ -35,12 +35,10 @@ def lay(**kw) -> Layout:
 
 
 def test_fixed_degrees_are_priced_as_smp_inspect_prices_them(costs) -> None:
-    from smp.cli.analysis import analyse
-    from smp.cli.options import Options
+    from pipeline.plan_analysis import analyse
 
     for tp, pipeline in ((1, "simple"), (2, "interleaved")):
-        plan, sim = analyse(costs.graph(tp, 2), Options(2, pipeline, microbatches=4, device="h100-80gb", dtype="bf16",
-                                                        tp=tp))
+        plan, sim = analyse(costs.graph(tp, 2), 2, PartitionOptions.of(OPTIONS, microbatches=4, pipeline=pipeline))
         score = scorer(costs).score(lay(tp=tp, schedule="gpipe" if pipeline == "simple" else "1f1b"))
         assert score.step_s == score.pipeline_s == plan.extra["schedule"]["predicted_step_s"]
         assert score.bubble == sim.bubble
@@ -49,17 +47,16 @@ def test_fixed_degrees_are_priced_as_smp_inspect_prices_them(costs) -> None:
 
 @pytest.mark.parametrize("schedule, stages", [("1f1b", 4), ("zero-bubble", 4), ("interleaved-virtual", 8)])
 def test_fixed_degrees_are_priced_as_smp_simulate_prices_them_across_nodes(costs, schedule, stages) -> None:
+    from pipeline.stage_pricing import pipeline_costs, simulate_costs
     from smp.cli.commands.simulate import COMPARED
-    from smp.cli.options import Options
-    from smp.cli.pricing import pipeline_costs, sim_row
 
-    opts = Options(stages, microbatches=8, device="h100-80gb", dtype="bf16")
+    options = PartitionOptions.of(OPTIONS, microbatches=8)
     rates = OPTIONS.resolve_rates()
-    row = sim_row(COMPARED[schedule], pipeline_costs(costs.graph(1, 2), opts, stages), 8, 4, 2,
-                  (rates.inter_node_bytes_per_s, rates.inter_node_latency_s), virtual=stages // 4)
+    step = simulate_costs(COMPARED[schedule], pipeline_costs(costs.graph(1, 2), options, stages), 8, 4, 2,
+                          (rates.inter_node_bytes_per_s, rates.inter_node_latency_s), virtual_stages=stages // 4)
     score = scorer(costs, ranks_per_node=2).score(lay(pp=4, microbatches=8, schedule=schedule,
                                                       virtual_stages=stages // 4))
-    assert score.pipeline_s == row["predicted_step_s"]  # two stages a node: the inter-node link between them
+    assert score.pipeline_s == step.step_s  # two stages a node: the inter-node link between them
     assert score.pipeline_s > scorer(costs, ranks_per_node=8).score(lay(pp=4, microbatches=8, schedule=schedule,
                                                                         virtual_stages=stages // 4)).pipeline_s
 
@@ -103,17 +100,16 @@ def test_placement_orders_the_axes_with_tp_fastest() -> None:
 
 
 def test_sharded_data_parallelism_is_priced_as_smp_simulate_sdp_prices_it(costs) -> None:
-    from smp.cli.options import Options
-    from smp.cli.pricing import pipeline_costs, sim_row
-    from smp.cli.sharded_dp import group_link
+    from partitioner.sdp.group import ShardingGroup, group_link
+    from pipeline.stage_pricing import pipeline_costs, simulate_costs
 
-    opts = Options(2, microbatches=4, device="h100-80gb", dtype="bf16", sdp=2)
+    options = PartitionOptions.of(OPTIONS, microbatches=4)
     rates = OPTIONS.resolve_rates()
     inter = (rates.inter_node_bytes_per_s, rates.inter_node_latency_s)
     for rpn in (8, 2):  # the sharding group on one node, then across two
-        link = group_link(rates.to_dict(), 2, 2, rpn, inter)
-        row = sim_row("1f1b", pipeline_costs(costs.graph(1, 2), opts, 2, sdp_link=link), 4, 2, rpn, inter)
-        assert scorer(costs, ranks_per_node=rpn).score(lay(dp=2, sdp=2)).step_s == row["predicted_step_s"]
+        group = ShardingGroup(2, link=group_link(rates, 2, 2, rpn, inter))
+        step = simulate_costs("1f1b", pipeline_costs(costs.graph(1, 2), options, 2, sdp=group), 4, 2, rpn, inter)
+        assert scorer(costs, ranks_per_node=rpn).score(lay(dp=2, sdp=2)).step_s == step.step_s
     s = LayoutScorer(costs, Pricing(OPTIONS, 8, sdp_threshold=1000), pipeline_simulator)  # shard gpt2's layers
     plain, sharded = s.score(lay(dp=4)), s.score(lay(dp=4, sdp=4))
     assert sharded.parameter_bytes < plain.parameter_bytes and sharded.step_s > plain.pipeline_s

@@ -11,8 +11,8 @@ from partitioner.layout.costs import layout_costs
 from partitioner.layout.layout import SCHEDULES
 from partitioner.layout.score import LayoutScorer, Pricing
 from partitioner.layout.search import NoLayoutFitsError, SearchSpace, candidates, divisors, search, tp_choices
+from pipeline.stage_simulation import pipeline_simulator
 from smp import zoo
-from smp.cli.commands.plan import pipeline_simulator
 
 OPTIONS = PartitionOptions(device="h100-80gb", dtype="bf16")
 SPACE = SearchSpace(devices=4, global_batch=8, ranks_per_node=2, schedules=SCHEDULES, max_stages=100)

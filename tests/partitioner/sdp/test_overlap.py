@@ -11,8 +11,8 @@ from partitioner.layout.layout import Layout
 from partitioner.layout.score import LayoutScorer, Pricing
 from partitioner.sdp.overlap import StageCollectives, exposed_s, fsdp_unit, overlapped, stage_collectives
 from partitioner.sdp.shards import sharded_params
+from pipeline.stage_simulation import pipeline_simulator
 from smp import zoo
-from smp.cli.commands.plan import pipeline_simulator
 
 OPTIONS = PartitionOptions(device="h100-80gb", dtype="bf16")
 
