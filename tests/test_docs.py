@@ -234,15 +234,13 @@ def _same(shown: list[str], printed: list[str]) -> bool:
 
 
 def _kept_elisions(shown: list[str], printed: list[str]) -> list[str]:
-    """``printed`` with the ``...`` lines of ``shown`` kept where they still stand between matching lines (a fresh
-    run written into a block keeps what the block chose to elide)."""
-    if "..." not in (s.strip() for s in shown):
+    """``printed`` with the block's one ``...`` line kept: as many lines before and after it as ``shown`` has (a
+    fresh run written into a block keeps what the block chose to elide)."""
+    marks = [k for k, s in enumerate(shown) if s.strip() == "..."]
+    if len(marks) != 1 or len(printed) < len(shown) - 1:
         return printed
-    cut = next(k for k, s in enumerate(shown) if s.strip() == "...")
-    head, tail = shown[:cut], [s for s in shown[cut + 1:] if s.strip() != "..."]
-    if printed[:len(head)] == head and (not tail or printed[-len(tail):] == tail):
-        return head + ["..."] + (tail and printed[-len(tail):])
-    return printed
+    before, after = marks[0], len(shown) - marks[0] - 1
+    return printed[:before] + ["..."] + printed[len(printed) - after:]
 
 
 def _run_smp(argv: list[str]) -> list[str]:
