@@ -6,8 +6,8 @@ PYTHONPATH and one OpenMP thread). An HTML comment on the line right before its 
 ``<!-- no-run: reason -->`` compiles it and executes only its imports; ``<!-- slow -->`` runs it only under
 ``-m slow``; ``<!-- launch -n N -->`` runs it as a script of N ranks through ``smp launch`` (under ``-m slow``).
 A ``console`` block marked ``<!-- output -->`` shows what deterministic commands print (a GPU profile's prices, one-line
-errors): each ``$ smp ...`` line runs, and its output must be the lines shown under it, wall-clock seconds masked and a
-``...`` line standing for any lines; ``SMP_UPDATE_DOCS=1`` writes a fresh run's output into the block instead (its
+errors): each ``$ smp ...`` line runs, and its output must be the lines shown under it, wall-clock seconds and progress
+lines masked and a ``...`` line standing for any lines; ``SMP_UPDATE_DOCS=1`` writes a fresh run's output into the block instead (its
 ``...`` lines kept where they still match).
 In ``bash`` blocks every ``smp ...`` line, in ``console`` blocks every ``$ smp ...`` line, must parse with the real
 parser, and a line it refuses must be followed by the parser's own message. The ``<!-- synopsis -->`` block names
@@ -218,6 +218,8 @@ def _check_command_lines(block: Block) -> None:
                 + ("" if block.lang == "bash" else f"\n(the block shows: {following.strip()!r})"))
 
 
+# The progress lines a command prints on stderr as it goes ("smp: [   1.4s] traced ..."): wall-clock, not shown.
+_PROGRESS = re.compile(r"smp: \[\s*\d+(?:\.\d+)?s\] ")
 # Wall-clock seconds a deterministic command still prints ("searched 2072 layouts in 40.9 s").
 _WALL = re.compile(r"\bin \d+(?:\.\d+)? s\b")
 
@@ -248,7 +250,8 @@ def _run_smp(argv: list[str]) -> list[str]:
            "COLUMNS": "200"}
     done = subprocess.run([sys.executable, "-m", "smp.cli", *argv], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=TIMEOUT_S * 5)
-    return (done.stdout + done.stderr).rstrip("\n").splitlines()
+    printed = (done.stdout + done.stderr).rstrip("\n").splitlines()
+    return [line for line in printed if not _PROGRESS.match(line)]
 
 
 def _check_output(block: Block) -> None:
