@@ -148,6 +148,7 @@ class PipelineRunner:
         self.recorder = self.profiler.recorder if self.profiler is not None else None
         self._own_profiler = self.profiler  # record=: this runner's to stop (smp hands runners profilers of its own)
         self.tp_group = _bind_tp(home, tp_groups, self._timeout, self.device, tp_seed)
+        self.data_replicas = len(pipelines) // max((len(g) for g in tp_groups or []), default=1)  # the job's samples
         self.current = self._stage_set(plan, home)
         self._shared = self._shared_groups()
 
@@ -272,12 +273,13 @@ class PipelineRunner:
                           throughput=self.throughput(time.perf_counter() - start, mb_inputs, train))
 
     def throughput(self, seconds: float, mb_inputs: list[dict[str, Any]], train: bool) -> Throughput:
-        """The step's :class:`partitioner.cost.throughput.Throughput` from this rank's ``seconds``: the slowest rank's
-        time (one all-reduce over the pipeline), so that every rank returns the same figures."""
+        """The job's :class:`partitioner.cost.throughput.Throughput` of the step, from this rank's ``seconds``: the
+        slowest rank's time (one all-reduce over the pipeline), so that every rank returns the same figures."""
         slowest = torch.tensor([seconds], dtype=torch.float64, device=self.device)
         with self._named("agreeing on the step's time", self.ranks):
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=self.transport.group)
-        figures = measure(self.current.plan, float(slowest.item()), mb_inputs, train, len(self.ranks))
+        figures = measure(self.current.plan, float(slowest.item()), mb_inputs, train, len(self.ranks),
+                          len(self.pipelines), self.data_replicas)
         if self.profiler is not None and self.profiler.recording is not None:  # for the report (smp report)
             self.profiler.recording.counter("throughput", figures.counts())
         return figures

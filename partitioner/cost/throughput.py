@@ -1,18 +1,20 @@
 """Throughput and model FLOPs utilisation (MFU) of a step: the one definition every figure of a run uses.
 
-A step of a pipeline ran ``samples`` samples (and ``tokens`` tokens, when its input is token ids) in ``seconds``
-of wall time on ``devices`` devices (the pipeline's ranks). Its **model FLOPs** are the plan's forward FLOPs per
+The figures are the **job's**, as ``smp plan`` prices a layout (:mod:`partitioner.layout.score`): a step ran
+``samples`` samples (and ``tokens`` tokens, when its input is token ids) in ``seconds`` of wall time on ``devices``
+devices. Every pipeline of the job runs its step at once, so the samples are one pipeline's times the data-parallel
+replicas and the devices every pipeline's ranks (pp x tp x dp). Its **model FLOPs** are the plan's forward FLOPs per
 microbatch (:attr:`partitioner.cut.plan.StageSummary.flops`, summed over stages) × microbatches × 3 for a training
-step (forward, and a backward of twice the forward) or × 1 for a forward-only step. They are the model's FLOPs,
-not the hardware's: activation recomputation is not counted. Then
+step (forward, and a backward of twice the forward) or × 1 for a forward-only step, times the pipelines. They are the
+model's FLOPs, not the hardware's: activation recomputation is not counted. Then
 
 * ``flops_per_s_per_device = model_flops / (seconds × devices)``;
 * ``mfu = flops_per_s_per_device / peak``, where ``peak`` is the device profile's matmul rate in the plan's
   training dtype (:meth:`partitioner.cost.devices.DeviceRates.matmul_flops_per_s`, the datasheet's dense peak for a
   GPU profile, this machine's measured rate for the calibrated ``cpu``); None when the plan records no rates.
 
-Under tensor parallelism a pipeline's plan is that of one tp rank's shard, so the figures are per device as well.
-Under data parallelism they are per pipeline (one replica): the job's samples/s is ``samples_per_s × dp``.
+Under tensor parallelism a pipeline's plan is that of one tp rank's shard (the tp ranks of a replica are pipelines of
+their own, on the same samples), so an op every tp rank repeats (a norm, a residual) counts once per tp rank.
 """
 from __future__ import annotations
 
@@ -32,10 +34,10 @@ class Throughput:
     """The figures of one step; see the module docstring for their definitions."""
 
     seconds: float                 # the step's wall time (the slowest rank of the pipeline)
-    samples: int                   # samples in the step (over all microbatches)
-    tokens: int | None             # token ids in the step, None when the input is not token ids
-    model_flops: float             # plan forward FLOPs per microbatch x microbatches x (3 training | 1 forward)
-    devices: int                   # devices the step ran on (the pipeline's ranks)
+    samples: int                   # the job's samples in the step (over all microbatches and replicas)
+    tokens: int | None             # the job's token ids in the step, None when the input is not token ids
+    model_flops: float             # plan forward FLOPs per microbatch x microbatches x (3 | 1) x pipelines
+    devices: int                   # devices the step ran on (every pipeline's ranks)
     flops_per_s_per_device: float  # model_flops / (seconds x devices)
     peak_flops_per_s: float | None  # the device profile's peak, None when unknown
     mfu: float | None              # flops_per_s_per_device / peak_flops_per_s
@@ -109,10 +111,13 @@ def peak_flops_per_s(plan: Any) -> float | None:
 
 
 def measure(plan: Any, seconds: float, microbatch_inputs: Sequence[Mapping[str, Any]], train: bool,
-            devices: int) -> Throughput:
-    """The :class:`Throughput` of a step of ``plan`` that took ``seconds`` on ``devices`` devices."""
+            devices: int, pipelines: int = 1, replicas: int = 1) -> Throughput:
+    """The job's :class:`Throughput` of a step of ``plan`` that took ``seconds``, one pipeline's ranks being
+    ``devices`` devices and ``microbatch_inputs`` its inputs, in a job of ``pipelines`` such pipelines holding
+    ``replicas`` data-parallel replicas (pipelines / tp)."""
     samples, tokens = batch_counts(microbatch_inputs)
-    return from_counts(seconds, samples, tokens, model_flops(plan, len(microbatch_inputs), train), devices,
+    return from_counts(seconds, samples * replicas, None if tokens is None else tokens * replicas,
+                       model_flops(plan, len(microbatch_inputs), train) * pipelines, devices * pipelines,
                        peak_flops_per_s(plan))
 
 

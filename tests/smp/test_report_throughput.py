@@ -53,3 +53,27 @@ def test_a_profiled_run_records_the_figures_it_returns(tmp_path):
     returned = run_ranks(_profiled, 1, str(tmp_path))[0]
     assert load_profile(tmp_path).throughput == returned
     assert returned[0].samples == 8 and returned[0].tokens == 48
+
+
+def _dp2_step(rank: int, world: int) -> tuple[int, int | None, int, float]:
+    import smp
+    smp.init({"pipeline_parallel_degree": 1, "ddp": True, "microbatches": 2})
+    torch.manual_seed(0)
+    model = smp.DistributedModel(nn.Sequential(nn.Embedding(50, 8), nn.Flatten(), nn.Linear(8 * 6, 4)))
+    ids, y = torch.randint(0, 50, (8, 6)), torch.randn(8, 4)
+
+    @smp.step
+    def step(model, ids, y):
+        loss = nn.functional.mse_loss(model(ids), y)
+        model.backward(loss)
+        return loss
+
+    figures = step(model, ids, y).throughput
+    return figures.samples, figures.tokens, figures.devices, figures.samples_per_s * figures.seconds
+
+
+def test_a_data_parallel_run_counts_the_jobs_samples_as_smp_plan_does():
+    """A dp2 run printed one replica's samples/s on each rank ('3.8 samples/s ... on 1 device(s)') where smp plan
+    printed the job's for the same layout: every rank now reports the job's samples, tokens and devices."""
+    for samples, tokens, devices, per_step in run_ranks(_dp2_step, 2):
+        assert (samples, tokens, devices) == (16, 96, 2) and per_step == pytest.approx(16)
