@@ -7,8 +7,8 @@ PYTHONPATH and one OpenMP thread). An HTML comment on the line right before its 
 ``-m slow``; ``<!-- launch -n N -->`` runs it as a script of N ranks through ``smp launch`` (under ``-m slow``).
 A ``console`` block marked ``<!-- output -->`` shows what deterministic commands print (a GPU profile's prices, one-line
 errors): each ``$ smp ...`` line runs, and its output must be the lines shown under it, wall-clock seconds and progress
-lines masked and a ``...`` line standing for any lines; ``SMP_UPDATE_DOCS=1`` writes a fresh run's output into the block instead (its
-``...`` lines kept where they still match).
+lines masked and a ``...`` line standing for any lines; ``SMP_UPDATE_DOCS=1`` writes a fresh run's output into the
+block instead (keeping its ``...`` line, with as many lines before and after it).
 In ``bash`` blocks every ``smp ...`` line, in ``console`` blocks every ``$ smp ...`` line, must parse with the real
 parser, and a line it refuses must be followed by the parser's own message. The ``<!-- synopsis -->`` block names
 only real options, docs/cli.md names every option, and the module paths, public names and links of the text exist.
@@ -274,8 +274,9 @@ def _check_output(block: Block) -> None:
         path = ROOT / block.doc
         text = path.read_text().splitlines()
         old = block.text.rstrip("\n").splitlines()
-        at = block.line  # the fence's line (1-based): the block's lines follow it
-        indent = re.match(r"\s*", text[block.line - 1]).group(0)
+        # the fence's line (1-based) now: an earlier block written in this run may have moved it
+        at = min((b.line for b in _read_blocks(path)[0] if b.text == block.text), key=lambda n: abs(n - block.line))
+        indent = re.match(r"\s*", text[at - 1]).group(0)
         assert [line[len(indent):] for line in text[at:at + len(old)]] == old, f"{block.doc}:{block.line} moved"
         text[at:at + len(old)] = [indent + line if line else line for line in fresh]
         path.write_text("\n".join(text) + "\n")
@@ -441,3 +442,15 @@ def test_the_layout_lists_every_module() -> None:
 def test_readme_is_a_front_page() -> None:
     lines = len((ROOT / "README.md").read_text().splitlines())
     assert lines <= README_MAX_LINES, f"README.md has {lines} lines: move reference material to docs/"
+
+
+def test_the_readme_names_every_subcommand() -> None:
+    """The README said the command had six subcommands when it had eight: the paragraph that counts them names each
+    one, and says how many there are."""
+    names = sorted(_subparsers())
+    text = (ROOT / "README.md").read_text()
+    counted = re.search(r"The command has (\w+) subcommands: ([^\n]+(?:\n[^\n]+)*?)\[docs/cli\.md\]", text)
+    assert counted, "README.md must say how many subcommands `smp` has, and name them, before its link to docs/cli.md"
+    words = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven", "twelve"]
+    assert counted.group(1) == words[len(names)], f"README.md counts {counted.group(1)}; smp has {len(names)}: {names}"
+    assert not [n for n in names if f"`{n}`" not in counted.group(2)], f"README.md names not all of {names}"
