@@ -46,6 +46,7 @@ __all__ = [
     "ScheduleError",
     "StageDeps",
     "SCHEDULE_NAMES",
+    "VIRTUAL_SCHEDULE",
     "COMPUTE_KINDS",
     "COMM_KINDS",
     "gpipe",
@@ -271,10 +272,12 @@ def zero_bubble_h1(num_ranks: int, microbatches: int) -> Schedule:
     return Schedule("zb-h1", num_ranks, num_ranks, microbatches, stage_to_rank, actions, split_backward=True)
 
 
+# The schedule of several (virtual) stages per rank, stage s on rank s % p.
+VIRTUAL_SCHEDULE = "interleaved-virtual"
 # The two pipelines under every name (ours and SMP's, partitioner.cost.pipelines), and the schedules beyond.
 _GENERATORS: dict[str, str] = {
     **PIPELINE_NAMES,
-    "interleaved-virtual": "interleaved",
+    VIRTUAL_SCHEDULE: "interleaved",
     "zb-h1": "zb-h1",
     "zero-bubble": "zb-h1",
 }

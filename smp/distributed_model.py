@@ -30,7 +30,7 @@ from smp.checkpoint.tp_state import TPLayout, check_partial, cut_model_state, wh
 from smp.engine import mixed_precision as precision
 from smp.engine import step_run
 from smp.engine.materialize import tensor_ids
-from smp.engine.planning import own_tensors, shared_plan, smp_runner
+from smp.engine.planning import bind_to, own_tensors, plan_ranks, shared_plan, smp_runner
 from smp.engine.tp_shards import shard_specs
 from smp.engine.weights import load_local, weight_cuts
 from smp.placement import manual_stages
@@ -155,13 +155,13 @@ class DistributedModel(torch.nn.Module):
         if plan is not None:
             return plan
         if cfg.partition_file is not None:  # a plan from `smp replan` (or PartitionPlan.to_json): it must fit
-            return PartitionPlan.from_json(cfg.partition_file).bind(
-                self._trace(call), f"partition_file {cfg.partition_file!r}", pp)
+            return bind_to(PartitionPlan.from_json(cfg.partition_file), self._trace(call),
+                           f"partition_file {cfg.partition_file!r}", pp)
         if cfg.auto_partition:
             plan = shared_plan(self.module, call.args, call.kwargs, pp,
                                PartitionOptions.of(options, measure=self.trace_execution_times),
                                st.world_group, cfg.timeout_s, tp=(st.topology.tp, st.topology.tp_rank(st.rank)),
-                               shardable=self.shardable, step=True)
+                               shardable=self.shardable, step=True, ranks=pp)
         else:
             graph = self._trace(call)
             plan = fixed_plan(graph, pp, manual_stages(self.module, graph), options)
@@ -183,7 +183,7 @@ class DistributedModel(torch.nn.Module):
         text, required = self._resume_plan
         plan = PartitionPlan.from_json(text)
         try:  # bind re-applies the plan's column chunks (split_ops) to this trace, as for a partition_file
-            return plan.bind(self._trace(call), "the checkpoint's partition", pp)
+            return bind_to(plan, self._trace(call), "the checkpoint's partition", pp)
         except PlanMismatchError:
             pass
         if required:
@@ -327,9 +327,9 @@ class DistributedModel(torch.nn.Module):
         check_shards(saved_sdp, st.sdp_mesh, "this partial state dict")
         pp = st.topology.pp
         if not self.partitioned:
-            if saved.num_stages != pp:
+            if (saved_pp := plan_ranks(saved)) != pp:
                 raise CheckpointError(f"this partial state dict was saved with pipeline_parallel_degree="
-                                      f"{saved.num_stages}, this run has {pp}: partial checkpoints load on the "
+                                      f"{saved_pp}, this run has {pp}: partial checkpoints load on the "
                                       "layout they were saved with (save a full state_dict() to change it)")
             unknown = sorted(set(sd) - set(self.module.state_dict(keep_vars=True)))
             if strict and unknown:

@@ -6,6 +6,11 @@ between layers; the call is a no-op when the model runs eagerly, and the trace k
 blocks are: ``k`` markers make ``k + 1`` stages, cut in the order the forward runs (which is the order data
 flows, so the stages are acyclic). :func:`partitioner.partition` honours them instead of searching; priced and
 scored like any plan, under the method name ``"pipe_split"``.
+
+As torch.distributed.pipelining does, a pipeline of fewer ranks than the markers' stages runs them as interleaved
+virtual stages: ``k + 1`` stages on ``p`` ranks, ``(k + 1) / p`` per rank, stage ``s`` on rank ``s mod p``
+(:func:`stages_on_ranks` checks the counts); a plan records its ranks under :data:`RANKS_KEY` then, and
+:func:`stages_note` says so in its summary.
 """
 from __future__ import annotations
 
@@ -13,9 +18,53 @@ import numpy as np
 
 from .graph import OpGraph
 
-__all__ = ["MARKER_KIND", "marker_stages"]
+__all__ = ["MARKER_KIND", "RANKS_KEY", "marker_count", "marker_stages", "stages_on_ranks", "stages_note"]
 
 MARKER_KIND = "pippy._pipe_split"
+RANKS_KEY = "pipeline_ranks"  # a plan's extra key: the ranks its stages run on, when fewer than its stages
+
+
+def marker_count(graph: OpGraph) -> int:
+    """How many ``pipe_split()`` markers the forward traced in ``graph`` called."""
+    return sum(k == MARKER_KIND for k in graph.kinds)
+
+
+def stages_on_ranks(graph: OpGraph, ranks: int) -> int | None:
+    """The stages ``graph``'s ``pipe_split()`` markers make (None without markers), checked to run on a pipeline of
+    ``ranks`` ranks: as many, or a multiple run as interleaved virtual stages (the same number on every rank). Any
+    other count is an error that names the counts and the markers or pipeline degrees that would fit."""
+    markers = marker_count(graph)
+    stages = markers + 1
+    if not markers or stages % ranks == 0:
+        return stages if markers else None
+    fits = [n for n in (stages - stages % ranks, stages - stages % ranks + ranks) if n > 1]
+    degrees = [d for d in range(1, stages + 1) if stages % d == 0]
+    raise ValueError(f"the model's {markers} pipe_split() marker(s) make {stages} stages, which a pipeline of {ranks} "
+                     f"ranks cannot share: every rank runs the same number of stages (interleaved virtual stages "
+                     f"when several), so the stages must be a multiple of {ranks}; add or remove markers to make "
+                     f"{_either(fits)} stages ({_either([n - 1 for n in fits])} markers), or use a pipeline degree "
+                     f"that divides {stages} ({_either(degrees)})")
+
+
+def stages_note(method: str, num_stages: int, ranks: int | None) -> list[str]:
+    """What a plan's summary says of where its stages come from and run, as lines: "4 stages from the model's 3
+    pipe_split() markers" (a ``"pipe_split"`` plan), ", 2 per rank on 2 ranks (interleaved virtual stages)" when
+    ``ranks`` (:data:`RANKS_KEY`) are fewer than the stages; none for a plan of one stage per rank, searched."""
+    p = ranks if isinstance(ranks, int) and 0 < ranks < num_stages else None  # virtual stages
+    if method != "pipe_split" and p is None:
+        return []
+    markers = num_stages - 1
+    text = f"{num_stages} stages" + (f" from the model's {markers} pipe_split() marker{'s' * (markers != 1)}"
+                                     if method == "pipe_split" else "")
+    if p is not None:
+        text += f", {num_stages // p} per rank on {p} rank{'s' * (p != 1)} (interleaved virtual stages)"
+    return [text]
+
+
+def _either(values: list[int]) -> str:
+    """``[3, 6]`` as "3 or 6", ``[1, 2, 4]`` as "1, 2 or 4"."""
+    words = [str(v) for v in values]
+    return " or ".join([", ".join(words[:-1]), words[-1]] if len(words) > 1 else words)
 
 
 def marker_stages(graph: OpGraph, num_stages: int) -> np.ndarray | None:

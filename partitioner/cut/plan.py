@@ -17,6 +17,7 @@ import numpy as np
 from ..capture.chunk import split_columns
 from ..capture.graph import OpGraph, unique_ints
 from ..capture.plan_inputs import input_record, inputs_mismatch, inputs_named_apart
+from ..capture.split_points import RANKS_KEY, stages_note
 from ..capture.stage_modules import split
 from ..errors import EngineError
 from ..tp.pricing import degree_mismatch, tensor_parallel_record
@@ -242,7 +243,7 @@ class PartitionPlan:
         return {k: sorted(v) for k, v in out.items()}
 
     def summary(self) -> str:
-        """A readable table: one row per stage, then the totals."""
+        """A readable table: one row per stage, then the totals (and the stages' origin and ranks: stages_note)."""
         head = (f"{'stage':>5} {'ops':>6} {'params':>10} {'GFLOP':>9} {'fwd ms':>8} {'bwd ms':>8} "
                 f"{'comm ms':>8} {'cost ms':>8} {'memory':>10} {'in':>9} {'out':>9}  modules")
         rows = [head, "-" * len(head)]
@@ -254,6 +255,7 @@ class PartitionPlan:
         rows.append(f"method {self.method}: bottleneck {self.bottleneck * 1e3:.3f} ms, lower bound "
                     f"{self.lower_bound * 1e3:.3f} ms, balance {self.balance:.3f}, cut {format_bytes(self.cut_bytes)} "
                     "per microbatch")
+        rows += stages_note(self.method, self.num_stages, self.extra.get(RANKS_KEY))  # the markers', on the ranks
         if self.shared_params:
             rows.append("shared parameters (replicated, gradients summed): " +
                         ", ".join(f"{k} on stages {v}" for k, v in sorted(self.shared_params.items())))
@@ -339,9 +341,7 @@ def _check_plan(kw: dict[str, Any]) -> None:
 
 
 def _module_range(modules: list[str]) -> str:
-    if not modules:
-        return ""
-    return modules[0] if len(modules) == 1 else f"{modules[0]} .. {modules[-1]}"
+    return "" if not modules else modules[0] if len(modules) == 1 else f"{modules[0]} .. {modules[-1]}"
 
 
 def _stage_modules(g: OpGraph, stage: np.ndarray, k: int) -> list[list[str]]:

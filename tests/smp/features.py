@@ -106,6 +106,20 @@ def train(net: Net, steps: int, *, checkpoint: str | tuple[str, ...] = (), hook=
     return model, {"losses": losses, "ref_losses": ref_losses, "param_err": param_err(model, reference)}
 
 
+def loss_and_outputs_step():
+    """A fresh ``@smp.step`` function ``(model, x, y) -> (loss, outputs)`` that trains on the cross-entropy, as SMP v1
+    scripts write one (after ``smp.init``)."""
+    import smp
+
+    @smp.step
+    def train_step(model, x, y):
+        out = model(x)
+        loss = F.cross_entropy(out, y)
+        model.backward(loss)
+        return loss, out
+    return train_step
+
+
 def assert_exact(r: dict) -> None:
     for got, want in zip(r["losses"], r["ref_losses"]):
         assert abs(got - want) <= 1e-5 * abs(want) + 1e-6, (r["losses"], r["ref_losses"])

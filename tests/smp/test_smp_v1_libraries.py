@@ -13,13 +13,12 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from smp.checkpoint.state_dicts import OLD_PARTIAL_KEY, PARTIAL_KEY, unmarked
 from smp.runtime import sagemaker_env
 from smp.runtime.config import load_config
 from smp.testing import run_ranks
-from tests.smp.features import make_batch, make_net
+from tests.smp.features import loss_and_outputs_step, make_batch, make_net
 
 ROOT = Path(__file__).resolve().parents[2]
 SM_ENV = {"SM_HP_MP_PARAMETERS": json.dumps({"partitions": 2, "microbatches": 4, "ddp": True}),
@@ -109,14 +108,7 @@ def _checkpoint_surface(rank: int, world: int, path: str) -> dict:
     torch.manual_seed(0)
     model = smp.DistributedModel(make_net())
     opt = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2))
-
-    @smp.step
-    def train_step(model, x, y):
-        out = model(x)
-        loss = F.cross_entropy(out, y)
-        model.backward(loss)
-        return loss, out
-
+    train_step = loss_and_outputs_step()
     x, y = make_batch(0)
     loss, out = train_step(model, x.chunk(2)[smp.dp_rank()], y.chunk(2)[smp.dp_rank()])
     opt.step()

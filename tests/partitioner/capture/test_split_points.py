@@ -1,7 +1,10 @@
 """``pipe_split()`` markers (torch.distributed.pipelining's) are the user's split points: k markers, k + 1 stages,
 cut where they stand, the model's outputs and gradients unchanged; a count that does not match, or markers with
-nothing between them, is a clear error."""
+nothing between them, is a clear error. On fewer ranks than stages they run as interleaved virtual stages when the
+ranks divide them (the plan's summary says so), and a count the ranks do not divide is an error naming both."""
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
@@ -9,6 +12,8 @@ from torch import nn
 from torch.distributed.pipelining import pipe_split
 
 import partitioner
+from partitioner import PartitionPlan
+from partitioner.capture.split_points import RANKS_KEY, stages_on_ranks
 
 
 class Marked(nn.Module):
@@ -60,3 +65,26 @@ def test_markers_with_nothing_between_them_make_no_empty_stage():
 def test_a_model_without_markers_is_partitioned_as_before():
     plan = partitioner.partition(partitioner.trace(Marked(markers=()), (torch.randn(4, 16),)), 2)
     assert plan.method != "pipe_split"
+
+
+def test_the_plan_says_its_stages_come_from_the_markers_and_how_many_each_rank_runs():
+    plan = partitioner.partition(partitioner.trace(Marked(), (torch.randn(4, 16),)), 4)
+    assert plan.summary().splitlines()[-1] == "4 stages from the model's 3 pipe_split() markers"
+    on_two = PartitionPlan.from_json(replace(plan, extra={RANKS_KEY: 2}).to_json())  # as a pipeline of 2 records it
+    assert on_two.summary().splitlines()[-1] == \
+        "4 stages from the model's 3 pipe_split() markers, 2 per rank on 2 ranks (interleaved virtual stages)"
+
+
+def test_the_markers_stages_run_on_ranks_that_divide_them_and_others_are_told_what_fits():
+    graph = partitioner.trace(Marked(), (torch.randn(4, 16),))
+    assert [stages_on_ranks(graph, p) for p in (1, 2, 4)] == [4, 4, 4]
+    assert stages_on_ranks(partitioner.trace(Marked(markers=()), (torch.randn(4, 16),)), 2) is None
+    with pytest.raises(ValueError) as three:
+        stages_on_ranks(graph, 3)
+    assert str(three.value) == (
+        "the model's 3 pipe_split() marker(s) make 4 stages, which a pipeline of 3 ranks cannot share: every rank runs "
+        "the same number of stages (interleaved virtual stages when several), so the stages must be a multiple of 3; "
+        "add or remove markers to make 3 or 6 stages (2 or 5 markers), or use a pipeline degree that divides 4 "
+        "(1, 2 or 4)")
+    with pytest.raises(ValueError, match=r"make 4 stages, which a pipeline of 8 ranks .* make 8 stages \(7 markers\)"):
+        stages_on_ranks(graph, 8)
