@@ -11,11 +11,21 @@ keys and values when their config's ``use_cache`` is on, which it is by default;
 tree torch.export can return, and a training step never reads it. So every config in the model has
 ``use_cache`` turned off for the duration of the export and restored after (:func:`_without_kv_cache`): the
 stages run the traced graph, never the model's own forward, so the cache stays off in them for good.
+
+torch.export prints on its way to an error: a warning per unbacked symbol it cannot place and the partial graph it
+had traced (twice, from two nested wrappers), 30 lines and more before the error itself. That output is held while
+the export runs (:func:`_held_console`): a successful export writes it to stderr as it would have, a failed one
+attaches it to the :class:`TraceError` as a note, so it is in the traceback (a rank's log under ``smp launch``)
+and not ahead of the one line that names the module and the fix.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
+import io
 import itertools
+import logging
+import sys
 import threading
 import traceback
 import warnings
@@ -108,10 +118,31 @@ def _custom_functions_noted(model: torch.nn.Module) -> Iterator[None]:
                       "x * s + (x - x * s).detach() scales the gradient by s", CustomGradientWarning, stacklevel=4)
 
 
-def _export(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.export.ExportedProgram:
+@contextmanager
+def _held_console() -> Iterator[io.StringIO]:
+    """What is written to stderr meanwhile, by ``print`` and by the log handlers that write to stderr (torch's),
+    held in the yielded buffer in the order it came; on the way out the handlers write where they did before."""
+    held = io.StringIO()
+    streams = (sys.stderr, sys.__stderr__)
+    handlers = {h for lg in [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]
+                if isinstance(lg, logging.Logger) for h in lg.handlers
+                if isinstance(h, logging.StreamHandler) and any(h.stream is s for s in streams)}
+    before = {h: h.setStream(held) for h in handlers}
     try:
-        with _without_kv_cache(model), _custom_functions_noted(model):
-            return torch.export.export(model, args, kwargs, strict=False)
+        with contextlib.redirect_stderr(held):
+            yield held
+    finally:
+        for h, stream in before.items():
+            h.setStream(stream)
+
+
+def _export(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.export.ExportedProgram:
+    held = io.StringIO()
+    try:
+        with _without_kv_cache(model), _custom_functions_noted(model), _held_console() as held:
+            ep = torch.export.export(model, args, kwargs, strict=False)
+        sys.stderr.write(held.getvalue())  # an export that succeeded says what it would have said
+        return ep
     except Exception as exc:  # torch raises many types here; all get the same treatment
         where = _offending_module(model, exc)
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -123,8 +154,13 @@ def _export(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.export.E
                 "check that the example inputs are what forward expects (one microbatch, the right shapes, dtypes "
                 "and types); if they are, simplify that module's forward for torch.export (see the torch.export "
                 "docs on non-strict tracing)")
-        raise TraceError(f"cannot trace {type(model).__name__}: {type(exc).__name__} in module {where}: "
-                         f"{first.rstrip('.')}. Fix: {hint}.") from exc
+        error = TraceError(f"cannot trace {type(model).__name__}: {type(exc).__name__} in module {where}: "
+                           f"{first.rstrip('.')}. Fix: {hint}.")
+        printed = held.getvalue().strip("\n")
+        if printed:  # in the traceback, after the message (Python 3.11+ prints notes)
+            note = f"torch.export printed before it failed ({printed.count(chr(10)) + 1} lines):\n{printed}"
+            error.__notes__ = [*getattr(error, "__notes__", []), note]
+        raise error from exc
 
 
 def trace(model: torch.nn.Module, args: tuple | list | Any = (), kwargs: dict | None = None, *,

@@ -3,11 +3,17 @@
 torchrun reports a failed job as a :class:`~torch.distributed.elastic.multiprocessing.errors.ChildFailedError`
 whose ``failures`` map each failed global rank to a ``ProcessFailure`` (local rank, pid, exit status, and the
 ``error.json`` that :func:`~torch.distributed.elastic.multiprocessing.errors.record` wrote in the rank's log
-folder, when the rank raised). :func:`failure_report` turns them into a few lines:
+folder, when the rank raised). :func:`failure_report` turns them into a few lines, one screen at most:
 
-    smp: error: train.py failed on rank 1: RuntimeError: boom (train.py, line 12)
-      traceback: /tmp/smp-launch-me/20250101-120000-4242/none_ab12/attempt_0/1/error.json
-      logs: /tmp/smp-launch-me/20250101-120000-4242/none_ab12/attempt_0/<local rank>/ ...
+    smp: error: train.py failed on rank 1: TraceError: cannot trace Net: ... in module Net (Net, train.py:11): ...
+      fix: the model branches on tensor values (data-dependent control flow); make the branch depend on ...
+      full log: /tmp/smp-launch-me/20250101-120000-4242/none_ab12/attempt_0/1/stderr.log
+      logs of every rank: /tmp/smp-launch-me/20250101-120000-4242/none_ab12/attempt_0/<local rank>/ ...
+
+The cause is the exception's message, whitespace folded, with where in the script it was raised; an engine error's
+``Fix: ...`` goes on a line of its own. The full log is the rank's ``stderr.log`` (everything it wrote to stderr,
+its traceback last), or for the local rank whose stderr was the console, the ``traceback.log`` that
+:mod:`smp.cli.worker` wrote (else torchrun's ``error.json``).
 
 Ranks that torchrun stopped (SIGTERM) because another one failed are not causes. Among the others the first
 is the one torchrun saw first (the error files' timestamps), then the lowest rank. A rank that left no
@@ -22,9 +28,12 @@ import signal
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["failure_report", "first_failure", "cause", "run_folders", "last_attempt", "MAX_CAUSE_CHARS"]
+from smp.runtime.rank_env import TRACEBACK_LOG
+
+__all__ = ["failure_report", "first_failure", "cause", "full_log", "run_folders", "last_attempt", "MAX_CAUSE_CHARS"]
 
 MAX_CAUSE_CHARS = 600  # a cause longer than this (a tensor printed in a message) is cut, the rest is in error.json
+_FIX = " Fix: "  # how an engine error (partitioner.errors.EngineError) begins its suggestion
 _TAIL_LINES = 5
 _FRAME = re.compile(r'File "(.+?)", line (\d+)')
 
@@ -56,20 +65,25 @@ def _error_data(failure: Any) -> dict[str, Any]:
     return message if isinstance(message, dict) else {}
 
 
+def _cut(text: str) -> str:
+    return text if len(text) <= MAX_CAUSE_CHARS else text[:MAX_CAUSE_CHARS] + " ... (cut; the whole message is " \
+                                                                               "in error.json)"
+
+
 def cause(failure: Any, script: str, log_folder: str | None) -> tuple[str, list[str]]:
     """One line saying why ``failure``'s rank stopped (its exception and where in the script it was raised, else
-    its exit status), and the last lines of its stderr log when it left no error file."""
+    its exit status), and the lines under it: the error's ``Fix: ...`` (``  fix: ...``), or the last lines of its
+    stderr log when it left no error file."""
     data = _error_data(failure)
     text = data.get("message")
     if isinstance(text, str) and text:
-        text = " ".join(text.split())
-        if len(text) > MAX_CAUSE_CHARS:
-            text = text[:MAX_CAUSE_CHARS] + " ... (cut; the whole message is in error.json)"
+        text, _, fix = " ".join(text.split()).partition(_FIX)
+        text = _cut(text)
         frames = _FRAME.findall(str(data.get("extraInfo", {}).get("py_callstack", "")))
         mine = [(f, n) for f, n in frames if os.path.abspath(f) == os.path.abspath(script)]
         if mine:
             text += f" ({os.path.basename(mine[-1][0])}, line {mine[-1][1]})"
-        return text, []
+        return text, [f"  fix: {_cut(fix)}"] if fix else []
     if failure.exitcode < 0:
         try:
             name = signal.Signals(-failure.exitcode).name
@@ -78,7 +92,19 @@ def cause(failure: Any, script: str, log_folder: str | None) -> tuple[str, list[
         text = f"killed by {name}"
     else:
         text = f"exited with status {failure.exitcode}"
-    return text, _tail(os.path.join(log_folder, "stderr.log")) if log_folder else []
+    tail = _tail(os.path.join(log_folder, "stderr.log")) if log_folder else []
+    return text, [f"  its stderr ended with: {line}" for line in tail]
+
+
+def full_log(failure: Any, folder: str | None) -> str | None:
+    """The file with the failed rank's whole story: its ``stderr.log`` (torchrun's, where its stderr was not the
+    console), else the ``traceback.log`` the worker wrote (:data:`smp.runtime.rank_env.TRACEBACK_LOG`), else torchrun's
+    ``error.json``; None if there is none."""
+    error_file = getattr(failure, "error_file", "")
+    places = [os.path.join(folder, "stderr.log"), os.path.join(folder, TRACEBACK_LOG)] if folder else []
+    if error_file:
+        places.append(error_file)
+    return next((p for p in places if os.path.isfile(p) and os.path.getsize(p)), None)
 
 
 def _tail(path: str) -> list[str]:
@@ -101,14 +127,13 @@ def failure_report(script: str, failures: Mapping[int, Any], attempt_dir: str | 
     failure = failures[first]
     local = failure.local_rank
     folder = os.path.join(attempt_dir, str(local)) if attempt_dir else None
-    why, tail = cause(failure, script, folder if local != console_rank else None)
+    why, lines = cause(failure, script, folder if local != console_rank else None)
     where = f"rank {first}" + (f" (local rank {local})" if local != first else "")
     others = f"; {len(ranks)} ranks failed ({', '.join(map(str, ranks))}), rank {first} first" if len(ranks) > 1 else ""
     headline = f"{script} failed on {where}{others}: {why}"
-    lines = [f"  its stderr ended with: {line}" for line in tail]
-    error_file = getattr(failure, "error_file", "")
-    if error_file and os.path.isfile(error_file):
-        lines.append(f"  traceback: {error_file}")
+    log = full_log(failure, folder)
+    if log:
+        lines.append(f"  full log: {log}")
     if attempt_dir:
         lines.append(f"  logs of every rank: {os.path.join(attempt_dir, '<local rank>')}/ (stderr.log, error.json"
                      + (f"; local rank {console_rank} wrote to this console)" if console_rank is not None else ")"))

@@ -8,9 +8,10 @@ first on ``sys.path``, ``sys.argv`` its own), except:
 - an exception is recorded with torchrun's own mechanism
   (:func:`torch.distributed.elastic.multiprocessing.errors.record` writes its message and traceback to the
   ``error.json`` that ``TORCHELASTIC_ERROR_FILE`` names), and the rank exits with status 1. The traceback goes to
-  stderr, which ``smp launch`` sends to the rank's log file, except on the local rank whose stderr is the console
-  (:data:`smp.runtime.rank_env.CONSOLE_RANK_ENV`): there ``smp launch`` reports the cause once, and the traceback
-  is in ``error.json`` (``SMP_TRACEBACK=1`` prints it there too);
+  stderr, which ``smp launch`` sends to the rank's log file (``stderr.log``), except on the local rank whose stderr
+  is the console (:data:`smp.runtime.rank_env.CONSOLE_RANK_ENV`): there ``smp launch`` reports the cause once,
+  and the traceback (with the notes an exception carries, such as what torch.export printed before it failed) goes
+  to ``traceback.log`` beside ``error.json`` (``SMP_TRACEBACK=1`` prints it on the console too);
 - with ``smp launch --as-smdistributed`` (:data:`smp.smdistributed_alias.ALIAS_ENV`), ``import
   smdistributed.modelparallel.torch`` imports smp: the alias is installed before the script runs;
 - a rank started after a training-health rule stopped the job (the file ``SMP_HEALTH_STOP_FILE`` names exists:
@@ -25,7 +26,7 @@ import traceback
 from collections.abc import Sequence
 
 from smp.runtime.health_options import STOP_EXIT_STATUS, STOP_FILE_ENV
-from smp.runtime.rank_env import CONSOLE_RANK_ENV
+from smp.runtime.rank_env import CONSOLE_RANK_ENV, TRACEBACK_LOG
 from smp.smdistributed_alias import alias_from_environment
 
 __all__ = ["run_script"]
@@ -52,8 +53,22 @@ def run_script(argv: Sequence[str]) -> int:
         console = os.environ.get(CONSOLE_RANK_ENV)
         if console is None or os.environ.get("LOCAL_RANK") != console or os.environ.get("SMP_TRACEBACK"):
             traceback.print_exc()
+        if console is not None and os.environ.get("LOCAL_RANK") == console:
+            _log_traceback(TRACEBACK_LOG)
         return 1
     return 0
+
+
+def _log_traceback(name: str) -> None:
+    """Write the exception being handled, as Python prints it, to ``name`` in the rank's log folder (the folder of
+    torchrun's ``TORCHELASTIC_ERROR_FILE``), where ``smp launch`` says the full log is."""
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        try:
+            with open(os.path.join(os.path.dirname(error_file), name), "w") as fh:
+                fh.write(traceback.format_exc())
+        except OSError:
+            pass  # the traceback is still in error.json
 
 
 if __name__ == "__main__":

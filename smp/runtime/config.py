@@ -205,11 +205,7 @@ def load_config(config: dict | str | os.PathLike | None = None) -> Config:
     known = {f.name for f in fields(Config)}
     unknown = sorted(set(cfg) - known)
     if unknown:
-        valid = sorted(known | {"partitions"})
-        close = {k: difflib.get_close_matches(k, valid, n=1, cutoff=0.7) for k in unknown}
-        hints = "; ".join(f"{k!r}: did you mean {m[0]!r}?" for k, m in close.items() if m)
-        raise ConfigError(f"unknown smp config key(s) {unknown}" + (f" ({hints})" if hints else "")
-                          + f"; valid keys: {valid}")
+        raise ConfigError(_unknown_keys(unknown, sorted(known | {"partitions"})))
     if "timeout_s" not in cfg and os.environ.get(TIMEOUT_ENV):
         text = os.environ[TIMEOUT_ENV]
         try:
@@ -228,6 +224,21 @@ def load_config(config: dict | str | os.PathLike | None = None) -> Config:
         if getattr(c, key) != defaults[key]:  # through smp.init, stacklevel 3 is the user's smp.init line
             warn_no_effect(f"smp config {key!r}={getattr(c, key)!r}", why, stacklevel=3)
     return c
+
+
+def _unknown_keys(unknown: list[str], valid: list[str]) -> str:
+    """The message for config keys that are not smp's, one line a console shows whole: each key's likeliest
+    meaning first (did you mean), for a key with none a few keys that look like it, then where every key is
+    listed (not the keys themselves)."""
+    best = {k: difflib.get_close_matches(k, valid, n=1, cutoff=0.7) for k in unknown}
+    hints = [f"{k!r}: did you mean {m[0]!r}?" for k, m in best.items() if m]
+    near = dict.fromkeys(c for k, m in best.items() if not m
+                         for c in difflib.get_close_matches(k, valid, n=3, cutoff=0.5))
+    if near:
+        hints.append(f"keys like {' or '.join(repr(k) for k, m in best.items() if not m)}: "
+                     + ", ".join(map(repr, list(near)[:3])))
+    return (f"unknown smp config key(s) {unknown}" + (f" ({'; '.join(hints)})" if hints else "")
+            + f"; all {len(valid)} keys: docs/smp_api.md (Setup and config), smp.Config's fields")
 
 
 def _unaliased(config: dict[str, Any]) -> dict[str, Any]:

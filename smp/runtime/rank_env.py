@@ -19,12 +19,14 @@ import socket
 from contextlib import contextmanager
 from typing import Iterator
 
-__all__ = ["RANK_ENV", "CONSOLE_RANK_ENV", "rank_environment", "added_environment", "free_port"]
+__all__ = ["RANK_ENV", "CONSOLE_RANK_ENV", "TRACEBACK_LOG", "rank_environment", "added_environment", "free_port"]
 
 RANK_ENV = {"THP_MEM_ALLOC_ENABLE": "1"}
 # Set by `smp launch`: the local rank whose stderr is the console (the others' goes to their log files), where
-# smp.cli.worker leaves a failure's traceback to error.json because the launch reports the cause itself.
+# smp.cli.worker writes a failure's traceback to TRACEBACK_LOG in the rank's log folder, not to the console, because
+# the launch reports the cause itself and names that file.
 CONSOLE_RANK_ENV = "SMP_LAUNCH_CONSOLE_RANK"
+TRACEBACK_LOG = "traceback.log"
 
 
 @contextmanager

@@ -73,12 +73,29 @@ def test_a_failure_reads_in_one_screen(tmp_path: Path) -> None:
     assert "(cut; the whole message is in error.json)" in error and len(error) < 800, error
     assert report.count("UserWarning: a library warning") == 1 and "Traceback" not in report, report
     assert "OMP_NUM_THREADS" not in report and "exitcode" not in report, report
-    traceback_file = re.search(r"traceback: (\S+)", done.stderr).group(1)
-    assert Path(traceback_file).parent.name == "1" and str(tmp_path / "logs") in traceback_file
-    assert "no batch for rank 1" in json.loads(Path(traceback_file).read_text())["message"]["extraInfo"]["py_callstack"]
-    rank1 = (Path(traceback_file).parent / "stderr.log").read_text()
-    assert "Traceback" in rank1 and "a library warning" in rank1  # rank 1's stderr went to its log only
-    assert f"logs of every rank: {Path(traceback_file).parent.parent}/<local rank>/" in done.stderr
+    log = Path(re.search(r"full log: (\S+)", done.stderr).group(1))  # rank 1's stderr went to its log only
+    assert log.name == "stderr.log" and log.parent.name == "1" and str(tmp_path / "logs") in str(log)
+    assert "Traceback" in log.read_text() and "a library warning" in log.read_text()
+    error = json.loads((log.parent / "error.json").read_text())["message"]["extraInfo"]["py_callstack"]
+    assert "no batch for rank 1" in error
+    assert f"logs of every rank: {log.parent.parent}/<local rank>/" in done.stderr
+
+
+def test_a_config_typo_reads_in_one_screen(tmp_path: Path) -> None:
+    """A misspelt config key under ``smp launch``: the did-you-mean is on the console whole (it used to follow every
+    valid key and be cut off), and the failed rank's full log is a file the report names (for the console rank, whose
+    stderr was the console, the traceback the worker wrote)."""
+    script = tmp_path / "typo.py"
+    script.write_text('import smp\nsmp.init({"pipeline_parallel_degree": 2, "microbatchs": 2})\n')
+    done = smp("launch", "-n", "2", "--log-dir", str(tmp_path / "logs"), str(script), timeout=120)
+    report = done.stdout + done.stderr
+    assert len(report.splitlines()) <= 4 and "cut;" not in report, report
+    error = one_line_error(done, "ConfigError: unknown smp config key(s) ['microbatchs'] ('microbatchs': did you "
+                           "mean 'microbatches'?)", "(typo.py, line 2)")
+    assert "pipeline_parallel_degree" not in error, error  # no list of every key
+    log = Path(re.search(r"full log: (\S+)", done.stderr).group(1))  # both ranks fail; either may be first
+    assert log.name == {"0": "traceback.log", "1": "stderr.log"}[log.parent.name], log
+    assert "Traceback" in log.read_text() and "microbatchs" in log.read_text()
 
 
 _DOES_NOT_TRACE = """import torch
@@ -110,15 +127,44 @@ step(model, torch.randn(4, 8))
 
 @pytest.mark.slow
 def test_a_model_that_does_not_trace_reads_in_one_screen(tmp_path: Path) -> None:
-    """Issue 26's case: it printed 493 lines (a torch.export traceback per rank). Now: under 40, the cause once."""
+    """Issue 26's case: it printed 493 lines (a torch.export traceback per rank), then 30 (torch's partial graph,
+    twice, before the report). Now: a few lines naming the module and its source line, the fix on a line of its
+    own, and the rank's full log, which holds the traceback and the graph torch printed."""
     script = tmp_path / "notrace.py"
     script.write_text(_DOES_NOT_TRACE)
     done = smp("launch", "-n", "2", "--log-dir", str(tmp_path / "logs"), str(script), timeout=300)
     report = done.stdout + done.stderr
-    assert done.returncode == 1 and len(report.splitlines()) < 40, report
+    assert done.returncode == 1 and len(report.splitlines()) <= 6, report
+    assert "def forward" not in report and "Unable to find user code" not in report, report
     line = _DOES_NOT_TRACE.splitlines().index("step(model, torch.randn(4, 8))") + 1
-    one_line_error(done, "TraceError: cannot trace Net", "data-dependent control flow", f"(notrace.py, line {line})")
+    error = one_line_error(done, "TraceError: cannot trace Net", "in module Net (Net, notrace.py:11)",
+                           f"(notrace.py, line {line})")
+    assert "Fix:" not in error and "\n  fix: the model branches on tensor values (data-dependent control flow)" in \
+        done.stderr, done.stderr
     assert report.count("cannot trace Net") == 1 and "Traceback" not in report, report
+    log = Path(re.search(r"full log: (\S+)", done.stderr).group(1)).read_text()
+    assert "Traceback" in log and "torch.export printed before it failed" in log and "def forward" in log, log
+
+
+def test_torch_exports_printout_goes_with_the_trace_error(capfd) -> None:
+    """What torch.export prints before it fails (its partial graph, twice, and a warning) is not printed: it is a
+    note of the :class:`TraceError`, in the traceback (a rank's log under ``smp launch``), after the message."""
+    import traceback
+
+    import torch
+
+    import partitioner
+    from partitioner.capture.tracing import TraceError
+
+    namespace: dict = {}
+    exec(_DOES_NOT_TRACE.split("smp.init")[0].replace("import smp", ""), namespace)
+    capfd.readouterr()
+    with pytest.raises(TraceError) as err:
+        partitioner.trace(namespace["Net"](), (torch.randn(2, 8),))
+    assert capfd.readouterr().err == ""
+    printed = "".join(traceback.format_exception(err.value))
+    assert printed.index("Fix: the model branches") < printed.index("torch.export printed before it failed") \
+        < printed.index("def forward"), printed
 
 
 def test_the_report_names_the_first_failure_and_not_the_ranks_torchrun_stopped(tmp_path: Path) -> None:

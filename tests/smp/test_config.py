@@ -88,6 +88,22 @@ def test_bad_values_and_unknown_keys_are_errors(config, needle):
     assert needle in str(err.value)
 
 
+def test_an_unknown_key_is_told_in_one_short_line_suggestion_first():
+    """A typo's message fits a console line: the did-you-mean first, no list of every key (it was 700 characters,
+    and ``smp launch`` cut it); a key like none gets a few keys that look like it, and every message says where all
+    keys are."""
+    messages = {}
+    for key in ("microbatchs", "zero_stage"):
+        with pytest.raises(ConfigError) as err:
+            load_config({**BASE, key: 1})
+        messages[key] = str(err.value)
+    typo, other = messages["microbatchs"], messages["zero_stage"]
+    assert len(typo.splitlines()[0]) < 200 and "\n" not in typo, typo
+    assert typo.startswith("unknown smp config key(s) ['microbatchs'] ('microbatchs': did you mean 'microbatches'?)")
+    assert "'pipeline_parallel_degree'" not in typo and "docs/smp_api.md" in typo, typo
+    assert len(other) < 200 and "keys like 'zero_stage': " in other and "'fast_mode'" not in other, other
+
+
 def test_timeout_comes_from_config_then_environment(monkeypatch):
     monkeypatch.delenv("SMP_TIMEOUT_S", raising=False)
     assert load_config({"partitions": 2}).timeout_s == DEFAULT_TIMEOUT_S == 60
