@@ -14,8 +14,9 @@ The script is written the way a SageMaker model-parallel (v1) script is, with ``
 ``import smdistributed.modelparallel.torch as smp``: ``smp.init``, ``smp.DistributedModel``,
 ``smp.DistributedOptimizer`` (with an lr scheduler), an ``@smp.step`` function that calls ``model(...)``
 and ``model.backward(loss)``, ``StepOutput.reduce_mean()``, the rank helpers, and a partial checkpoint
-written with ``smp.save`` at the end. Rank 0 prints the partition plan after the first step and the loss
-of every step.
+written with ``smp.save`` at the end. Rank 0 prints the partition plan after the first step (with ``--plan``, which
+file it is), and the loss and time of every step, with a word on the steps that do more than train: the first
+traces the model, the last profiled one writes the profile.
 """
 from __future__ import annotations
 
@@ -80,6 +81,17 @@ def counting_batch(step: int, args: argparse.Namespace) -> torch.Tensor:
     return (start + stride * torch.arange(args.seq + 1)) % min(args.modulus, args.vocab)
 
 
+def step_note(step: int, args: argparse.Namespace) -> str:
+    """Why a step's time stands out: the first step traces the model (and partitions it, without ``--plan``) and
+    builds its stages; the last profiled step writes the profile."""
+    if step == 0:
+        return ("  (the first step traces the model and builds its stages)" if args.plan else
+                "  (the first step traces and partitions the model and builds its stages)")
+    if args.profile and step == args.steps - 1:
+        return "  (and writes the profile)"
+    return ""
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     smp.init({
@@ -109,7 +121,9 @@ def main(argv: list[str] | None = None) -> None:
     model = smp.DistributedModel(build_model(args), trace_execution_times=True)
 
     def show_plan(model: smp.DistributedModel, optimizer) -> None:
-        if lead:
+        if lead and args.plan:  # a plan given is printed already (smp inspect, smp demo): say which one it is
+            print(f"partition plan: {args.plan} ({model.runner.plan.num_stages} stages)", flush=True)
+        elif lead:
             print("partition plan:")
             print(model.runner.plan.summary(), flush=True)
 
@@ -156,7 +170,7 @@ def main(argv: list[str] | None = None) -> None:
             loss = sum(losses) / len(losses)
         if lead:
             print(f"step {step + 1:3d}/{args.steps}  loss {loss:.4f}  lr {lr:.2e}  "
-                  f"{time.perf_counter() - t0:6.3f} s", flush=True)
+                  f"{time.perf_counter() - t0:6.3f} s{step_note(step, args)}", flush=True)
 
     # Partial checkpoint, SMP v1's files: PATH_<mp_rank> from each pipeline rank of replica 0, committed by
     # PATH.manifest.json (sizes and checksums) once every rank has written its file.
@@ -168,7 +182,8 @@ def main(argv: list[str] | None = None) -> None:
         files = sorted(f for f in os.listdir(out) if f.startswith("gpt2."))
         if args.out is None:  # a temporary directory: say what was written, then remove it as --help promises
             shutil.rmtree(out, ignore_errors=True)
-            print(f"wrote and removed a partial checkpoint ({', '.join(files)}); pass --out DIR to keep it")
+            print(f"wrote and removed a partial checkpoint ({', '.join(files)}); pass --out DIR to keep it (the "
+                  "run ends by saving one to show that smp.save works; without --out it goes to a temporary folder)")
         else:
             print(f"saved partial checkpoint: {', '.join(files)} in {out}")
 
