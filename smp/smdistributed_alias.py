@@ -1,18 +1,21 @@
-"""``smp.alias_smdistributed()``: make ``import smdistributed.modelparallel.torch`` import this ``smp``, for code
-that cannot be edited (a library such as Hugging Face's ``Trainer``).
+"""``smp.alias_smdistributed()``: make ``import smdistributed.modelparallel.torch`` import this ``smp``, and
+``import smdistributed.dataparallel.torch`` its data-parallel twin :mod:`smp.smddp`, for code that cannot be edited
+(a library such as Hugging Face's ``Trainer``, or a training script written for SageMaker).
 
 The alias is opt-in: call it before the library is imported, or launch with ``smp launch --as-smdistributed``,
 which sets :data:`ALIAS_ENV` so that every rank calls it before the script runs (:mod:`smp.cli.worker`,
-:func:`alias_from_environment`). It puts a finder first on
-``sys.meta_path`` that answers for three names and everything under the last:
+:func:`alias_from_environment`). It puts a finder first on ``sys.meta_path`` that answers for these names and
+everything under the two packages it maps:
 
-- ``smdistributed`` and ``smdistributed.modelparallel``: empty packages; the latter's ``__version__`` is
-  :data:`SMP_V1_VERSION`, the SMP v1 release whose behaviour this engine matches (libraries gate their SMP code
-  paths on it, as ``transformers`` does on ``>= 1.10``);
-- ``smdistributed.modelparallel.torch`` and ``smdistributed.modelparallel.torch.<x>``: the very modules ``smp``
-  and ``smp.<x>`` (one module object under two names, so there is one state), so that
-  ``import smdistributed.modelparallel.torch as smp`` and ``from smdistributed.modelparallel.torch.nn import ...``
-  work, and ``importlib.util.find_spec("smdistributed")`` finds it.
+- ``smdistributed``, ``smdistributed.modelparallel`` and ``smdistributed.dataparallel``: empty packages; the
+  latter two's ``__version__`` are :data:`SMP_V1_VERSION`, the SMP v1 release whose behaviour this engine matches
+  (libraries gate their SMP code paths on it, as ``transformers`` does on ``>= 1.10``), and
+  :data:`SMDDP_V1_VERSION`, the data-parallel release whose API :mod:`smp.smddp` has;
+- ``smdistributed.modelparallel.torch[.<x>]`` and ``smdistributed.dataparallel.torch[.<x>]``: the very modules
+  ``smp[.<x>]`` and ``smp.smddp[.<x>]`` (one module object under two names, so there is one state), so that
+  ``import smdistributed.modelparallel.torch as smp``, ``from smdistributed.modelparallel.torch.nn import ...``,
+  ``import smdistributed.dataparallel.torch.distributed as dist`` and ``import
+  smdistributed.dataparallel.torch.torch_smddp`` work, and ``importlib.util.find_spec("smdistributed")`` finds it.
 
 Where a real ``smdistributed`` is importable the alias would hide it, so it is refused unless ``force=True``
 (``smp launch --shadow-smdistributed``).
@@ -29,14 +32,27 @@ import types
 from typing import Any, Sequence
 
 __all__ = ["alias_smdistributed", "alias_from_environment", "check_no_real_smdistributed", "SMP_V1_VERSION",
-           "ALIAS_ENV", "SmdistributedAliasError"]
+           "SMDDP_V1_VERSION", "ALIAS_ENV", "SmdistributedAliasError"]
 
 # transformers' SMP branch needs >= 1.10 (tagged checkpoints, fp16 from the config) and gates nothing on later
 # releases; the sharded data parallelism of 1.11 is here too (sharded_data_parallel_degree), but the version a library
 # reads stays the one whose behaviour that library was tested against here.
 SMP_V1_VERSION = "1.10.0"
+# The data-parallel release with both of its PyTorch APIs: smdistributed.dataparallel.torch.distributed and its
+# DistributedDataParallel (deprecated there, still shipped) and the torch.distributed backend "smddp" (new there).
+SMDDP_V1_VERSION = "1.4.0"
 ALIAS_ENV = "SMP_AS_SMDISTRIBUTED"  # set by smp launch for its ranks (smp.cli.worker reads it)
-_ROOT, _PARENT, _TORCH = "smdistributed", "smdistributed.modelparallel", "smdistributed.modelparallel.torch"
+_ROOT = "smdistributed"
+_PACKAGES = {"smdistributed.modelparallel": SMP_V1_VERSION, "smdistributed.dataparallel": SMDDP_V1_VERSION}
+_MAPPED = {"smdistributed.modelparallel.torch": "smp", "smdistributed.dataparallel.torch": "smp.smddp"}
+
+
+def _target(fullname: str) -> str | None:
+    """The ``smp`` module an aliased name stands for (None for a name the alias does not map)."""
+    for alias, target in _MAPPED.items():
+        if fullname == alias or fullname.startswith(alias + "."):
+            return target + fullname[len(alias):]
+    return None
 
 
 class SmdistributedAliasError(RuntimeError):
@@ -44,20 +60,21 @@ class SmdistributedAliasError(RuntimeError):
 
 
 class _Loader(importlib.abc.Loader):
-    """Makes the two empty parent packages, or hands back the ``smp`` module an aliased name stands for."""
+    """Makes the empty parent packages, or hands back the ``smp`` module an aliased name stands for."""
 
     def __init__(self) -> None:
         self._specs: dict[str, importlib.machinery.ModuleSpec | None] = {}  # smp module name -> its own spec
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
-        if spec.name == _ROOT or spec.name == _PARENT:
+        target = _target(spec.name)
+        if target is None:
             module = types.ModuleType(spec.name, f"stands for SageMaker's {spec.name}: the alias of "
                                                  "smp.alias_smdistributed()")
             module.__path__ = []
-            if spec.name == _PARENT:
-                module.__version__ = SMP_V1_VERSION  # type: ignore[attr-defined]
+            if spec.name in _PACKAGES:
+                module.__version__ = _PACKAGES[spec.name]  # type: ignore[attr-defined]
             return module
-        module = importlib.import_module("smp" + spec.name[len(_TORCH):])
+        module = importlib.import_module(target)
         self._specs[module.__name__] = module.__spec__
         return module
 
@@ -69,15 +86,16 @@ class _Loader(importlib.abc.Loader):
 
 
 class _Finder(importlib.abc.MetaPathFinder):
-    """Answers for ``smdistributed``, ``smdistributed.modelparallel`` and ``smdistributed.modelparallel.torch[.x]``."""
+    """Answers for ``smdistributed``, its two packages and the names under ``<package>.torch`` that it maps."""
 
     def find_spec(self, fullname: str, path: Sequence[str] | None = None,
                   target: types.ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
-        if fullname in (_ROOT, _PARENT):
+        if fullname == _ROOT or fullname in _PACKAGES:
             return importlib.machinery.ModuleSpec(fullname, _LOADER, is_package=True)
-        if fullname != _TORCH and not fullname.startswith(_TORCH + "."):
+        mapped = _target(fullname)
+        if mapped is None:
             return None
-        real = importlib.util.find_spec("smp" + fullname[len(_TORCH):])
+        real = importlib.util.find_spec(mapped)
         if real is None:
             return None
         return importlib.machinery.ModuleSpec(fullname, _LOADER, is_package=real.submodule_search_locations is not None)
@@ -112,7 +130,8 @@ def check_no_real_smdistributed(fix: str = "pass force=True to use smp in its pl
 
 
 def alias_smdistributed(force: bool = False) -> None:
-    """Make ``import smdistributed.modelparallel.torch`` import ``smp`` in this process (see the module docstring).
+    """Make ``import smdistributed.modelparallel.torch`` import ``smp``, and ``import smdistributed.dataparallel.torch``
+    import :mod:`smp.smddp`, in this process (see the module docstring).
     Call it before importing the library that imports ``smdistributed``; calling it again changes nothing.
 
     Raises :class:`SmdistributedAliasError` when a real ``smdistributed`` is importable (or already imported),

@@ -42,6 +42,7 @@ SMP_LAYERS = {
     "smp.checkpoint": {"smp.checkpoint", "smp.runtime"},
     "smp.testing": {"smp.runtime"},
     "smp.zoo": set(),
+    "smp.smddp": {"smp.smddp", "smp.runtime"},  # SageMaker's data-parallel library on torch.distributed
     "smp.cli": {"smp"},
     "smp": {"smp.runtime", "smp.engine", "smp.checkpoint", "smp.profiling", "smp.amp", "smp.optimizers",
             "smp.placement", "smp.ranks", "smp.distributed_model", "smp.distributed_optimizer", "smp.nn", "smp.health",

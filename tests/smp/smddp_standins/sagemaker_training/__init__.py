@@ -1,0 +1,1 @@
+"""A stand-in for SageMaker's training toolkit: :mod:`sagemaker_training.environment` only."""
