@@ -9,9 +9,9 @@ with the file's git blob id (checked on fetch) and the API it calls: ``"v1"``, t
 has a fast variant in the default run (tests/smp/smddp_scripts). Later commits that only moved the file kept one of
 these texts (the 2024-07 ``archived/`` copy and main's 32589e6 have 12c978e's).
 
-Fetching (:func:`fetch`): a clone or mirror named by ``SMP_SAGEMAKER_EXAMPLES``, else a cache folder
-(``SMP_PUBLIC_SCRIPTS_CACHE``, default ``~/.cache/smp-public-scripts``), else GitHub's raw files; None when none has
-it (the test then skips, saying how to provide them).
+Fetching (:func:`fetch`): a cache folder (``SMP_PUBLIC_SCRIPTS_CACHE``, default ``~/.cache/smp-public-scripts``),
+else a clone or mirror named by ``SMP_SAGEMAKER_EXAMPLES``; None when neither has it (the test then skips, saying how
+to provide them). The tests never reach the network: a clone is the user's to make.
 
 The edits (:func:`adapt`), each one asserted to apply: on the CPU the script's CUDA lines (its refusal to run without
 CUDA, ``torch.device("cuda")``, ``set_device``, ``.cuda(local_rank)``, ``device_ids``); SageMaker's ``/opt/ml/``
@@ -24,8 +24,6 @@ import hashlib
 import os
 import re
 import subprocess
-import urllib.parse
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -112,22 +110,13 @@ def _from_git(commit: str, path: str) -> str | None:
     return done.stdout if done.returncode == 0 else None
 
 
-def _from_github(commit: str, path: str) -> str | None:
-    url = f"https://raw.githubusercontent.com/{REPO}/{commit}/{urllib.parse.quote(path)}"
-    try:
-        with urllib.request.urlopen(url, timeout=20) as response:
-            return response.read().decode()
-    except (OSError, ValueError):  # no network here, or no such file
-        return None
-
-
 def fetch(commit: str, path: str) -> str | None:
     """The text of ``path`` at ``commit`` of :data:`REPO` (see the module docstring for where from); None when it
     cannot be had here."""
     cached = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "smp-public-scripts") / commit / path.strip()
     if cached.exists():
         return cached.read_text()
-    text = _from_git(commit, path) or _from_github(commit, path)
+    text = _from_git(commit, path)
     if text is not None:
         cached.parent.mkdir(parents=True, exist_ok=True)
         cached.write_text(text)
