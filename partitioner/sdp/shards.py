@@ -25,9 +25,14 @@ parameter, one coalesced all-reduce of the whole parameters' gradients, with its
 priced
 whole, not overlapped with compute: the runtime (:mod:`pipeline.param_gather`) waits for each one where it is issued;
 :mod:`partitioner.sdp.overlap` prices FSDP's overlapped collectives, for published runs.
+
+A degree that shards nothing (every parameter under the threshold, or used by two stages) changes nothing but the
+name: :func:`shardable` says what a degree would shard (:class:`Shardable`), the layout search leaves such a degree
+out, and a run warns once (:func:`warn_if_nothing_sharded`, :class:`ShardsNothingWarning`).
 """
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -42,7 +47,8 @@ from ..cut.memory import stage_memory
 from ..cut.objective import stage_params
 from ..cut.plan import PartitionPlan
 
-__all__ = ["PERSISTENCE_THRESHOLD", "ShardedRank", "sharded_params", "gathered_window", "sharded_dp"]
+__all__ = ["PERSISTENCE_THRESHOLD", "ShardedRank", "sharded_params", "gathered_window", "sharded_dp", "Shardable",
+           "shardable", "warn_if_nothing_sharded", "ShardsNothingWarning"]
 
 PERSISTENCE_THRESHOLD = 1_000_000  # SMP v1's default sdp_param_persistence_threshold, in elements
 _FP32_BYTES = 4
@@ -108,15 +114,91 @@ def sharded_params(graph: OpGraph, stage: np.ndarray, num_stages: int, degree: i
     (:meth:`OpGraph.load`) knows only its trainable parameters, and their bytes as fp32 elements."""
     if degree <= 1 or not len(graph.param_names):
         return np.zeros(len(graph.param_names), bool)
-    p_stage, p_idx = stage_params(graph, np.asarray(stage, np.int64), num_stages)
-    holders = np.bincount(p_idx, minlength=len(graph.param_names))
+    numel = _numels(graph)
+    return (numel >= max(threshold, 1)) & (_holders(graph, stage, num_stages) == 1)
+
+
+def _numels(graph: OpGraph) -> np.ndarray:
+    """Elements of each of ``graph``'s parameters (0 for a buffer: never sharded)."""
     if graph.fx is not None:
         named = dict(graph.fx.module.named_parameters(remove_duplicate=False))
-        param = np.array([n in named for n in graph.param_names], bool)
-        numel = np.array([named[n].numel() if n in named else 0 for n in graph.param_names], np.int64)
-    else:
-        param, numel = np.asarray(graph.param_trainable, bool), np.asarray(graph.param_bytes, np.int64) // _FP32_BYTES
-    return param & (numel >= max(threshold, 1)) & (holders == 1)
+        return np.array([named[n].numel() if n in named else 0 for n in graph.param_names], np.int64)
+    return np.where(np.asarray(graph.param_trainable, bool), np.asarray(graph.param_bytes, np.int64) // _FP32_BYTES, 0)
+
+
+def _holders(graph: OpGraph, stage: np.ndarray, num_stages: int) -> np.ndarray:
+    """How many stages use each of ``graph``'s parameters."""
+    _, p_idx = stage_params(graph, np.asarray(stage, np.int64), num_stages)
+    return np.bincount(p_idx, minlength=len(graph.param_names))
+
+
+@dataclass(frozen=True)
+class Shardable:
+    """What sharding (a degree above 1) shards of a model's ``params`` parameters at ``threshold`` elements (SMP's
+    ``sdp_param_persistence_threshold``): ``over`` have that many elements or more, of which ``shared`` are used by
+    several stages (kept whole); ``largest`` names the largest parameter under the threshold, with ``largest_numel``
+    elements (None: none is), ``shared_names`` the shared ones."""
+
+    params: int
+    over: int
+    shared: int
+    threshold: int
+    largest: str | None
+    largest_numel: int
+    shared_names: tuple[str, ...] = ()
+
+    @property
+    def sharded(self) -> int:
+        """Parameters sharded."""
+        return self.over - self.shared
+
+    def why_none(self) -> str:
+        """Why nothing is sharded (when :attr:`sharded` is 0), with the numbers, for a message that goes on."""
+        which = "the largest" if not self.over else "the largest of the others"
+        below = f" ({which}, {self.largest}, has {self.largest_numel:,})" if self.largest else ""
+        if not self.over:
+            return f"none of the model's {self.params} parameters has {self.threshold:,} elements or more{below}"
+        return (f"the {self.over} of the model's {self.params} parameters with {self.threshold:,} elements or more "
+                f"({', '.join(self.shared_names[:3])}{', ...' if self.shared > 3 else ''}) are used by several "
+                f"stages, which keep them whole{below}")
+
+
+def shardable(graph: OpGraph, threshold: int = PERSISTENCE_THRESHOLD, stage: np.ndarray | None = None,
+              num_stages: int = 1) -> Shardable:
+    """What sharding shards of ``graph``'s parameters at ``threshold`` elements (:class:`Shardable`), each op of the
+    graph on ``stage`` of ``num_stages`` (default: one stage, none shared)."""
+    numel = _numels(graph)
+    over = numel >= max(threshold, 1)
+    held = _holders(graph, np.zeros(graph.num_nodes, np.int64) if stage is None else stage, num_stages)
+    shared = over & (held > 1)
+    under = np.where(over, -1, numel)
+    i = int(np.argmax(under)) if len(under) else 0
+    big = len(under) > 0 and under[i] > 0
+    return Shardable(params=int((numel > 0).sum()), over=int(over.sum()), shared=int(shared.sum()),
+                     threshold=int(threshold), largest=graph.param_names[i] if big else None,
+                     largest_numel=int(under[i]) if big else 0,
+                     shared_names=tuple(graph.param_names[j] for j in np.flatnonzero(shared)))
+
+
+def warn_if_nothing_sharded(plan: PartitionPlan, degree: int, threshold: int) -> Shardable | None:
+    """Warn (:class:`ShardsNothingWarning`, once) when ``sharded_data_parallel_degree=degree`` shards none of
+    ``plan``'s parameters at ``sdp_param_persistence_threshold=threshold``; what it shards, or None for degree 1."""
+    if degree <= 1:
+        return None
+    graph = plan.traced_graph()
+    found = shardable(graph, threshold, plan.stage_of_ops(graph), plan.num_stages)
+    if not found.sharded:
+        fix = (f"set sdp_param_persistence_threshold to {found.largest_numel:,} or less in the smp config (parameters "
+               "of that many elements or more are sharded), or " if found.largest else "")
+        warnings.warn(f"sharded_data_parallel_degree={degree} shards nothing at sdp_param_persistence_threshold="
+                      f"{threshold:,}: {found.why_none()}. Every parameter stays whole on every replica and is "
+                      f"all-reduced as under plain data parallelism: sharding saves no memory. Fix: {fix}drop "
+                      "sharded_data_parallel_degree", ShardsNothingWarning, stacklevel=2)
+    return found
+
+
+class ShardsNothingWarning(UserWarning):
+    """Sharded data parallelism was asked for, but no parameter is sharded; the message says why and the fix."""
 
 
 def gathered_window(graph: OpGraph, ops: np.ndarray, params: np.ndarray,

@@ -24,6 +24,7 @@ from partitioner import PartitionOptions, PartitionPlan, partition, trace
 from partitioner.capture.graph import OpGraph
 from partitioner.capture.split_points import RANKS_KEY, stages_note, stages_on_ranks
 from partitioner.capture.tracing import price_loss
+from partitioner.sdp.shards import warn_if_nothing_sharded
 from partitioner.tp.shard_program import tensor_parallel_graph
 from pipeline import PipelineRunner
 from pipeline.p2p import named_failures
@@ -196,6 +197,8 @@ def smp_runner(st: State, model: PipelineModel, plan: PartitionPlan, checkpoint_
     gather = None
     if st.sdp_mesh is not None:  # sharded data parallelism: this rank's shards, made one module at a time
         sharded = to_shard(model.module, local, plan.shared_params, cfg.sdp_param_persistence_threshold)
+        if st.rank == 0:  # where the engine first knows the parameters; once for the job: rank 0 writes the console
+            warn_if_nothing_sharded(plan, cfg.sharded_data_parallel_degree, cfg.sdp_param_persistence_threshold)
         shard_own_share(model.module, local, sharded, st.sdp_mesh, st.device, initialise, shard_of, st.optimizer,
                         also=[plan.traced_graph().fx.module])
         gather = GatheredParams()

@@ -40,6 +40,29 @@ def test_sdp_matches_one_process(world, pp, sdp, name):
     _check(run_ranks(train, world, cfg, name, 3, 8, timeout=400))
 
 
+def _shards_nothing_warnings(rank: int, world: int) -> list[str]:
+    import warnings
+
+    from partitioner.sdp.shards import ShardsNothingWarning
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("default")  # each distinct warning once per place, as a script sees them
+        train(rank, world, {"pipeline_parallel_degree": 1, "microbatches": 2, "ddp": True,
+                            "sharded_data_parallel_degree": 2}, "gpt2", 2, 8)
+    return [str(w.message) for w in seen if issubclass(w.category, ShardsNothingWarning)]
+
+
+def test_sdp_that_shards_nothing_says_so_once():
+    # gpt2's largest parameter has 65,536 elements, under SMP's default sdp_param_persistence_threshold (10^6):
+    # sharding changes nothing, and the run says so once, on rank 0 (the console under smp launch)
+    first, second = run_ranks(_shards_nothing_warnings, 2, timeout=300)
+    assert second == [] and len(first) == 1
+    assert first[0].startswith("sharded_data_parallel_degree=2 shards nothing at sdp_param_persistence_threshold="
+                               "1,000,000: none of the model's 52 parameters has 1,000,000 elements or more (the "
+                               "largest, transformer.wte.weight, has 65,536)")
+    assert "Fix: set sdp_param_persistence_threshold to 65,536 or less in the smp config" in first[0]
+
+
 @pytest.mark.slow
 def test_sdp_with_tensor_parallelism_matches_one_process():
     cfg = {**SDP, "pipeline_parallel_degree": 1, "tensor_parallel_degree": 2, "sharded_data_parallel_degree": 2}

@@ -158,3 +158,37 @@ def test_bad_degrees_and_mappings_are_refused(gpt2) -> None:
     with pytest.raises(ValueError, match="stage_rank has 3 entries for 2 stages"):
         sharded_dp(plan, graph, 2, stage_rank=[0, 1, 2])
     assert np.all([r.sharded == 0 for r in sharded_dp(plan, graph, 2)])  # tiny GPT-2: all under a million
+
+
+def test_what_a_degree_shards_and_the_warning_when_it_shards_nothing(gpt2) -> None:
+    import warnings
+
+    from partitioner.sdp.shards import ShardsNothingWarning, shardable, warn_if_nothing_sharded
+
+    _, graph = gpt2
+    plan = _plan(graph, 2)
+    found = shardable(graph)  # gpt2's largest parameter, the tied embedding, has 65,536 elements
+    assert (found.params, found.over, found.sharded) == (52, 0, 0)
+    assert found.why_none() == ("none of the model's 52 parameters has 1,000,000 elements or more (the largest, "
+                                "transformer.wte.weight, has 65,536)")
+    # At 60,000 the tied embedding and a block's 8 matmuls are over it; two stages use the embedding: it stays whole.
+    tied = shardable(graph, 60_000, plan.stage_of_ops(graph), 2)
+    assert (tied.over, tied.shared, tied.sharded) == (9, 1, 8) and shardable(graph, 60_000).sharded == 9
+    # Only a tied embedding over the threshold, on both stages: nothing sharded, and it says why.
+    tiny = nn.Sequential(nn.Embedding(100, 64), nn.Linear(64, 64), nn.Linear(64, 100, bias=False))
+    tiny[2].weight = tiny[0].weight
+    small = partitioner.trace(tiny, (torch.randint(0, 100, (2, 8)),))
+    only = shardable(small, 5000, _plan(small, 2).stage_of_ops(small), 2)
+    assert (only.over, only.shared, only.sharded) == (1, 1, 0)
+    assert only.why_none() == ("the 1 of the model's 3 parameters with 5,000 elements or more (0.weight) are used by "
+                               "several stages, which keep them whole (the largest of the others, 1.weight, has 4,096)")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        warn_if_nothing_sharded(plan, 2, PERSISTENCE_THRESHOLD)
+        warn_if_nothing_sharded(plan, 2, 10_000)  # shards the layers: no warning
+        warn_if_nothing_sharded(plan, 1, PERSISTENCE_THRESHOLD)  # no sharding asked for: none
+    (w,) = seen
+    assert w.category is ShardsNothingWarning
+    assert str(w.message).startswith("sharded_data_parallel_degree=2 shards nothing at sdp_param_persistence_threshold"
+                                      "=1,000,000: none of the model's 52 parameters has 1,000,000 elements or more")
+    assert "Fix: set sdp_param_persistence_threshold to 65,536 or less in the smp config" in str(w.message)
