@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from partitioner.capture.graph import OpGraph
+from partitioner.cost.collectives import after_pipeline_s
 from partitioner.cut.options import PartitionOptions
 from partitioner.cut.plan import PartitionPlan
 from partitioner.sdp.group import ShardingGroup
@@ -29,7 +30,7 @@ def with_end_of_step(sim: SimResult, end_s: Sequence[float]) -> tuple[float, flo
     reduce-scatter and all-reduce (counted busy); the step's fixed cost (:func:`pipeline.step_model.predict_step`) is
     kept."""
     last = [e[-1] if e else 0.0 for e in sim.ends]
-    step = max(t + x for t, x in zip(last, end_s)) + sim.step_s - max(last, default=0.0)
+    step = sim.step_s + after_pipeline_s(last, end_s)
     busy = sum(sim.busy_s) + sum(end_s)
     return step, (1.0 - busy / (len(sim.busy_s) * step) if step > 0 else 0.0)
 

@@ -11,7 +11,8 @@ A plan records the tensor inputs of its trace as ``inputs``: placeholder name ->
 plan used with inputs of other shapes (the whole batch, say) is a ``PlanMismatchError`` that names both shapes when
 the runner is made, not a shape error in the first step. A dimension recorded as ``null`` matches any size (a
 dynamic dimension); a plan without the record (older files, synthetic graphs) is not checked. A malformed record
-is a ``PlanMismatchError`` (a ``PlanError``) naming the value when it is checked.
+is a ``PlanMismatchError`` (a ``PlanError``) naming the value when it is checked. :func:`traced_call` names the call
+the record was traced from (``model(input_ids)``), which ``smp plan --config`` prints when it writes a plan.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["input_record", "inputs_mismatch", "inputs_named_apart", "record_at_batch"]
+__all__ = ["input_record", "inputs_mismatch", "inputs_named_apart", "record_at_batch", "traced_call"]
 
 
 def input_record(graph: Any) -> dict[str, dict[str, Any]]:
@@ -79,6 +80,12 @@ def inputs_named_apart(record: dict[str, Any], graph: Any) -> str:
     return (f"; the inputs differ: {' and '.join(s for s in said if s)} (the plan: {sorted(record)}; this call: "
             f"{sorted(here)}). Call the model with the inputs the plan was made from, or make the plan from a "
             "factory that returns the inputs the step passes (smp plan / smp inspect TARGET)")
+
+
+def traced_call(record: dict[str, Any]) -> str:
+    """The call a plan was traced from, by its ``inputs`` record (:func:`input_record`): ``model(input_ids)``, each
+    tensor input by name; a step that calls the model with other inputs (``labels=`` too) runs other ops."""
+    return f"model({', '.join(record)})"
 
 
 def _well_formed(entry: Any) -> bool:

@@ -10,9 +10,11 @@ data-parallel average of the layout planner (:mod:`partitioner.layout.score`).
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from .devices import DeviceRates
 
-__all__ = ["all_reduce_s", "all_gather_s", "gradient_all_reduce_s"]
+__all__ = ["all_reduce_s", "all_gather_s", "gradient_all_reduce_s", "after_pipeline_s"]
 
 
 def all_reduce_s(nbytes: float, tp: int, rates: DeviceRates) -> float:
@@ -42,3 +44,12 @@ def gradient_all_reduce_s(nbytes: float, replicas: int, rates: DeviceRates, link
         return 0.0
     return (all_reduce_s(nbytes, replicas, link) + nbytes / rates.grad_bytes_per_s
             + 5 * nbytes / (rates.bytes_per_s * rates.memory_efficiency))
+
+
+def after_pipeline_s(rank_end_s: Sequence[float], after_s: Sequence[float]) -> float:
+    """Seconds a step grows by when each pipeline rank, its last pass ending at ``rank_end_s[r]``, then spends
+    ``after_s[r]`` on its gradient reduction: how far the latest such end lies past the latest pass; never below 0,
+    and 0.0 exactly when nothing is reduced (a difference of sums would round to -0.0 or 1e-17)."""
+    if not rank_end_s or not any(x > 0 for x in after_s):
+        return 0.0
+    return max(0.0, max(end + x for end, x in zip(rank_end_s, after_s)) - max(rank_end_s))

@@ -11,7 +11,9 @@ model's FLOPs, not the hardware's: activation recomputation is not counted. Then
 * ``flops_per_s_per_device = model_flops / (seconds × devices)``;
 * ``mfu = flops_per_s_per_device / peak``, where ``peak`` is the device profile's matmul rate in the plan's
   training dtype (:meth:`partitioner.cost.devices.DeviceRates.matmul_flops_per_s`, the datasheet's dense peak for a
-  GPU profile, this machine's measured rate for the calibrated ``cpu``); None when the plan records no rates.
+  GPU profile, or the rate of hand-made rates); None when the plan records no rates, and on a profile
+  :func:`partitioner.calibrate` measured on this machine (``cpu``): its rate is a 512 x 512 matmul timed here, not a
+  peak, so a share of it (30% at 0.03 TFLOP/s) would read as a GPU's MFU and mean something else (:func:`peak_of`).
 
 Under tensor parallelism a pipeline's plan is that of one tp rank's shard (the tp ranks of a replica are pipelines of
 their own, on the same samples), so an op every tp rank repeats (a norm, a residual) counts once per tp rank.
@@ -26,7 +28,11 @@ import torch
 
 from partitioner.cost.devices import DeviceRates
 
-__all__ = ["Throughput", "batch_counts", "measure", "from_counts", "model_flops", "peak_flops_per_s"]
+__all__ = ["Throughput", "batch_counts", "measure", "from_counts", "model_flops", "peak_flops_per_s", "peak_of",
+           "MEASURED_PROFILES"]
+
+# The names partitioner.calibrate gives the profiles it measures on this machine (torch's device type): no peak.
+MEASURED_PROFILES = frozenset({"cpu", "cuda", "mps", "xpu"})
 
 
 @dataclass(frozen=True)
@@ -104,10 +110,17 @@ def model_flops(plan: Any, microbatches: int, train: bool) -> float:
 
 
 def peak_flops_per_s(plan: Any) -> float | None:
-    """The peak of the device the plan was priced for, in its training dtype (None without rates)."""
+    """The peak of the device the plan was priced for, in its training dtype (None without rates, or with rates
+    measured on this machine: :func:`peak_of`)."""
     if not getattr(plan, "rates", None):
         return None
-    return DeviceRates.from_dict(plan.rates).matmul_flops_per_s(plan.options.get("dtype") or "fp32")
+    return peak_of(DeviceRates.from_dict(plan.rates), plan.options.get("dtype") or "fp32")
+
+
+def peak_of(rates: DeviceRates, dtype: str) -> float | None:
+    """The peak MFU is a share of: ``rates``' matmul rate in ``dtype``; None for a profile measured on this machine
+    (:data:`MEASURED_PROFILES`, the calibrated ``cpu``), whose rate is not a peak (module docstring)."""
+    return None if rates.name in MEASURED_PROFILES else rates.matmul_flops_per_s(dtype)
 
 
 def measure(plan: Any, seconds: float, microbatch_inputs: Sequence[Mapping[str, Any]], train: bool,

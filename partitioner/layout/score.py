@@ -26,7 +26,10 @@ What neither command prices, the layout adds, as the runtime runs it:
   rank's reduce-scatter and all-reduce after its pipeline end (instead of the plain all-reduce), its memory the
   sharded rank's peak; the sharding group's link is the intra-node one when its D replicas share a node (our
   runtime's collectives do not overlap compute; ``Pricing.overlap``: FSDP's do, :mod:`partitioner.sdp.overlap`);
-* throughput and MFU over the job, by :func:`partitioner.cost.throughput.from_counts` (the one definition).
+* throughput and MFU over the job, by :func:`partitioner.cost.throughput.from_counts` (the one definition);
+* the memory budget less a headroom (:mod:`partitioner.layout.headroom`, ``Pricing.headroom``: 10% by default) is
+  what a layout must fit (:attr:`LayoutScorer.budget`); its stages are cut under the budget whose partitioner's
+  preferred line (:data:`partitioner.cut.objective.HEADROOM` free) is that limit.
 
 The simulator is passed in (``simulate``, a :class:`PipelineSimulator`): the partitioner does not import the
 pipeline package (:mod:`pipeline.simulate` is what the ``smp`` command passes).
@@ -46,24 +49,25 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
-from ..cost.collectives import all_gather_s, all_reduce_s, gradient_all_reduce_s
+from ..cost.collectives import after_pipeline_s, all_gather_s, all_reduce_s, gradient_all_reduce_s
 from ..cost.devices import DeviceRates
 from ..cost.precision import activation_bytes, param_memory_parts
-from ..cost.throughput import from_counts
+from ..cost.throughput import from_counts, peak_of
 from ..cut.memory import StageMemory, stage_memory
 from ..cut.objective import MemoryBudgetError, stage_crossings
 from ..cut.options import UNLIMITED, PartitionOptions
 from ..cut.plan import PartitionPlan
 from ..cut.portfolio import partition
 from ..sdp.shards import PERSISTENCE_THRESHOLD, ShardedRank, sharded_dp
+from .chain import chain_bottleneck
 from .costs import LayoutCosts
+from .headroom import DEFAULT, Headroom
 from .layout import Layout, Score, partition_pipeline
 from .sharded import sdp_links, sdp_passes
 
@@ -96,12 +100,14 @@ class Pricing:
     """What every layout is priced under: the partitioner's ``options`` (device, precision, links, memory budget,
     optimizer, memory weight; microbatches and pipeline are each layout's), ``ranks_per_node`` and, under sdp, the
     elements below which a parameter stays whole (``sdp_threshold``, SMP's ``sdp_param_persistence_threshold``);
-    ``overlap``: sdp's collectives overlap with compute as in FSDP (:mod:`partitioner.sdp.overlap`; not our runtime)."""
+    ``overlap``: sdp's collectives overlap with compute as in FSDP (:mod:`partitioner.sdp.overlap`; not our runtime);
+    ``headroom``: memory every device keeps free of its budget (:mod:`partitioner.layout.headroom`)."""
 
     options: PartitionOptions
     ranks_per_node: int
     sdp_threshold: int = PERSISTENCE_THRESHOLD
     overlap: bool = False
+    headroom: Headroom = DEFAULT
 
     @property
     def rates(self) -> DeviceRates:
@@ -162,7 +168,8 @@ class LayoutScorer:
         self.inter = dataclasses.replace(self.rates, link_bytes_per_s=self.rates.inter_node_bytes_per_s,
                                          link_latency_s=self.rates.inter_node_latency_s)
         self._plans: dict[tuple[int, int, int, int, str, bool], PartitionPlan] = {}
-        self.budget = pricing.options.budget(self.rates)
+        self.device_budget = pricing.options.budget(self.rates)  # the device's; a layout fits budget, less headroom
+        self.budget = pricing.headroom.usable(self.device_budget)
         self._totals: dict[tuple[int, int], _Sums] = {}
         self._chains: dict[tuple, float] = {}
 
@@ -239,7 +246,9 @@ class LayoutScorer:
         if key not in self._plans:
             graph = self.costs.graph(layout.tp, layout.microbatch_size)
             costs = self.costs.costs(layout.tp, layout.microbatch_size)
-            opts = PartitionOptions.of(self.pricing.options, microbatches=layout.microbatches, pipeline=pipeline)
+            cut = self.pricing.headroom.cut_budget(self.device_budget)
+            opts = PartitionOptions.of(self.pricing.options, microbatches=layout.microbatches, pipeline=pipeline,
+                                       **({} if cut == self.device_budget else {"device_memory": cut}))
             free = PartitionOptions.of(opts, device_memory=UNLIMITED)
             try:
                 self._plans[key] = partition(graph, layout.stages, free if layout.sdp > 1 else opts, costs=costs)
@@ -296,15 +305,16 @@ class LayoutScorer:
             held = [(r.peak_bytes - r.activation_bytes, acts) for r, (_, acts) in zip(sharded, held)]
             reduce = [r.end_of_step_s if tail is None else r.all_reduce_s + tail[r.rank] for r in sharded]
         # after each rank's pipeline its all-reduce; the step's fixed cost (pipeline.step_model) stays
-        step = max(end + ar for end, ar in zip(sim.rank_end_s, reduce)) + sim.step_s - max(sim.rank_end_s)
+        after = after_pipeline_s(sim.rank_end_s, reduce)
+        step = sim.step_s + after
         worst = max(range(pp), key=lambda r: sum(held[r]))
         tp_step = m * max(sum(tp_f[s] + tp_b[s] + (tp_f[s] if ckpt else 0.0) for s in mine) for mine in ranks)
         samples = layout.global_batch
         per_sample = self.costs.tokens_per_sample
         flops = self.costs.model_flops(layout.microbatch_size) * m * layout.dp * 3  # a training step
         out = from_counts(step, samples, None if per_sample is None else round(samples * per_sample), flops,
-                          layout.devices, self.rates.matmul_flops_per_s(o.dtype))
-        return Score(step_s=step, pipeline_s=sim.step_s, dp_comm_s=step - sim.step_s, samples_per_s=out.samples_per_s,
+                          layout.devices, peak_of(self.rates, o.dtype))
+        return Score(step_s=step, pipeline_s=sim.step_s, dp_comm_s=after, samples_per_s=out.samples_per_s,
                      tokens_per_s=out.tokens_per_s, flops_per_s_per_device=out.flops_per_s_per_device, mfu=out.mfu,
                      memory_bytes=int(round(sum(held[worst]))), budget_bytes=self.budget, bubble=sim.bubble,
                      exposed_comm_s=max(0.0, step - quiet.step_s), tp_comm_s=float(tp_step),
@@ -350,45 +360,6 @@ class LayoutScorer:
         if layout.zero1:
             seconds += all_gather_s(sum(s.weights_bytes for s in mine), layout.dp, link)
         return seconds
-
-
-def chain_bottleneck(seconds: np.ndarray, stages: int, *, fixed: np.ndarray | None = None,
-                     acts: np.ndarray | None = None, in_flight: Sequence[int] = (), budget: float | None = None,
-                     rtol: float = 1e-3) -> float:
-    """The least bottleneck of ``seconds`` (per op, in order) cut into at most ``stages`` contiguous runs, to
-    ``rtol``: bisection on the bottleneck, each probe packed greedily (the classic linear-partition bound; greedy
-    packing is optimal for contiguous runs). With a ``budget``, stage s must also hold its ops' ``fixed`` bytes and
-    ``in_flight[s]`` times their ``acts``: infinity when no contiguous cut fits."""
-    t = np.asarray(seconds, np.float64)
-    cum = np.concatenate([[0.0], np.cumsum(t)])
-    memory: dict[int, np.ndarray] = {}
-    if budget is not None and fixed is not None and acts is not None:
-        cf, ca = (np.concatenate([[0.0], np.cumsum(np.asarray(x, np.float64))]) for x in (fixed, acts))
-        memory = {f: cf + f * ca for f in set(in_flight)}
-
-    def fits(cap: float) -> bool:
-        pos = 0
-        for s in range(stages):
-            end = int(np.searchsorted(cum, cum[pos] + cap, side="right")) - 1
-            if memory:
-                held = memory[in_flight[s]]
-                end = min(end, int(np.searchsorted(held, held[pos] + budget, side="right")) - 1)
-            pos = max(pos, end)
-            if pos >= len(t):
-                return True
-        return False
-
-    largest = float(t.max(initial=0.0))
-    lo = max(cum[-1] / stages, largest)
-    hi = lo + largest  # without memory, greedy packing always fits under T/k + the largest op
-    if not fits(hi):
-        hi = cum[-1] + largest
-        if not fits(hi):
-            return math.inf
-    while hi - lo > rtol * lo:
-        cap = (lo + hi) / 2
-        lo, hi = (lo, cap) if fits(cap) else (cap, hi)
-    return hi
 
 
 @functools.lru_cache(maxsize=4096)

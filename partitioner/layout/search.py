@@ -5,28 +5,31 @@ node (and the model's attention heads), dp dividing the global batch; for each, 
 replica's batch (the microbatch count follows), every schedule (interleaved with v virtual stages only where the
 microbatches fill rounds of pp), activation checkpointing, ZeRO-1 and the placement of the axes where they make a
 difference (ZeRO-1 and placement need dp > 1), and the sharded data-parallel degree sdp (every divisor of dp; above 1
-only without ZeRO-1, which it subsumes).
+only without ZeRO-1, which it subsumes, and only where it shards some parameter: a degree that shards nothing is the
+same layout under another name, :mod:`partitioner.layout.sharded`).
 
 :func:`search` is a branch and bound over that list, as Alpa (Zheng et al. OSDI'22) and Aceso (Liu et al.
-EuroSys'24) prune theirs: a layout whose lower bound on the largest device's memory exceeds the budget is dropped
-unpriced, the rest are priced (:meth:`partitioner.layout.score.LayoutScorer.score`: partition, simulate) in order of
-their optimistic estimate, a layout whose lower bound on the step is no better than the K-th best priced so far is
+EuroSys'24) prune theirs: a layout whose lower bound on the largest device's memory exceeds the budget (the device's
+less the headroom kept free for the allocator, :mod:`partitioner.layout.headroom`) is dropped unpriced, the rest
+are priced (:meth:`partitioner.layout.score.LayoutScorer.score`: partition, simulate) in order of their optimistic
+estimate, a layout whose lower bound on the step is no better than the K-th best priced so far is
 skipped, and the walk stops once the estimate itself reaches the K-th best (``exhaustive=True`` walks on: the
 bounds alone are then exact, so the result is the K best of the whole space). Only layouts that fit are returned.
 When none fits, :class:`NoLayoutFitsError` says what would: more devices, checkpointing, ZeRO-1, sharded data
-parallelism (the least degree with which the closest layout fits, priced), a smaller batch.
+parallelism (the least degree with which the closest layout fits, priced), less headroom, a smaller batch.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from ..errors import EngineError
 from ..units import format_bytes
 from .layout import CHECKPOINTING, PLACEMENTS, Layout, Proposal
 from .score import LayoutScorer
+from .sharded import shards_nothing
 
 __all__ = ["SearchSpace", "SearchResult", "NoLayoutFitsError", "candidates", "search", "divisors", "tp_choices"]
 
@@ -79,8 +82,10 @@ def _allowed(values: tuple[int, ...] | None, x: int) -> bool:
     return values is None or x in values
 
 
-def candidates(space: SearchSpace, tp_degrees: Iterable[int]) -> Iterator[Layout]:
-    """Every layout of ``space`` with a tp degree of ``tp_degrees`` (those the model can shard), in a fixed order."""
+def candidates(space: SearchSpace, tp_degrees: Iterable[int], unsharded: Collection[int] = ()) -> Iterator[Layout]:
+    """Every layout of ``space`` with a tp degree of ``tp_degrees`` (those the model can shard), in a fixed order;
+    with a tp degree of ``unsharded`` (where sdp would shard nothing: :func:`partitioner.layout.sharded.unsharded_tps`)
+    only sdp 1."""
     n, batch = space.devices, space.global_batch
     most = space.max_stages or n
     for tp in sorted(t for t in set(tp_degrees) if _allowed(space.tp, t) and n % t == 0):
@@ -89,10 +94,11 @@ def candidates(space: SearchSpace, tp_degrees: Iterable[int]) -> Iterator[Layout
             if not _allowed(space.dp, dp) or batch % dp:
                 continue
             for size in (s for s in divisors(batch // dp) if _allowed(space.microbatch_size, s)):
-                yield from _variants(space, pp, tp, dp, size, batch // dp // size, most)
+                yield from _variants(space, pp, tp, dp, size, batch // dp // size, most, tp in unsharded)
 
 
-def _variants(space: SearchSpace, pp: int, tp: int, dp: int, size: int, m: int, most: int) -> Iterator[Layout]:
+def _variants(space: SearchSpace, pp: int, tp: int, dp: int, size: int, m: int, most: int,
+              unsharded: bool = False) -> Iterator[Layout]:
     """The schedule, checkpointing, ZeRO-1, placement and sdp variants of one grid and microbatching, those that
     differ: with one stage, 1F1B, GPipe and ZB-H1 are one schedule (with one microbatch, 1F1B and GPipe are), and
     interleaving needs stages to interleave; ZeRO-1 needs dp > 1, the
@@ -111,7 +117,8 @@ def _variants(space: SearchSpace, pp: int, tp: int, dp: int, size: int, m: int, 
             for ckpt in space.checkpointing:
                 for zero1 in (space.zero1 if dp > 1 else (False,)):
                     for placement in placements:
-                        for sdp in (s for s in divisors(dp) if _allowed(space.sdp, s) and not (zero1 and s > 1)):
+                        for sdp in (s for s in divisors(dp) if _allowed(space.sdp, s)
+                                    and not ((zero1 or unsharded) and s > 1)):
                             yield Layout(pp=pp, tp=tp, dp=dp, microbatch_size=size, microbatches=m, schedule=schedule,
                                          virtual_stages=v, checkpointing=ckpt, zero1=zero1, placement=placement,
                                          sdp=sdp)
@@ -120,7 +127,8 @@ def _variants(space: SearchSpace, pp: int, tp: int, dp: int, size: int, m: int, 
 @dataclass
 class SearchResult:
     """The best layouts that fit (best first), and what the search did: layouts ``enumerated``, dropped by the
-    memory bound (``memory_pruned``), skipped by the step bound or the estimate (``bound_pruned``), ``scored``
+    memory bound (``memory_pruned``), skipped by the step bound or the estimate (``bound_pruned``), dropped because
+    their sdp would shard nothing with their cut (``unsharded``: their sdp 1 twin under another name), ``scored``
     exactly, and the stage partitions made (``partitions``)."""
 
     proposals: list[Proposal] = field(default_factory=list)
@@ -129,6 +137,7 @@ class SearchResult:
     bound_pruned: int = 0
     scored: int = 0
     partitions: int = 0
+    unsharded: int = 0
 
 
 def _order(lay: Layout) -> tuple:
@@ -173,6 +182,10 @@ def search(layouts: Iterable[Layout], scorer: LayoutScorer, top: int = 5, *, exh
         if bound >= kth:
             result.bound_pruned += 1
             continue
+        if lay.sdp > 1 and shards_nothing(lay, scorer.plan(lay), scorer.costs.graph(lay.tp, lay.microbatch_size),
+                                          scorer.pricing.sdp_threshold):
+            result.unsharded += 1
+            continue
         score = scorer.score(lay)
         result.scored += 1
         if not score.fits:
@@ -193,7 +206,10 @@ def _no_fit(budget: float | None, least: tuple[float, Layout] | None, closest: P
     if least is None:
         return ("no layout to search: no grid pp x tp x dp of these devices divides the global batch and the model; "
                 "change --devices, --global-batch or the fixed degrees")
-    cap = format_bytes(budget or 0)
+    cap = f"{format_bytes(budget or 0)} per device"
+    device, headroom = scorer.device_budget, scorer.pricing.headroom
+    if device is not None and budget is not None and device > budget:
+        cap += f" ({format_bytes(device)} less {headroom.describe()} kept free for the allocator)"
     if closest is not None:
         lay, s = closest.layout, closest.score
         need = (f"the closest, {lay.describe()}, needs {_size(s.memory_bytes)} (parameter state "
@@ -214,9 +230,14 @@ def _no_fit(budget: float | None, least: tuple[float, Layout] | None, closest: P
     if sdp is not None:
         ideas.append(f"sharded data parallelism of degree {sdp.layout.sdp} (sharded_data_parallel_degree: "
                      f"{sdp.layout.describe()} needs {_size(sdp.score.memory_bytes)})")
+    need_bytes = closest.score.memory_bytes if closest is not None else least[0]
+    if device is not None and budget is not None and need_bytes <= device:
+        ideas.append(f"less memory headroom: it would leave {100 * (1 - need_bytes / device):.0f}% of the device's "
+                     f"{format_bytes(device)} free, where {headroom.describe()} is kept (at the risk of running out "
+                     "of memory)")
     ideas.append("a smaller global batch or microbatch" + (" (activations are most of it)" if acts else ""))
     ideas.append("a cheaper optimizer (sgd) or a device with more memory")
-    return f"no layout fits {cap} per device: {need}. What would fit: " + "; ".join(ideas)
+    return f"no layout fits {cap}: {need}. What would fit: " + "; ".join(ideas)
 
 
 def _sdp_that_fits(lay: Layout, tried: set[object], scorer: LayoutScorer) -> Proposal | None:
@@ -225,6 +246,9 @@ def _sdp_that_fits(lay: Layout, tried: set[object], scorer: LayoutScorer) -> Pro
     for d in divisors(lay.dp)[1:]:
         if ("sdp", d) not in tried:
             sharded = dataclasses.replace(lay, sdp=d, zero1=False)
+            if shards_nothing(sharded, scorer.plan(sharded), scorer.costs.graph(lay.tp, lay.microbatch_size),
+                              scorer.pricing.sdp_threshold):
+                return None
             score = scorer.score(sharded)
             if score.fits:
                 return Proposal(sharded, score)

@@ -1,5 +1,6 @@
-"""A layout's sharded data parallelism: the links of its sharding and replica groups, and what the sdp gathers add
-to each pass of its stages (:mod:`partitioner.sdp`), as :class:`partitioner.layout.score.LayoutScorer` prices it."""
+"""A layout's sharded data parallelism: the links of its sharding and replica groups, what the sdp gathers add to each
+pass of its stages (:mod:`partitioner.sdp`), as :class:`partitioner.layout.score.LayoutScorer` prices it, and where a
+degree above 1 would shard nothing (:func:`unsharded_tps`, :func:`shards_nothing`): the search leaves those out."""
 from __future__ import annotations
 
 import numpy as np
@@ -8,10 +9,11 @@ from ..capture.graph import OpGraph
 from ..cost.devices import DeviceRates
 from ..cut.plan import PartitionPlan
 from ..sdp.overlap import overlapped, stage_collectives
-from ..sdp.shards import sharded_dp
+from ..sdp.shards import Shardable, shardable, sharded_dp
+from .costs import LayoutCosts
 from .layout import Layout
 
-__all__ = ["sdp_links", "sdp_passes"]
+__all__ = ["sdp_links", "sdp_passes", "unsharded_tps", "shards_nothing"]
 
 
 def sdp_links(layout: Layout, rates: DeviceRates, inter: DeviceRates,
@@ -38,3 +40,16 @@ def sdp_passes(layout: Layout, plan: PartitionPlan, graph: OpGraph, threshold: i
         return gather, gather, None
     fwd, bwd, tail = overlapped(stage_collectives(plan, graph, layout.sdp, threshold, link), forward_s, backward_s)
     return fwd, bwd, np.bincount(np.arange(layout.stages) % layout.pp, weights=tail, minlength=layout.pp)
+
+
+def unsharded_tps(costs: LayoutCosts, threshold: int) -> dict[int, Shardable]:
+    """The tp degrees of ``costs`` under which sharded data parallelism would shard nothing (tp rank 0's graph has
+    no parameter of ``threshold`` elements or more), with what that graph has (:class:`Shardable`)."""
+    found = {tp: shardable(next(iter(costs.lines[tp].traced.values())), threshold) for tp in costs.tp_degrees}
+    return {tp: s for tp, s in found.items() if not s.over}
+
+
+def shards_nothing(layout: Layout, plan: PartitionPlan, graph: OpGraph, threshold: int) -> bool:
+    """Whether ``layout``'s sdp (above 1) shards none of the parameters of ``plan``'s stages: each is under
+    ``threshold`` elements or used by several stages. Such a layout is its sdp 1 twin under another name."""
+    return layout.sdp > 1 and not shardable(graph, threshold, plan.stage_of_ops(graph), plan.num_stages).sharded

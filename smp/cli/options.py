@@ -25,7 +25,7 @@ from smp.cli.errors import CLIError
 from smp.cli.limits import DEFAULT_MAX_ACTIONS
 
 __all__ = ["Options", "times_ops", "Parser", "add_target_args", "add_plan_args", "positive_int", "size", "duration",
-           "budget", "check_output", "RANKS_PER_NODE"]
+           "budget", "memory_headroom", "check_output", "RANKS_PER_NODE"]
 
 RANKS_PER_NODE = 8  # devices per node unless told (`smp simulate --ranks-per-node`): a p4d/p5 instance's GPUs
 
@@ -123,7 +123,16 @@ def _budget(text: str) -> float | str:
     return size
 
 
+def _headroom(text: str) -> Any:
+    """``"10%"``, ``"0.1"``, ``"8GiB"`` -> a :class:`partitioner.layout.headroom.Headroom` (read when a command runs:
+    the layout planner imports torch)."""
+    from partitioner.layout.headroom import parse_headroom
+
+    return parse_headroom(text)
+
+
 positive_int = _typed(_positive_int)
+memory_headroom = _typed(_headroom)
 size = _typed(parse_size)
 budget = _typed(_budget)
 duration = _typed(parse_duration)

@@ -81,6 +81,18 @@ def priced_for(options: dict[str, Any], rates: dict[str, Any]) -> str:
             f"budget {format_bytes(budget) + ' per device' if budget else 'none'}")
 
 
+def _headroom_note(largest: float, budget: float | None) -> str:
+    """``; 96% of the budget, more than smp plan allows: ...`` when the largest stage eats into the memory a plan keeps
+    free for the allocator (:mod:`partitioner.layout.headroom`'s default), else nothing."""
+    from partitioner.layout.headroom import DEFAULT
+
+    usable = DEFAULT.usable(budget)
+    if not budget or usable is None or largest <= usable:
+        return ""
+    return (f"; {100 * largest / budget:.0f}% of the budget, more than the {format_bytes(usable)} smp plan allows: "
+            f"it keeps {DEFAULT.describe()} free for the CUDA allocator and NCCL, which this estimate omits")
+
+
 def _memory_table(memory: Sequence[dict[str, Any]]) -> list[str]:
     header = ["stage", "weights", "gradients", "optimizer", "master", "activations in flight", "total"]
     keys = ("weights_bytes", "gradient_bytes", "optimizer_bytes", "master_bytes")
@@ -110,9 +122,10 @@ def format_report(plan: Any, graph: Any = None) -> str:
     lines.append(f"lower bound {ms(plan.lower_bound)} ms per microbatch (max of total compute/{plan.num_stages} and "
                  f"the largest op); bottleneck {ms(plan.bottleneck)} ms (stage {worst}); balance {plan.balance:.3f}")
     mw = plan.options.get("memory_weight", 0.2)
-    lines.append(f"cut {format_bytes(plan.cut_bytes)} per microbatch; largest stage memory "
-                 f"{format_bytes(max(s.memory_bytes for s in plan.stages))} (weights, gradients, "
-                 f"{plan.options.get('optimizer', 'adam')} state, activations in flight); method {plan.method}, "
+    largest = max(s.memory_bytes for s in plan.stages)
+    lines.append(f"cut {format_bytes(plan.cut_bytes)} per microbatch; largest stage memory {format_bytes(largest)} "
+                 f"(weights, gradients, {plan.options.get('optimizer', 'adam')} state, activations in flight"
+                 f"{_headroom_note(largest, plan.options.get('device_memory'))}); method {plan.method}, "
                  f"memory_weight {mw:g}")
     if plan.shared_params:
         lines.append("shared parameters (replicated, gradients summed): " +

@@ -230,10 +230,12 @@ def _throughput_markdown(m: Measurements) -> list[str]:
                       f"{t.flops_per_s_per_device / 1e9:.2f}", f"{t.mfu:.2%}" if t.mfu is not None else "-"]
                      for s, t in zip(steps, figures)])
     peak = figures[0].peak_flops_per_s
+    mfu = (f"MFU against the peak of the plan's device profile ({peak / 1e12:.3g} TFLOP/s)" if peak else
+           "no MFU: the plan's device has no peak here (a profile measured on this machine, such as cpu, or none "
+           "recorded)")
     return lines + ["", f"Model FLOPs: the plan's forward FLOPs x 3 for a training step (x 1 forward only), over the "
-                    f"step's wall time (the slowest rank) and the pipeline's {figures[0].devices} device(s); MFU "
-                    "against the peak of the plan's device profile" + (f" ({peak / 1e12:.3g} TFLOP/s)." if peak else
-                    " (none recorded).") + " See partitioner.cost.throughput."]
+                    f"step's wall time (the slowest rank) and the pipeline's {figures[0].devices} device(s); {mfu}. "
+                    "See partitioner.cost.throughput."]
 
 
 def _median_of(m: Measurements, rank: int, name: str, key: str, scale: float = 1.0) -> str:

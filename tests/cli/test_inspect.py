@@ -119,3 +119,15 @@ def test_inspect_a_meta_llama_for_an_h100_in_bf16(tmp_path: Path, capsys) -> Non
         assert m["in_flight"] == min(3 - m["stage"], 4)  # 1F1B's peak, from the simulated schedule
         assert m["activation_bytes"] == m["in_flight"] * m["activation_bytes_per_microbatch"] > 0
         assert abs(m["total_bytes"] - s["memory_bytes"]) <= 4  # the plan's memory, broken down (rounding)
+
+
+def test_a_plan_that_eats_into_the_memory_smp_plan_keeps_free_says_so(capsys) -> None:
+    # 10.5 MiB: gpt2's cut on 2 stages fits it only at 96%, over the 90% smp plan allows (--memory-headroom 10%)
+    from smp.cli import main
+
+    argv = ["inspect", "zoo:gpt2", "-p", "2", "-m", "4", "--device", "h100-80gb", "--dtype", "bf16", "-q"]
+    assert main([*argv, "--device-memory", "10.5MiB"]) == 0
+    assert ("of the budget, more than the 9.4 MiB smp plan allows: it keeps 10% free for the CUDA allocator and "
+            "NCCL, which this estimate omits") in capsys.readouterr().out
+    assert main(argv) == 0
+    assert "smp plan allows" not in capsys.readouterr().out  # 10 MiB of an 80 GB H100

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from partitioner.units import format_bytes
 from smp.cli import main
 
 H100 = ["--device", "h100-80gb", "--dtype", "bf16"]
@@ -52,17 +53,66 @@ def test_fixed_degrees_are_priced_as_smp_simulate_prices_them(tmp_path: Path) ->
 
 def test_a_fixed_sdp_is_priced_as_smp_simulate_sdp_and_written_to_the_config(tmp_path: Path) -> None:
     plan, sim, cfg = tmp_path / "plan.json", tmp_path / "sim.json", tmp_path / "smp.json"
+    # gpt2's parameters are under SMP's 10^6 elements: a threshold of 1,000 shards its layers
     assert main(["plan", "zoo:gpt2", "--devices", "4", "--global-batch", "32", "--tp", "1", "--pp", "2", "--dp", "2",
-                 "--sdp", "2", "--microbatch-size", "4", "--schedules", "1f1b", "--checkpointing", "none", *H100,
-                 "--json", str(plan), "--config", str(cfg), "-q"]) == 0
-    assert main(["simulate", "zoo:gpt2", "-p", "2", "-m", "4", "--sdp", "2", *H100, "--schedules", "1f1b",
-                 "--json", str(sim), "-q"]) == 0
+                 "--sdp", "2", "--sdp-threshold", "1000", "--microbatch-size", "4", "--schedules", "1f1b",
+                 "--checkpointing", "none", *H100, "--json", str(plan), "--config", str(cfg), "-q"]) == 0
+    assert main(["simulate", "zoo:gpt2", "-p", "2", "-m", "4", "--sdp", "2", "--sdp-threshold", "1000", *H100,
+                 "--schedules", "1f1b", "--json", str(sim), "-q"]) == 0
     (row,) = json.loads(plan.read_text())["layouts"]
     assert (row["pp"], row["dp"], row["sdp"], row["microbatches"]) == (2, 2, 2, 4)
     assert row["step_s"] == json.loads(sim.read_text())["predicted_step_s"]
     written = json.loads(cfg.read_text())
     assert written["sharded_data_parallel_degree"] == 2 and written["ddp"] is True
+    assert written["sdp_param_persistence_threshold"] == 1000  # the run shards what was priced
     assert "shard_optimizer_state" not in written
+
+
+def test_sharding_that_shards_nothing_is_neither_searched_nor_accepted(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "plan.json"
+    assert main(["plan", "zoo:gpt2", "--devices", "4", "--global-batch", "16", *H100, "--top", "10",
+                 "--json", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert ("sdp above 1 left out, where it would shard nothing: none of the model's 52 parameters has 1,000,000 "
+            "elements or more (the largest, transformer.wte.weight, has 65,536); lower --sdp-threshold to 65,536 or "
+            "less") in err
+    rows = json.loads(out.read_text())["layouts"]
+    assert len(rows) == 10 and all(r["sdp"] == 1 for r in rows)  # no sdp2 row that is the sdp1 row again
+    assert main(["plan", "zoo:gpt2", "--devices", "4", "--global-batch", "16", *H100, "--sdp", "2", "-q"]) == 2
+    assert ("smp: error: --sdp 2 would shard nothing: none of the model's 52 parameters has 1,000,000 elements or "
+            "more (the largest, transformer.wte.weight, has 65,536)") in capsys.readouterr().err
+
+
+def test_the_plans_leave_the_memory_headroom_free_and_say_so(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "plan.json"
+    one_stage = ["plan", "zoo:gpt2", "--devices", "4", "--global-batch", "16", *H100, "--pp", "1", "--top", "3",
+                 "--json", str(out), "-q"]
+    assert main([*one_stage, "--device-memory", "unlimited"]) == 0
+    fastest = json.loads(out.read_text())["layouts"][0]
+    budget = fastest["memory_bytes"] / 0.95  # the fastest layout would fill 95% of it
+    capsys.readouterr()
+    assert main([*one_stage, "--device-memory", str(int(budget))]) == 0
+    printed, data = capsys.readouterr().out, json.loads(out.read_text())
+    assert (f"memory budget {format_bytes(int(budget))} per device, 10% kept free for the allocator: plans use at "
+            f"most {format_bytes(0.9 * int(budget))}") in printed
+    assert data["budget_bytes"] == pytest.approx(0.9 * int(budget)) and data["device_memory_bytes"] == int(budget)
+    assert all(r["memory_bytes"] <= 0.9 * budget for r in data["layouts"])
+    assert data["layouts"][0]["step_s"] > fastest["step_s"]  # the fastest one was too full
+    assert main([*one_stage, "--device-memory", str(int(budget)), "--memory-headroom", "0"]) == 0
+    assert json.loads(out.read_text())["layouts"][0]["step_s"] == fastest["step_s"]
+    assert main([*one_stage, "--memory-headroom", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "--memory-headroom: memory headroom '2': a fraction must be at least 0 and below 1" in err
+
+
+def test_on_this_cpu_no_mfu_and_no_negative_zero(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "plan.json"
+    assert main(["plan", "zoo:gpt2", "--devices", "2", "--global-batch", "8", "--dp", "1", "--estimate",
+                 "--json", str(out), "-q"]) == 0
+    printed = capsys.readouterr().out
+    assert "MFU" not in printed and "-0.0" not in printed  # the cpu profile's rate is measured here: not a peak
+    assert all(r["mfu"] is None and r["dp_comm_s"] == 0.0 for r in json.loads(out.read_text())["layouts"])
+    assert "(dp 1: no gradient reduction)" in printed and "tp collectives" not in printed
 
 
 def test_the_options_narrow_the_search(tmp_path: Path) -> None:
@@ -84,7 +134,8 @@ def test_nothing_fits_says_what_would(capsys) -> None:
     assert main(["plan", "zoo:gpt2", "--devices", "2", "--global-batch", "4", *H100, "--device-memory", "1MiB",
                  "-q"]) == 1
     err = capsys.readouterr().err
-    assert err.startswith("smp: error: no layout fits 1.0 MiB per device") and "What would fit: more devices" in err
+    assert err.startswith("smp: error: no layout fits 921.6 KiB per device (1.0 MiB less 10% kept free for the "
+                          "allocator)") and "What would fit: more devices" in err
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -102,7 +153,7 @@ def test_a_bad_request_says_what_is_wrong(argv: list[str], message: str, capsys)
     assert message in capsys.readouterr().err
 
 
-def test_a_pipelines_config_carries_the_cut_that_was_priced(tmp_path: Path) -> None:
+def test_a_pipelines_config_carries_the_cut_that_was_priced(tmp_path: Path, capsys) -> None:
     from partitioner import PartitionPlan, trace
     from smp import zoo
     from smp.runtime.config import load_config
@@ -110,6 +161,9 @@ def test_a_pipelines_config_carries_the_cut_that_was_priced(tmp_path: Path) -> N
     out, cfg_path = tmp_path / "plan.json", tmp_path / "smp.json"
     assert main(["plan", "zoo:gpt2", "--devices", "4", "--global-batch", "32", "--pp", "2", "--tp", "1", *H100,
                  "--schedules", "1f1b", "--json", str(out), "--config", str(cfg_path), "-q"]) == 0
+    # what the step must pass: the plan binds to a trace of these inputs only (a labels= keyword adds the loss)
+    assert ("smp: the plan was traced from model(input_ids); the step must call the model with exactly these "
+            "inputs (a labels= keyword traces the loss too") in capsys.readouterr().err
     best = json.loads(out.read_text())["layouts"][0]
     cfg = json.loads(cfg_path.read_text())
     assert cfg == {**best["smp_config"], "partition_file": "smp.plan.json"}

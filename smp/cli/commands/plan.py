@@ -30,7 +30,15 @@ from typing import Any
 from partitioner.cost.devices import DEVICES, LINKS, PRECISIONS
 from partitioner.units import format_bytes, format_seconds
 from smp.cli.errors import CLIError
-from smp.cli.options import RANKS_PER_NODE, add_target_args, budget, check_output, positive_int, times_ops
+from smp.cli.options import (
+    RANKS_PER_NODE,
+    add_target_args,
+    budget,
+    check_output,
+    memory_headroom,
+    positive_int,
+    times_ops,
+)
 from smp.cli.target import load_target, pricing_threads
 from smp.cli.text import Progress, table
 
@@ -68,6 +76,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--sdp", type=positive_int,
                    help="fix the sharded data-parallel degree (a divisor of dp; 1: no sharding; default: try every "
                         "divisor)")
+    p.add_argument("--sdp-threshold", "--sdp-param-persistence-threshold", dest="sdp_threshold", metavar="N",
+                   type=positive_int,
+                   help="under sdp, parameters of fewer than N elements stay whole on every replica (SMP's "
+                        "sdp_param_persistence_threshold, default 1000000; written to the config); a degree that "
+                        "shards nothing is not searched")
+    p.add_argument("--memory-headroom", metavar="H", type=memory_headroom,
+                   help="memory every device keeps free for the CUDA allocator, context and NCCL: a fraction of the "
+                        "budget (0.1, 10%%) or a size (8GiB); layouts use at most the budget less this (default "
+                        "10%%: see docs/cli.md)")
     p.add_argument("--microbatch-size", type=positive_int, help="fix the samples per microbatch")
     p.add_argument("--schedules", default="1f1b,gpipe",
                    help="schedules to consider, comma-separated: 1f1b, gpipe, interleaved-virtual, zero-bubble "
@@ -91,8 +108,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def smp_config(layout: Any, dtype: str) -> dict[str, Any]:
-    """The smp config (:mod:`smp.runtime.config` keys only) that runs ``layout`` trained in ``dtype``."""
+def smp_config(layout: Any, dtype: str, threshold: int | None = None) -> dict[str, Any]:
+    """The smp config (:mod:`smp.runtime.config` keys only) that runs ``layout`` trained in ``dtype``, its sdp
+    keeping parameters of fewer than ``threshold`` elements whole (None: SMP's default)."""
     if layout.schedule not in CONFIG_SCHEDULES:
         raise CLIError(f"{layout.describe()}: the smp config cannot select this schedule yet (it runs "
                        f"{', '.join(CONFIG_SCHEDULES)}); plan with --schedules 1f1b,gpipe to write a config")
@@ -104,6 +122,8 @@ def smp_config(layout: Any, dtype: str) -> dict[str, Any]:
         cfg["shard_optimizer_state"] = True
     if layout.sdp > 1:
         cfg["sharded_data_parallel_degree"] = layout.sdp
+        if threshold is not None:
+            cfg["sdp_param_persistence_threshold"] = threshold
     if layout.tp > 1 and layout.replica_batch % layout.tp:
         cfg["prescaled_batch"] = True  # the tp group reads one batch: it does not split into tp equal parts
     if dtype in ("bf16", "fp16"):
@@ -178,8 +198,10 @@ def run(ns: argparse.Namespace) -> int:
 def _plan(ns: argparse.Namespace, target: Any, space: Any, options: Any, rpn: int, progress: Any,
           start: float) -> int:
     from partitioner.layout.costs import head_counts, layout_costs
+    from partitioner.layout.headroom import DEFAULT as DEFAULT_HEADROOM
     from partitioner.layout.score import LayoutScorer, Pricing
     from partitioner.layout.search import candidates, search, tp_choices
+    from partitioner.sdp.shards import PERSISTENCE_THRESHOLD
     from pipeline.stage_simulation import pipeline_simulator
     from smp.engine.materialize import has_meta
 
@@ -191,35 +213,62 @@ def _plan(ns: argparse.Namespace, target: Any, space: Any, options: Any, rpn: in
     if not sizes:
         raise CLIError(f"no pp x tp x dp = {ns.devices} splits --global-batch {ns.global_batch} into equal "
                        "microbatches with these fixed degrees; change the batch, the devices or the degrees")
-    pricing = Pricing(options, rpn)
+    pricing = Pricing(options, rpn, sdp_threshold=ns.sdp_threshold or PERSISTENCE_THRESHOLD,
+                      headroom=ns.memory_headroom or DEFAULT_HEADROOM)
     # Timed as smp inspect times them (a meta model cannot run: the roofline then).
     timed = times_ops(ns.device, ns.dtype, ns.estimate) and not has_meta(target.model)
     costs = layout_costs(target.model, target.args, target.kwargs, sizes=sizes, tp_degrees=tps,
                          rates=pricing.rates, dtype=ns.dtype, progress=progress, timed=timed)
     for tp, why in sorted(costs.skipped.items()):
         progress(f"tp {tp} left out: {why}")
+    unsharded = _unsharded(ns, costs, pricing.sdp_threshold, progress)
     whole = next(iter(costs.whole.traced.values()))
     space = dataclasses.replace(space, max_stages=sum(k != "output" for k in whole.kinds))
     progress(f"searching layouts of {ns.devices} devices")
     scorer = LayoutScorer(costs, pricing, pipeline_simulator)
-    result = search(candidates(space, costs.tp_degrees), scorer, ns.top, exhaustive=ns.exhaustive)
+    result = search(candidates(space, costs.tp_degrees, unsharded), scorer, ns.top, exhaustive=ns.exhaustive)
     elapsed = time.perf_counter() - start
     _print(ns, target.spec, costs, scorer, result, rpn, elapsed)
     best = result.proposals[0]
     if ns.json:
-        rows = [{**p.to_dict(), "smp_config": _config_or_none(p.layout, ns.dtype)} for p in result.proposals]
+        rows = [{**p.to_dict(), "smp_config": _config_or_none(p.layout, ns.dtype, ns.sdp_threshold)}
+                for p in result.proposals]
+        device = scorer.device_budget
         out = {"target": target.spec, "devices": ns.devices, "global_batch": ns.global_batch, "device": ns.device,
-               "dtype": ns.dtype, "ranks_per_node": rpn, "budget_bytes": scorer.budget,
+               "dtype": ns.dtype, "ranks_per_node": rpn, "budget_bytes": scorer.budget, "device_memory_bytes": device,
+               "memory_headroom_bytes": None if device is None or scorer.budget is None else device - scorer.budget,
                "search": {"enumerated": result.enumerated, "memory_pruned": result.memory_pruned,
-                          "bound_pruned": result.bound_pruned, "scored": result.scored,
-                          "partitions": result.partitions, "seconds": elapsed},
+                          "bound_pruned": result.bound_pruned, "unsharded": result.unsharded,
+                          "scored": result.scored, "partitions": result.partitions, "seconds": elapsed},
                "layouts": rows}
         with open(ns.json, "w") as fh:
             fh.write(json.dumps(out, indent=1, allow_nan=False) + "\n")
         progress(f"wrote {ns.json}")
     if ns.config:
-        _write_config(ns.config, best.layout, ns.dtype, progress, _cut(scorer, best.layout))
+        _write_config(ns.config, best.layout, ns.dtype, progress, _cut(scorer, best.layout), ns.sdp_threshold)
     return 0
+
+
+def _unsharded(ns: argparse.Namespace, costs: Any, threshold: int, progress: Any) -> set[int]:
+    """The tp degrees under which sdp would shard nothing (:func:`partitioner.layout.sharded.unsharded_tps`), said
+    once; a fixed ``--sdp`` above 1 that shards nothing at every tp degree is refused with the fix."""
+    from partitioner.layout.sharded import unsharded_tps
+
+    found = unsharded_tps(costs, threshold)
+    if not found or ns.sdp == 1:
+        return set(found)
+    first = next(iter(found.values()))
+    lower = (f"lower --sdp-threshold to {first.largest_numel:,} or less to shard the parameters of that many "
+             "elements or more" if first.largest else "")
+    everywhere = set(found) >= set(costs.tp_degrees)
+    if ns.sdp is not None and everywhere:
+        raise CLIError(f"--sdp {ns.sdp} would shard nothing: {first.why_none()} (--sdp-threshold, SMP's "
+                       f"sdp_param_persistence_threshold); every parameter would stay whole and be all-reduced as "
+                       f"without it. Fix: {lower + ', or ' if lower else ''}drop --sdp")
+    where = "" if everywhere else f" at tp {', '.join(map(str, sorted(found)))}"
+    progress(f"sdp above 1 left out{where}, where it would shard nothing: {first.why_none()}"
+             + (f"; {lower}" if lower else ""))
+    return set(found)
 
 
 def _cut(scorer: Any, layout: Any) -> Any:
@@ -233,17 +282,19 @@ def _cut(scorer: Any, layout: Any) -> Any:
     return dataclasses.replace(plan, inputs=record_at_batch(plan.inputs, layout.microbatch_size))
 
 
-def _config_or_none(layout: Any, dtype: str) -> dict[str, Any] | None:
-    return smp_config(layout, dtype) if layout.schedule in CONFIG_SCHEDULES else None
+def _config_or_none(layout: Any, dtype: str, threshold: int | None = None) -> dict[str, Any] | None:
+    return smp_config(layout, dtype, threshold) if layout.schedule in CONFIG_SCHEDULES else None
 
 
-def _write_config(path: str, layout: Any, dtype: str, progress: Any, cut: Any) -> None:
+def _write_config(path: str, layout: Any, dtype: str, progress: Any, cut: Any, threshold: int | None) -> None:
     """Write the smp config of ``layout``, checked by smp's own parser first, and beside it the partition ``cut``
     (``FILE`` ending ``.plan.json``, the config's ``partition_file``: the run trains the cut that was priced, not
-    one it makes again from ops it times anew); say what the script must do."""
+    one it makes again from ops it times anew); say what the script must do (with a cut: call the model with the
+    inputs it was traced from)."""
+    from partitioner.capture.plan_inputs import traced_call
     from smp.runtime.config import load_config
 
-    cfg, checked = smp_config(layout, dtype), {}
+    cfg, checked = smp_config(layout, dtype, threshold), {}
     if cut is not None:
         plan_path = os.path.splitext(path)[0] + ".plan.json"
         cut.to_json(plan_path)
@@ -260,6 +311,10 @@ def _write_config(path: str, layout: Any, dtype: str, progress: Any, cut: Any) -
         per_rank, over = layout.replica_batch // layout.tp, "smp.dp_size()"
     notes = [f"each rank's batch: {per_rank} samples per step (the global batch {layout.global_batch} over "
              f"{over} ranks)"]
+    if cut is not None and cut.inputs:
+        notes.append(f"the plan was traced from {traced_call(cut.inputs)}; the step must call the model with exactly "
+                     "these inputs (a labels= keyword traces the loss too: return it among the factory's example "
+                     "inputs to plan it)")
     if layout.checkpointing == "full":
         notes.append("this layout recomputes activations: call smp.set_activation_checkpointing(block) on every "
                      "block of the model in the script (the smp config has no key for it)")
@@ -275,36 +330,59 @@ def _percent(x: float | None) -> str:
 
 
 def _print(ns: argparse.Namespace, spec: str, costs: Any, scorer: Any, result: Any, rpn: int, elapsed: float) -> None:
-    budget_ = scorer.budget
+    device, usable = scorer.device_budget, scorer.budget
     nodes = math.ceil(ns.devices / rpn)
     tokens = costs.tokens_per_sample
     print(f"{spec}: {next(iter(costs.whole.traced.values())).describe()}")
     print(f"{ns.devices} devices ({nodes} node(s) of {rpn}) {scorer.rates.name} in {ns.dtype}, global batch "
-          f"{ns.global_batch} samples" + (f" of {tokens:g} tokens" if tokens else "") + "; memory budget "
-          + (f"{format_bytes(budget_)} per device" if budget_ else "none"))
+          f"{ns.global_batch} samples" + (f" of {tokens:g} tokens" if tokens else "") + "; " + _budget_line(scorer))
+    unsharded = f", {result.unsharded} whose sdp would shard nothing" if result.unsharded else ""
     print(f"searched {result.enumerated} layouts in {elapsed:.1f} s: {result.memory_pruned} over the memory budget "
-          f"(bound), {result.bound_pruned} ruled out by the step bound or estimate, {result.scored} priced "
+          f"(bound), {result.bound_pruned} ruled out by the step bound or estimate{unsharded}, {result.scored} priced "
           f"({result.partitions} partitions)")
+    mfu = any(p.score.mfu is not None for p in result.proposals)  # none on a measured profile: no peak (cpu)
     rows = []
     for i, p in enumerate(result.proposals, 1):
         lay, s = p.layout, p.score
         sched = f"{lay.schedule} v={lay.virtual_stages}" if lay.virtual_stages > 1 else lay.schedule
-        share = f" ({100 * s.memory_bytes / budget_:.0f}%)" if budget_ else ""
+        share = f" ({100 * s.memory_bytes / device:.0f}%)" if device and usable else ""
         rows.append([str(i), str(lay.pp), str(lay.tp), str(lay.dp), str(lay.sdp),
                      f"{lay.microbatches} x {lay.microbatch_size}", sched, lay.checkpointing,
                      "yes" if lay.zero1 else "no", lay.placement,
                      format_seconds(s.step_s), f"{s.samples_per_s:,.1f}",
                      "-" if s.tokens_per_s is None else f"{s.tokens_per_s:,.0f}",
-                     f"{s.flops_per_s_per_device / 1e12:,.2f}", _percent(s.mfu),
+                     f"{s.flops_per_s_per_device / 1e12:,.2f}", *([_percent(s.mfu)] if mfu else []),
                      format_bytes(s.memory_bytes) + share, f"{100 * s.bubble:.1f}%", format_seconds(s.exposed_comm_s)])
     print("\n".join(table(["#", "pp", "tp", "dp", "sdp", "m x mb", "schedule", "ckpt", "zero1", "place", "step",
-                           "samples/s", "tokens/s", "TFLOP/s/dev", "MFU", "memory/device", "bubble", "exposed comm"],
-                          rows, left=(6, 7, 8, 9))))
+                           "samples/s", "tokens/s", "TFLOP/s/dev", *(["MFU"] if mfu else []), "memory/device",
+                           "bubble", "exposed comm"], rows, left=(6, 7, 8, 9))))
     best = result.proposals[0]
-    cfg = _config_or_none(best.layout, ns.dtype)
-    reduction = "reduce-scatter and all-reduce" if best.layout.sdp > 1 else "all-reduce"
-    print(f"best: {best.layout.describe()}; step {format_seconds(best.score.step_s)} = pipeline "
-          f"{format_seconds(best.score.pipeline_s)} + gradient {reduction} {format_seconds(best.score.dp_comm_s)}; "
-          f"tp collectives {format_seconds(best.score.tp_comm_s)} per step")
+    cfg = _config_or_none(best.layout, ns.dtype, ns.sdp_threshold)
+    print(f"best: {best.layout.describe()}; {_step_terms(best)}")
     if cfg is not None:
         print(f"smp config: {json.dumps(cfg)}")
+
+
+def _budget_line(scorer: Any) -> str:
+    """``memory budget 74.5 GiB per device, 10% kept free for the allocator: plans use at most 67.1 GiB``."""
+    device, usable = scorer.device_budget, scorer.budget
+    if device is None or usable is None:
+        return "memory budget none"
+    line = f"memory budget {format_bytes(device)} per device"
+    if usable < device:
+        line += (f", {scorer.pricing.headroom.describe()} kept free for the allocator: plans use at most "
+                 f"{format_bytes(usable)}")
+    return line
+
+
+def _step_terms(best: Any) -> str:
+    """The best layout's step and what it is made of: the pipeline, the gradient reduction after it (none at dp 1)
+    and the tp collectives (none at tp 1)."""
+    lay, s = best.layout, best.score
+    if lay.dp > 1:
+        reduction = "reduce-scatter and all-reduce" if lay.sdp > 1 else "all-reduce"
+        text = (f"step {format_seconds(s.step_s)} = pipeline {format_seconds(s.pipeline_s)} + gradient {reduction} "
+                f"{format_seconds(s.dp_comm_s)}")
+    else:
+        text = f"step {format_seconds(s.step_s)}, the pipeline's (dp 1: no gradient reduction)"
+    return text + (f"; tp collectives {format_seconds(s.tp_comm_s)} per step" if lay.tp > 1 else "")

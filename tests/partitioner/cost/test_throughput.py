@@ -49,3 +49,15 @@ def test_mfu_against_the_profile_peak_in_the_training_dtype():
 def test_no_rates_no_mfu():
     t = measure(_plan(), 1.0, [{"x": torch.randn(3, 2)}], False, 1)
     assert t.peak_flops_per_s is None and t.mfu is None and t.tokens_per_s is None and "MFU" not in str(t)
+
+
+def test_no_mfu_on_this_machines_measured_profile():
+    # The calibrated cpu profile's rate is a 512 x 512 matmul timed here, not a peak: a share of it would read as a
+    # GPU's MFU (30% at 0.03 TFLOP/s). Hand-made rates are the user's peak.
+    from partitioner.cost.devices import DeviceRates
+
+    cpu = DeviceRates(name="cpu", flops_per_s=1e11).to_dict()
+    t = measure(_plan(rates=cpu, dtype="fp32"), 0.5, [{"input_ids": torch.zeros(2, 8, dtype=torch.long)}], True, 1)
+    assert peak_flops_per_s(_plan(rates=cpu)) is None and t.mfu is None and "MFU" not in str(t)
+    assert t.flops_per_s_per_device == pytest.approx(3e9 * 3 / 0.5)  # the rate itself stays
+    assert peak_flops_per_s(_plan(rates=DeviceRates(flops_per_s=1e11).to_dict(), dtype="fp32")) == 1e11

@@ -3,6 +3,7 @@ what they do not price (checkpointing, data parallelism, ZeRO-1) moves the numbe
 bounds are bounds."""
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -126,3 +127,32 @@ def test_the_estimate_cuts_the_ops_into_the_fastest_contiguous_stages_that_fit()
     held: dict[str, Any] = {"fixed": np.zeros(5), "acts": np.ones(5), "in_flight": [3, 1, 1]}
     assert chain_bottleneck(ops, 3, budget=3, **held) == pytest.approx(9.0, rel=1e-3)  # [1] [2 3] [4 5]
     assert chain_bottleneck(ops, 3, budget=2, **held) == math.inf  # [] [1 2] [3 4]: no room for 5
+
+
+def test_a_layout_that_reduces_nothing_adds_exactly_nothing_to_its_step(costs) -> None:
+    # A step's fixed cost (pipeline.step_model) puts the pipeline's end past the last rank's: (end + step) - end,
+    # a difference of floats, printed "gradient all-reduce -0.0 us" for about one overhead in six.
+    for overhead in np.linspace(1e-3, 1e-2, 10):
+        rates = dataclasses.replace(OPTIONS.resolve_rates(), step_overhead_s=float(overhead))
+        score = scorer(costs, rates=rates).score(lay())  # dp 1: no gradient reduction
+        assert score.dp_comm_s == 0.0 and math.copysign(1.0, score.dp_comm_s) == 1.0, overhead
+        assert score.step_s == score.pipeline_s, overhead
+    assert scorer(costs).score(lay(dp=2)).dp_comm_s > 0
+
+
+def test_plans_keep_the_headroom_free_and_are_cut_for_it(costs) -> None:
+    from partitioner.cut.objective import HEADROOM
+    from partitioner.layout.headroom import DEFAULT, Headroom, parse_headroom
+
+    assert DEFAULT == Headroom(fraction=HEADROOM) == parse_headroom("10%") == parse_headroom("0.1")
+    assert parse_headroom("8GiB") == Headroom(nbytes=8 * 2**30) and parse_headroom("0") == Headroom()
+    for bad in ("100%", "-5%", "2", "lots"):
+        with pytest.raises(ValueError, match="give a fraction of the budget .0.1 or 10%. or a size .8GiB."):
+            parse_headroom(bad)
+    s = scorer(costs, device_memory="80GB")
+    assert s.device_budget == 80e9 and s.budget == pytest.approx(72e9)
+    assert s.score(lay()).budget_bytes == s.budget
+    assert Headroom().usable(80e9) == 80e9 and Headroom(nbytes=8e9).usable(80e9) == 72e9
+    assert DEFAULT.cut_budget(80e9) == 80e9  # the partitioner's own 10% line is the plans' limit
+    assert Headroom(fraction=0.28).cut_budget(80e9) == pytest.approx(64e9)  # its line at 80e9 x 0.72
+    assert Headroom(nbytes=1e9).cut_budget(80e9) == 80e9  # less than 10%: the budget itself

@@ -8,9 +8,11 @@ import pytest
 
 from partitioner.cut.options import PartitionOptions
 from partitioner.layout.costs import layout_costs
+from partitioner.layout.headroom import DEFAULT, Headroom
 from partitioner.layout.layout import SCHEDULES
 from partitioner.layout.score import LayoutScorer, Pricing
 from partitioner.layout.search import NoLayoutFitsError, SearchSpace, candidates, divisors, search, tp_choices
+from partitioner.layout.sharded import shards_nothing
 from pipeline.stage_simulation import pipeline_simulator
 from smp import zoo
 
@@ -26,14 +28,16 @@ def costs():
                         dtype="bf16")
 
 
-def scorer(costs, **options) -> LayoutScorer:
-    return LayoutScorer(costs, Pricing(PartitionOptions.of(OPTIONS, **options), SPACE.ranks_per_node),
-                        pipeline_simulator)
+def scorer(costs, headroom: Headroom = DEFAULT, **options) -> LayoutScorer:
+    return LayoutScorer(costs, Pricing(PartitionOptions.of(OPTIONS, **options), SPACE.ranks_per_node,
+                                       headroom=headroom), pipeline_simulator)
 
 
 def brute_force(costs, **options) -> list:
+    """Every layout priced, but those whose sdp shards nothing (the same layout as sdp 1, under another name)."""
     s = scorer(costs, **options)
-    priced = [(s.score(lay), lay) for lay in candidates(SPACE, costs.tp_degrees)]
+    priced = [(s.score(lay), lay) for lay in candidates(SPACE, costs.tp_degrees)
+              if not shards_nothing(lay, s.plan(lay), costs.graph(lay.tp, lay.microbatch_size), 1_000_000)]
     return sorted([(sc.step_s, sc.memory_bytes, lay) for sc, lay in priced if sc.fits], key=lambda x: x[:2])
 
 
@@ -77,13 +81,17 @@ def test_when_nothing_fits_it_says_what_would(costs) -> None:
     with pytest.raises(NoLayoutFitsError) as err:
         search(candidates(space, costs.tp_degrees), scorer(costs, device_memory="1MiB"), top=1)
     text = str(err.value)
-    assert text.startswith("no layout fits 1.0 MiB per device: every layout needs at least ")
+    assert text.startswith("no layout fits 921.6 KiB per device (1.0 MiB less 10% kept free for the allocator): "
+                           "every layout needs at least ")
     for needle in ("more devices (about", "activation checkpointing", "ZeRO-1", "a smaller global batch"):
         assert needle in text, needle
     assert "sharded data parallelism" not in text  # every degree was tried: none fits
     # Just over the least memory bound: that layout is priced (no stage split is that even), and named.
     least = min(scorer(costs).bound(lay).memory_bytes for lay in candidates(space, costs.tp_degrees))
     with pytest.raises(NoLayoutFitsError, match=r"the closest, .*, needs .* \(parameter state .*, activations"):
+        search(candidates(space, costs.tp_degrees), scorer(costs, Headroom(), device_memory=int(least) + 1), top=1)
+    # Within the device's memory but not its headroom: less headroom is named, with what it would leave free.
+    with pytest.raises(NoLayoutFitsError, match=r"less memory headroom: it would leave \d+% of the device's"):
         search(candidates(space, costs.tp_degrees), scorer(costs, device_memory=int(least) + 1), top=1)
 
 
@@ -95,8 +103,8 @@ def test_sharded_data_parallelism_is_searched_and_named_when_it_would_fit(costs)
     assert [lay.sdp for lay in candidates(space, [1])] == [1, 2, 4]
     fits = LayoutScorer(costs, pricing, pipeline_simulator).score(next(lay for lay in candidates(space, [1])
                                                                         if lay.sdp == 4)).memory_bytes
-    tight = LayoutScorer(costs, Pricing(PartitionOptions.of(OPTIONS, device_memory=fits), 2, sdp_threshold=1000),
-                         pipeline_simulator)
+    tight = LayoutScorer(costs, Pricing(PartitionOptions.of(OPTIONS, device_memory=fits), 2, sdp_threshold=1000,
+                                        headroom=Headroom()), pipeline_simulator)
     found = search(candidates(space, [1]), tight, top=3)
     assert [p.layout.sdp for p in found.proposals] == [4]
     with pytest.raises(NoLayoutFitsError, match=r"sharded data parallelism of degree 4 \(sharded_data_parallel_degree"):
@@ -110,3 +118,34 @@ def test_a_bad_request_is_refused(costs) -> None:
         search([], scorer(costs), top=0)
     with pytest.raises(NoLayoutFitsError, match="no layout to search"):
         search([], scorer(costs), top=1)
+
+
+def test_proposals_leave_the_headroom_free(costs) -> None:
+    # One stage (pp 1): a layout's memory is its own, no cut to trade. A budget the fastest such layout fills to 95%
+    # (as Llama-3-8B's tp2 dp4 filled 97% of an H100): without headroom it is proposed; with the default 10% it is
+    # not, and every proposal stays under 90%.
+    space = dataclasses.replace(SPACE, pp=(1,))
+    s = scorer(costs)
+    fastest = min(((s.score(lay), lay) for lay in candidates(space, costs.tp_degrees) if lay.sdp == 1),
+                  key=lambda x: x[0].step_s)
+    budget = fastest[0].memory_bytes / 0.95
+    bare = search(candidates(space, costs.tp_degrees), scorer(costs, Headroom(), device_memory=budget), top=3)
+    assert bare.proposals[0].layout == fastest[1]
+    kept = search(candidates(space, costs.tp_degrees), scorer(costs, device_memory=budget), top=3)
+    assert kept.proposals[0].layout != fastest[1] and kept.proposals[0].score.step_s > fastest[0].step_s
+    assert all(p.score.memory_bytes <= 0.9 * budget for p in kept.proposals)
+    assert kept.proposals[0].score.budget_bytes == pytest.approx(0.9 * budget)
+
+
+def test_a_sharded_degree_that_shards_nothing_is_not_proposed(costs) -> None:
+    from partitioner.layout.sharded import unsharded_tps
+
+    space = SearchSpace(devices=4, global_batch=8, ranks_per_node=2, tp=(1,), dp=(4,), microbatch_size=(2,),
+                        schedules=("1f1b",), checkpointing=("none",), zero1=(False,), max_stages=100)
+    # gpt2's largest parameter has 65,536 elements: under SMP's 10^6 threshold nothing would be sharded
+    found = unsharded_tps(costs, 1_000_000)
+    assert set(found) == {1, 2} and found[1].largest_numel == 65_536 and found[1].over == 0
+    assert [lay.sdp for lay in candidates(space, [1], unsharded=found)] == [1]
+    result = search(candidates(space, [1]), scorer(costs), top=3)  # the search drops them itself
+    assert [p.layout.sdp for p in result.proposals] == [1] and result.unsharded == 2
+    assert unsharded_tps(costs, 1000) == {}  # a threshold of 1,000 shards the layers
