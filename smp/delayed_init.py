@@ -4,7 +4,10 @@
 Modules built inside get their parameters on the meta device (no memory, no initialisation cost); after
 partitioning each rank materialises and initialises only its own stages' tensors
 (:mod:`smp.engine.materialize`). Buffers stay real: they are small and often computed, like rotary
-frequencies.
+frequencies. Each such module remembers the torch seed in effect when it was built (:data:`INIT_SEED`): its
+initial values are drawn from that seed, as a module built with weights draws them then, so ranks that seed their
+streams apart after building the model (SMP's published ``set_seed(seed + smp.tp_rank())``, for their own dropout)
+still start from one model.
 """
 from __future__ import annotations
 
@@ -13,7 +16,9 @@ from typing import Iterator
 
 import torch
 
-__all__ = ["delay_param_initialization"]
+__all__ = ["delay_param_initialization", "INIT_SEED"]
+
+INIT_SEED = "_smp_init_seed"  # attribute of a module built without weights: the torch seed when it was built
 
 
 @contextmanager
@@ -29,6 +34,7 @@ def delay_param_initialization(enabled: bool = True) -> Iterator[None]:
         register(module, name, param)
         if param is not None and not param.is_meta:
             module._parameters[name] = torch.nn.Parameter(param.to("meta"), param.requires_grad)
+            setattr(module, INIT_SEED, torch.initial_seed())
 
     torch.nn.Module.register_parameter = on_meta  # type: ignore[method-assign,assignment]
     try:

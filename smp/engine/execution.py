@@ -1,8 +1,11 @@
 """One call of an ``@smp.step`` function on this rank, run as a unit.
 
 The step announces itself to the rank's pipeline (:mod:`smp.runtime.call_log`), takes pp_rank 0's arguments
-(SMP v1: they are the truth, :func:`smp.engine.step_values.share_inputs`), partitions the model on its first
-call, walks this rank's schedule while the microbatches' threads run the user's function
+(SMP v1: they are the truth, :func:`smp.engine.step_values.share_inputs`; other pp ranks may pass placeholders) once a
+tensor-parallel group's are regrouped or, under ``prescaled_batch``, checked to be one batch on the first call of each
+step function (:mod:`smp.engine.tp_batch`), partitions the model on its first call (and checks that data-parallel
+replicas start from the same weights: :mod:`smp.engine.replicas`), walks this rank's schedule while the microbatches'
+threads run the user's function
 (:mod:`smp.engine.step_function`), averages gradients over the data-parallel replicas and brings the last stage's
 return values to every rank (:mod:`smp.engine.step_values`). Every wait in it is bounded by ``timeout_s``. When
 anything in it fails — here, or on a peer, seen as a closed connection or a silence — this rank releases the
@@ -33,9 +36,10 @@ from pipeline.param_gather import is_sharded
 from smp.engine.materialize import tensor_ids
 from smp.engine.pipeline_model import PipelineModel
 from smp.engine.repartition import repartition_in_flight
+from smp.engine.replicas import check_replicas
 from smp.engine.step_run import StepRun
 from smp.engine.step_values import broadcast_values, share_inputs
-from smp.engine.tp_batch import regroup_batch
+from smp.engine.tp_batch import check_one_batch, regroup_batch
 from smp.engine.tp_shards import sharded_names
 from smp.health.session import session_of as health_of
 from smp.profiling.session import session_of
@@ -100,13 +104,17 @@ def _guarded(st: State, model: PipelineModel, run: StepRun) -> list[Any]:
 
 def _run(st: State, model: PipelineModel, run: StepRun, call: str) -> list[Any]:
     start = time.perf_counter()
-    if st.topology.tp > 1 and not st.config.prescaled_batch and st.topology.pp_rank(st.rank) == 0:
-        # SMP v1's default: each tp rank read its own batch; the tp group runs on their concatenation.
-        run.use_inputs(*regroup_batch(*run.inputs, st.group("tensor-parallel"), st.topology.tp, False))
+    if st.topology.tp > 1 and st.topology.pp_rank(st.rank) == 0:  # pp_rank 0's arguments are the pipeline's
+        if not st.config.prescaled_batch:  # SMP v1's default: each tp rank read its own batch, the group runs all
+            run.use_inputs(*regroup_batch(*run.inputs, st.group("tensor-parallel"), st.topology.tp, False))
+        elif not run.memo.get("one_batch_checked"):  # the group read one batch: say so if it did not
+            check_one_batch(*run.inputs, st.group("tensor-parallel"), st.ranks("tensor-parallel"))
+            run.memo["one_batch_checked"] = True
     if st.topology.pp > 1:
         _take_first_stage_inputs(st, run)
     if not model.partitioned:
         model.partition(run.call_of(0))
+        check_replicas(st, model)  # data-parallel replicas that start apart would train apart, silently
         start = time.perf_counter()  # the first step's figures leave partitioning out
     runner = model.runner
     assert runner is not None  # partitioned

@@ -8,24 +8,28 @@ Hugging Face models with their ``_init_weights``, other modules with their own `
 model passed in materialised instead has the tensors of other stages released (turned to meta), so every
 rank's memory drops to its share (the same rule torchtitan follows with ``to_empty`` + ``init_weights``).
 
-Tensors change in place (:func:`torch.utils.swap_tensors`): the ``nn.Parameter`` objects stay the same, so
-an optimizer built over ``model.parameters()`` before partitioning steps the materialised ones. Each
-module is initialised from a generator seeded by its path and the user's initial seed, in a forked random
+Tensors change in place (:func:`swap_in`, :func:`torch.utils.swap_tensors`): the ``nn.Parameter`` objects stay the
+same, so an optimizer built over ``model.parameters()`` before partitioning steps the materialised ones, also when
+the model ran a forward before it was wrapped and a live autograd graph still holds its weights. Each
+module is initialised from a generator seeded by its path and the user's initial seed (the one in effect when
+the module was built under ``smp.delay_param_initialization``, :data:`smp.delayed_init.INIT_SEED`), in a forked random
 state: a module gets the same values on whichever rank holds it, and the user's random streams are
 untouched.
 """
 from __future__ import annotations
 
 import itertools
+import weakref
 import zlib
 from typing import Iterable
 
 import torch
 
 from partitioner.errors import EngineError
+from smp.delayed_init import INIT_SEED
 
-__all__ = ["has_meta", "materialize", "release", "keep_own_share",
-           "tensor_ids", "MaterializeError"]
+__all__ = ["has_meta", "materialize", "release", "keep_own_share", "swap_in",
+           "tensor_ids", "MaterializeError", "STALE_GRAPH"]
 
 
 class MaterializeError(EngineError, RuntimeError):
@@ -50,9 +54,43 @@ def tensor_ids(module: torch.nn.Module, names: Iterable[str] | None = None) -> s
     return {id(t) for n, t in tensors.items() if n in wanted}
 
 
-def _swap(t: torch.Tensor, data: torch.Tensor) -> None:
+STALE_GRAPH = ("this backward runs through an autograd graph made before smp.DistributedModel partitioned the "
+               "model, whose weights have since moved or been released on this rank: run the forward again, inside "
+               "@smp.step, and call model.backward(loss) there")
+
+
+def swap_in(t: torch.Tensor, data: torch.Tensor) -> None:
+    """Give the parameter or buffer ``t`` the value ``data`` in place: the object stays the same (an optimizer or
+    a traced program holding it sees the new value); its ``grad`` is dropped.
+
+    :func:`torch.utils.swap_tensors` does it, but refuses a tensor that a live autograd graph holds: a model that
+    ran a forward before it was wrapped saved its weights in that graph (a module that keeps its activation, a
+    script that keeps an output). Such a tensor is cut out of the old graph: the graph keeps the value it
+    computed with until whoever holds the graph drops it (the model no longer holds it), and a backward through
+    it raises :data:`STALE_GRAPH` instead of accumulating a gradient the model would never see."""
     new = torch.nn.Parameter(data, t.requires_grad) if isinstance(t, torch.nn.Parameter) else data
-    torch.utils.swap_tensors(t, new)
+    if t.requires_grad and t.is_leaf:  # the node a graph made before accumulates into: it now refuses, saying why
+        torch.autograd.graph.get_gradient_edge(t).node.register_prehook(_stale_graph)
+    try:
+        torch.utils.swap_tensors(t, new)
+    except RuntimeError:
+        if weakref.getweakrefs(t) or t._use_count() <= 1 or type(t) is not type(new):  # type: ignore[attr-defined]
+            raise  # not held by a graph: torch's reason stands
+        _swap_held(t, new)
+
+
+def _stale_graph(grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
+    raise RuntimeError(STALE_GRAPH)
+
+
+def _swap_held(t: torch.Tensor, new: torch.Tensor) -> None:
+    """:func:`torch.utils.swap_tensors` for a ``t`` that more than its own AccumulateGrad node holds: what it does,
+    without its use-count check."""
+    for name in ("__class__", "__dict__"):
+        mine = getattr(t, name)
+        setattr(t, name, getattr(new, name))
+        setattr(new, name, mine)
+    torch._C._swap_tensor_impl(t, new)
 
 
 def materialize(module: torch.nn.Module, names: Iterable[str], device: torch.device | str,
@@ -69,7 +107,7 @@ def materialize(module: torch.nn.Module, names: Iterable[str], device: torch.dev
         if t.is_meta and id(t) not in done:
             # NaN until an initialiser writes it: what none writes is found below, not left as garbage.
             fill = float("nan") if t.is_floating_point() else 0
-            _swap(t, torch.full(t.shape, fill, dtype=t.dtype, device=device))
+            swap_in(t, torch.full(t.shape, fill, dtype=t.dtype, device=device))
             done[id(t)] = name
     if initialise and done:
         _initialise(module, {id(t) for t in tensors.values() if id(t) in done}, shard_of or {})
@@ -84,14 +122,14 @@ def _initialise(module: torch.nn.Module, fresh: set[int], shard_of: dict[str, in
     initialiser filled is an error (it cannot be recovered from the checkpoint either: it is not saved)."""
     hf_root = next((m for m in module.modules() if callable(getattr(m, "_init_weights", None))), None)
     under_hf = {id(m) for m in hf_root.modules()} if hf_root is not None else set()
-    seed = torch.initial_seed()
+    now = torch.initial_seed()
     with torch.random.fork_rng(devices=[]):
         for path, sub in module.named_modules():
             own = list(itertools.chain(sub.parameters(recurse=False), sub.buffers(recurse=False)))
             if not any(id(t) in fresh for t in own):
                 continue
             key = path if path not in shard_of else f"{path}@tp{shard_of[path]}"
-            torch.manual_seed((seed + zlib.crc32(key.encode())) % 2**63)
+            torch.manual_seed((getattr(sub, INIT_SEED, now) + zlib.crc32(key.encode())) % 2**63)
             with torch.no_grad():
                 if hf_root is not None and id(sub) in under_hf:
                     hf_root._init_weights(sub)  # type: ignore[operator]  # a transformers model's method
@@ -123,7 +161,7 @@ def release(module: torch.nn.Module, keep: Iterable[str]) -> int:
             continue
         seen.add(id(t))
         freed += t.numel() * t.element_size()
-        _swap(t, torch.empty(t.shape, dtype=t.dtype, device="meta"))
+        swap_in(t, torch.empty(t.shape, dtype=t.dtype, device="meta"))
     return freed
 
 

@@ -6,7 +6,13 @@ each holds one shard of the same layers. So the step's arguments are regrouped: 
 all-gathered along dim 0 over the tp group, and each rank of the group runs the step on the concatenation, in
 ``tp_rank`` order, of its group's batches (SMP's global batch is then ``dp_size`` x the per-rank batch). With
 ``prescaled_batch`` True the tp group already reads one batch (data sharded by ``smp.rdp_rank()``) and nothing
-moves.
+moves; a group that was handed different batches would train on a mixture of them, so on the first call of each
+step function :func:`check_one_batch` compares a fingerprint of every rank's arguments
+(:mod:`smp.engine.fingerprint`) and stops the step with :class:`BatchDiffersError`, naming the ranks. Nothing else
+crosses the group before the forward, so the fingerprints travel in a collective of their own: one small
+``all_gather_object`` on that first call, none after (a batch that drifts apart later is not seen). The pp ranks'
+arguments are not compared (SMP v1: pp_rank 0's are the truth, the others may be placeholders), and the
+data-parallel replicas' weights are, once (:mod:`smp.engine.replicas`).
 
 :func:`regroup_batch` does it for one call's ``(args, kwargs)``, as :func:`smp.engine.step_values.share_inputs`
 treats them: tensors travel; Python scalars (bool, int, float, complex, str, bytes, None) and 0-dim tensors must
@@ -21,14 +27,20 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 from partitioner.errors import EngineError
+from smp.engine.fingerprint import difference, fingerprint
 
-__all__ = ["regroup_batch", "BatchMismatchError"]
+__all__ = ["regroup_batch", "check_one_batch", "BatchMismatchError", "BatchDiffersError"]
 
 _SCALARS = (bool, int, float, complex, str, bytes, type(None))
 
 
 class BatchMismatchError(EngineError, ValueError):
     """The ranks of a tensor-parallel group passed step arguments that cannot be concatenated into one batch."""
+
+
+class BatchDiffersError(BatchMismatchError):
+    """With ``prescaled_batch`` True the ranks of a tensor-parallel group passed different batches (the message names
+    the ranks, the first argument that differs and how)."""
 
 
 def _describe(x: Any) -> tuple:
@@ -121,10 +133,7 @@ def regroup_batch(args: tuple, kwargs: dict, group: Any, tp_size: int, prescaled
     if dist.get_world_size(group) != tp_size:
         raise ValueError(f"regroup_batch: the group has {dist.get_world_size(group)} ranks, tp_size={tp_size}: "
                          "pass this rank's tensor-parallel group")
-    paths, spec = pytree.tree_flatten_with_path((tuple(args), dict(kwargs)))
-    leaves = [x for _, x in paths]
-    names = [("args" if path[0] == pytree.SequenceKey(0) else "kwargs") + pytree.keystr(path[1:])
-             for path, _ in paths]
+    names, leaves, spec = _named_leaves(args, kwargs)
     theirs: list[Any] = [None] * tp_size
     dist.all_gather_object(theirs, (str(spec), [_describe(x) for x in leaves]), group=group)
     _check(names, theirs)
@@ -135,3 +144,62 @@ def regroup_batch(args: tuple, kwargs: dict, group: Any, tp_size: int, prescaled
         out.append(x)
     new_args, new_kwargs = pytree.tree_unflatten(out, spec)
     return tuple(new_args), dict(new_kwargs)
+
+
+def _named_leaves(args: tuple, kwargs: dict) -> tuple[list[str], list[Any], Any]:
+    """The leaves of the step arguments, each named as the user wrote it (``args[0]``, ``kwargs['labels']``), and
+    their structure."""
+    paths, spec = pytree.tree_flatten_with_path((tuple(args), dict(kwargs)))
+    names = [("args" if path[0] == pytree.SequenceKey(0) else "kwargs") + pytree.keystr(path[1:])
+             for path, _ in paths]
+    return names, [x for _, x in paths], spec
+
+
+def _print(x: Any) -> tuple:
+    if isinstance(x, torch.Tensor):
+        return ("tensor", fingerprint(x))
+    return ("value", x) if isinstance(x, _SCALARS) else ("own", type(x).__name__)  # the model: each rank's own
+
+
+def _differs(names: list[str], mine: tuple, theirs: tuple) -> tuple[str, str] | None:
+    """The first difference of ``theirs`` (structure, leaf prints) from ``mine``: (what differs, how, theirs first);
+    None if none does."""
+    if mine[0] != theirs[0]:
+        return "arguments", f"another structure, {theirs[0]} against {mine[0]}"
+    for name, a, b in zip(names, mine[1], theirs[1]):
+        why = None
+        if a[0] != b[0]:
+            why = f"a {b[0]} against a {a[0]}"
+        elif a[0] == "tensor":
+            why = difference(b[1], a[1])
+        elif a[0] == "value" and not _equal(a[1], b[1]):
+            why = f"{b[1]!r} against {a[1]!r}"
+        if why is not None:
+            return f"step argument {name}", why
+    return None
+
+
+def check_one_batch(args: tuple, kwargs: dict, group: Any, ranks: list[int]) -> None:
+    """Raise :class:`BatchDiffersError` on every rank of the tensor-parallel ``group`` (its global ``ranks``, in
+    ``tp_rank`` order) unless every rank passed the same step arguments ``(args, kwargs)``: the same structure and
+    Python scalars, tensors of the same :func:`~smp.engine.fingerprint.fingerprint` (other objects, such as the
+    model, are each rank's own and not compared). The group runs one batch under ``prescaled_batch`` True and
+    moves no data, so this is a collective of its own: one ``all_gather_object`` of a few dozen bytes per tensor,
+    plus one pass over each tensor to fingerprint it; the caller runs it on the first call of each step function
+    only. Every rank of the group must call it, in the same order as its other collectives on ``group``."""
+    names, leaves, spec = _named_leaves(args, kwargs)
+    theirs: list[Any] = [None] * len(ranks)
+    dist.all_gather_object(theirs, (str(spec), [_print(x) for x in leaves]), group=group)
+    differ = {t: why for t in range(1, len(ranks)) if (why := _differs(names, theirs[0], theirs[t])) is not None}
+    if not differ:
+        return
+    first = min(differ)
+    what, how = differ[first]
+    who = ", ".join(f"{ranks[t]} (tp_rank {t})" for t in differ)
+    raise BatchDiffersError(
+        f"prescaled_batch is True, so the ranks of a tensor-parallel group must pass one batch, but rank(s) {who} "
+        f"passed another batch than rank {ranks[0]} (tp_rank 0): rank {ranks[first]}'s {what} differs from rank "
+        f"{ranks[0]}'s ({how}), and the group would train on a mixture of them. Pass the same batch on every rank of "
+        "a tensor-parallel group when prescaled_batch is True (shard the data by smp.rdp_rank(), not smp.dp_rank()), "
+        "or set prescaled_batch False (each tp rank then reads its own batch and the group runs on their "
+        "concatenation)")

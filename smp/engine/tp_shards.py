@@ -1,7 +1,7 @@
 """The user's model holds this rank's tensor-parallel shards: its parameters become the sharded graph's.
 
 A tp rank's graph (:func:`partitioner.tp.shard_program.shard_graph`) holds new parameters, this rank's slices of the
-sharded weights. The model's own ``nn.Parameter`` objects take their place: :func:`torch.utils.swap_tensors`
+sharded weights. The model's own ``nn.Parameter`` objects take their place: :func:`smp.engine.materialize.swap_in`
 gives each the shard's data (an optimizer built over ``model.parameters()`` before partitioning steps the shards),
 and the graph is pointed back at them, so the whole weights are released and ``model.parameters()``,
 ``state_dict`` and checkpoints see exactly what this rank holds, under the model's own names (as SMP v1's
@@ -14,6 +14,7 @@ import torch
 from partitioner.capture.graph import OpGraph
 from partitioner.capture.program import tensor_aliases
 from partitioner.tp.sharding import Shard
+from smp.engine.materialize import swap_in
 
 __all__ = ["install_shards", "sharded_names", "shard_specs", "shard_owners"]
 
@@ -48,7 +49,7 @@ def install_shards(model: torch.nn.Module, graph: OpGraph) -> None:
             continue
         if id(mine) not in done:
             with torch.no_grad():
-                torch.utils.swap_tensors(mine, torch.nn.Parameter(shard.detach(), mine.requires_grad))
+                swap_in(mine, shard.detach())
             done[id(mine)] = mine
         owner, _, leaf = path.rpartition(".")
         setattr(prog.module.get_submodule(owner), leaf, mine)

@@ -9,6 +9,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from smp.delayed_init import delay_param_initialization
 from smp.engine.materialize import MaterializeError, has_meta, materialize, release
+from smp.testing import run_ranks
 
 
 def _config() -> LlamaConfig:
@@ -73,3 +74,86 @@ def test_release_keeps_the_named_and_tied_tensors():
     assert not model.model.embed_tokens.weight.is_meta  # tied to the kept head
     assert model.model.layers[0].self_attn.q_proj.weight.is_meta
     assert 0 < freed < before
+
+
+class _Block(torch.nn.Module):
+    """Two linear layers that keep their last output (as torch's pipelining test model MultiMLPWithDw keeps its
+    activations): after a forward, a live autograd graph holds the block's weights."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.net1, self.net2 = torch.nn.Linear(width, width), torch.nn.Linear(width, width)
+        self.last: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.last = self.net2(torch.relu(self.net1(x)))
+        return self.last
+
+
+def test_a_tensor_a_live_graph_holds_changes_in_place_and_the_old_graph_refuses_backward():
+    block = _Block(4)
+    weight = block.net1.weight
+    out = block(torch.randn(2, 4)).sum()  # not backpropagated: the graph keeps net1.weight for its backward
+    release(block, ["net2.weight", "net2.bias"])
+    assert block.net1.weight is weight and weight.is_meta  # the same object, its memory released
+    materialize(block, ["net1.weight", "net1.bias"], "cpu")
+    assert block.net1.weight is weight and not weight.is_meta and weight.grad is None
+    with pytest.raises(RuntimeError, match="made before smp.DistributedModel partitioned the model"):
+        out.backward()  # it would accumulate into a tensor the model no longer holds
+
+
+def _checked_then_wrapped(rank: int, world: int) -> dict:
+    """A model of 4 :class:`_Block` s that the user ran (a training forward and backward, then a forward whose
+    activations its blocks keep) before wrapping it on 2 stages; two SGD steps against the same steps in one
+    process."""
+    import copy
+
+    import torch.nn.functional as F
+
+    import smp
+    from tests.smp.scripts import MANUAL
+
+    smp.init({"pipeline_parallel_degree": 2, "microbatches": 2, **MANUAL})
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(*[_Block(16) for _ in range(4)])
+    reference = copy.deepcopy(plain)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 16, generator=g), torch.randn(8, 16, generator=g)
+    for m in (plain, reference):
+        F.mse_loss(m(x), y).backward()
+        m(x)  # each block keeps its output
+    for block in plain[2:]:
+        smp.set_partition(block, 1)
+    model = smp.DistributedModel(plain)
+    opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+
+    @smp.step
+    def train_step(model, x, y):
+        loss = F.mse_loss(model(x), y)
+        model.backward(loss)
+        return loss
+
+    ref_grads = dict(reference.named_parameters())
+    worst, losses = 0.0, []
+    for _ in range(2):
+        ref_loss = F.mse_loss(reference(x), y)
+        ref_loss.backward()
+        loss = float(train_step(model, x, y).reduce_mean())
+        losses.append((loss, float(ref_loss.detach())))
+        for name, p in model.local_named_parameters():
+            worst = max(worst, float((p.grad - ref_grads[name].grad).abs().max()))
+        opt.step()
+        opt.zero_grad()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    return {"losses": losses, "worst": worst, "held": sorted(n for n, p in plain.named_parameters() if not p.is_meta)}
+
+
+def test_a_model_run_before_wrapping_trains_on_two_stages_exactly_as_in_one_process():
+    results = run_ranks(_checked_then_wrapped, 2, timeout=120)
+    for rank, r in enumerate(results):
+        for got, want in r["losses"]:
+            assert abs(got - want) <= 1e-6 * abs(want), r["losses"]
+        assert r["worst"] < 1e-6, r
+        assert {n.split(".")[0] for n in r["held"]} == ({"0", "1"} if rank == 0 else {"2", "3"}), r["held"]

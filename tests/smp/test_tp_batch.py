@@ -91,3 +91,54 @@ def test_regroup_concatenates_the_tp_groups_batches_in_tp_rank_order():
 def test_bad_tp_size(bad):
     with pytest.raises(ValueError, match=f"tp_size={bad} is not a positive integer"):
         regroup_batch((), {}, None, bad, prescaled=False)
+
+
+def _one_batch(rank: int, world: int, same: bool) -> dict:
+    """A tiny Llama on tp2 with ``prescaled_batch`` True, fed one batch (``same``) or one per tp rank; the
+    single-process loss and gradients of rank 0's batch. With ``same`` the user ran the plain model on the batch
+    before wrapping it and keeps that output, so a live autograd graph holds the weights tensor parallelism shards."""
+    import copy
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import smp
+    from tests.smp.features import shard_grad_error
+
+    smp.init({"pipeline_parallel_degree": 1, "tensor_parallel_degree": 2, "ddp": True, "microbatches": 1,
+              "prescaled_batch": True})
+    torch.manual_seed(0)
+    plain = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                         use_cache=False))
+    ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(1 if same else 1 + smp.tp_rank()))
+    reference = copy.deepcopy(plain)
+    want = reference(ids, labels=ids).loss
+    want.backward()
+    checked = plain(ids, labels=ids).loss if same else None
+    model = smp.DistributedModel(plain)
+
+    @smp.step
+    def train_step(model, x):
+        loss = model(x, labels=x).loss
+        model.backward(loss)
+        return loss
+
+    try:
+        loss = float(train_step(model, ids).reduce_mean())
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    worst, split = shard_grad_error(model, {n: p.grad for n, p in reference.named_parameters()})
+    return {"loss": loss, "want": float(want), "worst": worst, "split": split, "checked": checked is not None}
+
+
+def test_prescaled_batch_refuses_different_batches_on_a_tp_group_and_trains_exactly_on_one():
+    for r in run_ranks(_one_batch, 2, False, timeout=120):
+        assert r["error"].startswith(
+            "BatchDiffersError: prescaled_batch is True, so the ranks of a tensor-parallel group must pass one batch, "
+            "but rank(s) 1 (tp_rank 1) passed another batch than rank 0 (tp_rank 0): rank 1's step argument args[1] "
+            "differs from rank 0's (sum "), r
+        assert "Pass the same batch on every rank of a tensor-parallel group when prescaled_batch is True" in r["error"]
+        assert "or set prescaled_batch False" in r["error"]
+    for r in run_ranks(_one_batch, 2, True, timeout=120):
+        assert "error" not in r, r
+        assert abs(r["loss"] - r["want"]) < 1e-5 and r["worst"] < 1e-5 and r["split"] > 0, r
