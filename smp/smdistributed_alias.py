@@ -15,7 +15,9 @@ everything under the two packages it maps:
   ``smp[.<x>]`` and ``smp.smddp[.<x>]`` (one module object under two names, so there is one state), so that
   ``import smdistributed.modelparallel.torch as smp``, ``from smdistributed.modelparallel.torch.nn import ...``,
   ``import smdistributed.dataparallel.torch.distributed as dist`` and ``import
-  smdistributed.dataparallel.torch.torch_smddp`` work, and ``importlib.util.find_spec("smdistributed")`` finds it.
+  smdistributed.dataparallel.torch.torch_smddp`` work, and ``importlib.util.find_spec("smdistributed")`` finds it;
+- ``smdistributed.modelparallel.test.torch.utils``, SMP's own test helpers, which SageMaker's published BERT script
+  imports (and never calls): :mod:`smp.v1_test_utils`.
 
 Where a real ``smdistributed`` is importable the alias would hide it, so it is refused unless ``force=True``
 (``smp launch --shadow-smdistributed``).
@@ -44,7 +46,9 @@ SMDDP_V1_VERSION = "1.4.0"
 ALIAS_ENV = "SMP_AS_SMDISTRIBUTED"  # set by smp launch for its ranks (smp.cli.worker reads it)
 _ROOT = "smdistributed"
 _PACKAGES = {"smdistributed.modelparallel": SMP_V1_VERSION, "smdistributed.dataparallel": SMDDP_V1_VERSION}
-_MAPPED = {"smdistributed.modelparallel.torch": "smp", "smdistributed.dataparallel.torch": "smp.smddp"}
+_MAPPED = {"smdistributed.modelparallel.torch": "smp", "smdistributed.dataparallel.torch": "smp.smddp",
+           "smdistributed.modelparallel.test.torch.utils": "smp.v1_test_utils"}
+_EMPTY = {"smdistributed.modelparallel.test", "smdistributed.modelparallel.test.torch"}  # parents of a mapped name
 
 
 def _target(fullname: str) -> str | None:
@@ -86,11 +90,11 @@ class _Loader(importlib.abc.Loader):
 
 
 class _Finder(importlib.abc.MetaPathFinder):
-    """Answers for ``smdistributed``, its two packages and the names under ``<package>.torch`` that it maps."""
+    """Answers for ``smdistributed``, its two packages and the names under them that it maps."""
 
     def find_spec(self, fullname: str, path: Sequence[str] | None = None,
                   target: types.ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
-        if fullname == _ROOT or fullname in _PACKAGES:
+        if fullname == _ROOT or fullname in _PACKAGES or fullname in _EMPTY:
             return importlib.machinery.ModuleSpec(fullname, _LOADER, is_package=True)
         mapped = _target(fullname)
         if mapped is None:
