@@ -4,10 +4,10 @@
 Modules built inside get their parameters on the meta device (no memory, no initialisation cost); after
 partitioning each rank materialises and initialises only its own stages' tensors
 (:mod:`smp.engine.materialize`). Buffers stay real: they are small and often computed, like rotary
-frequencies. Each such module remembers the torch seed in effect when it was built (:data:`INIT_SEED`): its
-initial values are drawn from that seed, as a module built with weights draws them then, so ranks that seed their
-streams apart after building the model (SMP's published ``set_seed(seed + smp.tp_rank())``, for their own dropout)
-still start from one model.
+frequencies. Each such module remembers the torch seed in effect when it was built
+(:data:`smp.engine.materialize.INIT_SEED`): its initial values are drawn from that seed, as a module built with
+weights draws them then, so ranks that seed their streams apart after building the model (SMP's published
+``set_seed(seed + smp.tp_rank())``, for their own dropout) still start from one model.
 """
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ from typing import Iterator
 
 import torch
 
-__all__ = ["delay_param_initialization", "INIT_SEED"]
+from smp.engine.materialize import INIT_SEED
 
-INIT_SEED = "_smp_init_seed"  # attribute of a module built without weights: the torch seed when it was built
+__all__ = ["delay_param_initialization"]
 
 
 @contextmanager

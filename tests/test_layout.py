@@ -53,7 +53,7 @@ NO_COLLECTIVES = ("smp.profiling.measurements", "smp.profiling.rules", "smp.prof
                   "smp.profiling.system_rules", "smp.profiling.system_samples", "smp.profiling.findings")
 # Private names of torch, transformers and argparse objects that the engine reads on purpose (documented there).
 FOREIGN_PRIVATE = {"_parameters", "_non_persistent_buffers_set", "_init_weights", "_is_hf_initialized",
-                   "_SubParsersAction"}
+                   "_SubParsersAction", "_use_count"}
 
 
 def _modules(package: str) -> dict[str, Path]:

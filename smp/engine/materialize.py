@@ -12,7 +12,7 @@ Tensors change in place (:func:`swap_in`, :func:`torch.utils.swap_tensors`): the
 same, so an optimizer built over ``model.parameters()`` before partitioning steps the materialised ones, also when
 the model ran a forward before it was wrapped and a live autograd graph still holds its weights. Each
 module is initialised from a generator seeded by its path and the user's initial seed (the one in effect when
-the module was built under ``smp.delay_param_initialization``, :data:`smp.delayed_init.INIT_SEED`), in a forked random
+the module was built under ``smp.delay_param_initialization``, :data:`INIT_SEED`), in a forked random
 state: a module gets the same values on whichever rank holds it, and the user's random streams are
 untouched.
 """
@@ -26,10 +26,11 @@ from typing import Iterable
 import torch
 
 from partitioner.errors import EngineError
-from smp.delayed_init import INIT_SEED
 
 __all__ = ["has_meta", "materialize", "release", "keep_own_share", "swap_in",
-           "tensor_ids", "MaterializeError", "STALE_GRAPH"]
+           "tensor_ids", "MaterializeError", "STALE_GRAPH", "INIT_SEED"]
+
+INIT_SEED = "_smp_init_seed"  # attribute of a module built without weights: the torch seed when it was built
 
 
 class MaterializeError(EngineError, RuntimeError):

@@ -156,7 +156,7 @@ def test_a_plan_file_of_another_model_is_refused(tmp_path):
     x = torch.randn(8, 64)
     partition(trace(_model(), (x,), {}), 2, rates=DeviceRates()).to_json(str(tmp_path / "plan.json"))
     other = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
-    with pytest.raises(PlanMismatchError, match="does not fit this model.*another model or other input shapes"):
+    with pytest.raises(PlanMismatchError, match="does not fit this model.*another model or other inputs"):
         PipelineRunner.from_plan_file(tmp_path / "plan.json", other, (x,), microbatches=2)
 
 

@@ -37,10 +37,14 @@ def test_zero_bubble_splits_pay_the_pass_cost_per_action() -> None:
     assert max(with_cost.busy_s) == pytest.approx(max(without.busy_s) + 3 * 4 * 1e-3)
 
 
-def test_the_cpu_profile_carries_the_runtimes_costs_and_gpu_profiles_none() -> None:
+def test_the_cpu_profile_carries_the_runtimes_costs_and_gpu_profiles_none(monkeypatch) -> None:
     from partitioner import profile
+    from partitioner.cost import calibration
     from partitioner.cost.calibration import CPU_PASS_OVERHEAD_S, CPU_STEP_OVERHEAD_S, recorded_runtime_costs
 
+    # Read the profile and the recorded costs afresh: another process (smp calibrate, a first multi-rank command run
+    # by an earlier test) may have recorded them since this process first calibrated.
+    monkeypatch.setattr(calibration, "_LOADED", {})
     cpu = calibrate()
     costs = recorded_runtime_costs()  # this machine's, once measured; until then the defaults
     expected = (costs["pass_overhead_s"], costs["step_overhead_s"]) if costs else (CPU_PASS_OVERHEAD_S,
