@@ -110,7 +110,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _step(self, closure: Any = None) -> Any:
         if self._zero is not None:
             self._sync_zero_hyperparameters()
-            return self._zero.step(closure)
+            out = self._zero.step(closure)
+            for zg, i in zip(self._zero.param_groups, self._zero_groups):  # a step count apex's optimizers keep
+                if "step" in zg:
+                    self.optimizer.param_groups[i]["step"] = zg["step"]
+            return out
         return step_in_chunks(self.optimizer, closure)  # exact, without a whole-group foreach temporary
 
     def clip_master_grads(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:

@@ -13,7 +13,8 @@ gradient ``g`` at step ``t``::
     x  <- x - lr * phi * r,   phi = ||x|| / ||r||   when wd != 0 or use_nvlamb, and both norms are > 0; else 1
 
 apex's ``FusedLAMB`` runs this as two fused CUDA kernels; here it is the same arithmetic in torch ops, on
-any device. Under SMP each rank holds only some of the model's gradients, so ``||G||`` is the norm over the
+any device. As apex does, each step also counts itself in every parameter group (``param_groups[i]["step"]``), which
+lr schedulers written for apex read (the ``PolyWarmUpScheduler`` of NVIDIA's and SageMaker's BERT scripts). Under SMP each rank holds only some of the model's gradients, so ``||G||`` is the norm over the
 whole model (:func:`smp.engine.gradnorm.global_grad_norm`), which makes a pipelined run step exactly as one
 device would. ``FusedLamb`` (the name SMP's documentation uses) is the same class.
 """
@@ -70,6 +71,7 @@ class FusedLAMB(torch.optim.Optimizer):
             norm = global_grad_norm(params, st=state.get() if state.is_initialized() else None)
             clip = torch.clamp(norm / max_norm, min=1.0)
         for group in self.param_groups:
+            group["step"] = group.get("step", 0) + 1  # apex counts steps per group: schedulers read it
             beta1, beta2 = group["betas"]
             beta3 = 1 - beta1 if group["grad_averaging"] else 1.0
             wd, eps, lr = group["weight_decay"], group["eps"], group["lr"]

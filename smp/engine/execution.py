@@ -3,15 +3,14 @@
 The step announces itself to the rank's pipeline (:mod:`smp.runtime.call_log`), takes pp_rank 0's arguments
 (SMP v1: they are the truth, :func:`smp.engine.step_values.share_inputs`; other pp ranks may pass placeholders) once a
 tensor-parallel group's are regrouped or, under ``prescaled_batch``, checked to be one batch on the first call of each
-step function (:mod:`smp.engine.tp_batch`), partitions the model on its first call (and checks that data-parallel
-replicas start from the same weights: :mod:`smp.engine.replicas`), walks this rank's schedule while the microbatches'
-threads run the user's function
-(:mod:`smp.engine.step_function`), averages gradients over the data-parallel replicas and brings the last stage's
-return values to every rank (:mod:`smp.engine.step_values`). Every wait in it is bounded by ``timeout_s``. When
-anything in it fails — here, or on a peer, seen as a closed connection or a silence — this rank releases the
-step's threads, explains a silent peer by the smp call that peer is in instead, leaves the failure note and
-closes smp's process groups (:meth:`smp.runtime.state.State.report_failure`), so that every rank ends the step
-with an error naming the rank that failed first.
+step function (:mod:`smp.engine.tp_batch`), partitions the model on its first call (and gives the data-parallel
+replicas the same weights, the first replica's: :mod:`smp.engine.replicas`), walks this rank's schedule while the
+microbatches' threads run the user's function (:mod:`smp.engine.step_function`), averages gradients over the
+data-parallel replicas and brings the last stage's return values to every rank (:mod:`smp.engine.step_values`).
+Every wait in it is bounded by ``timeout_s``. When anything in it fails — here, or on a peer, seen as a closed
+connection or a silence — this rank releases the step's threads, explains a silent peer by the smp call that peer is
+in instead, leaves the failure note and closes smp's process groups (:meth:`smp.runtime.state.State.report_failure`),
+so that every rank ends the step with an error naming the rank that failed first.
 
 With the config's ``"tensorboard"`` key each step's loss, throughput and memory go to TensorBoard
 (:mod:`pipeline.tensorboard`). Around a training step it hands the model and the step to the training-health
@@ -36,7 +35,7 @@ from pipeline.param_gather import is_sharded
 from smp.engine.materialize import tensor_ids
 from smp.engine.pipeline_model import PipelineModel
 from smp.engine.repartition import repartition_in_flight
-from smp.engine.replicas import check_replicas
+from smp.engine.replicas import sync_replicas
 from smp.engine.step_run import StepRun
 from smp.engine.step_values import broadcast_values, share_inputs
 from smp.engine.tp_batch import check_one_batch, regroup_batch
@@ -114,7 +113,7 @@ def _run(st: State, model: PipelineModel, run: StepRun, call: str) -> list[Any]:
         _take_first_stage_inputs(st, run)
     if not model.partitioned:
         model.partition(run.call_of(0))
-        check_replicas(st, model)  # data-parallel replicas that start apart would train apart, silently
+        sync_replicas(st, model)  # the first replica's weights on every replica, as SMP's broadcast at partitioning
         start = time.perf_counter()  # the first step's figures leave partitioning out
     runner = model.runner
     assert runner is not None  # partitioned

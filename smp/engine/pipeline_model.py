@@ -42,6 +42,9 @@ class PipelineModel(Protocol):
     def local_named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
         """(name, parameter) of the parameters this rank holds."""
 
+    def local_buffers(self) -> Iterator[torch.Tensor]:
+        """The buffers this rank holds."""
+
     def checkpointed_paths(self) -> list[str]:
         """Submodules marked for activation checkpointing."""
 

@@ -1,35 +1,39 @@
-"""The data-parallel replicas of a stage start from the same weights: checked once, when the model is partitioned.
+"""The data-parallel replicas of a stage start from the same weights: made so once, when the model is partitioned.
 
 Each replica trains its own copy of its stage's parameters and only the gradients are averaged, so copies that start
-apart stay apart: the replicas train different models, and nothing says so. They start apart when the ranks built
-the model from different seeds (a script that seeds each rank by its rank before building the model, for its data
-augmentation) or loaded different weights. Seeds may differ; weights may not: after partitioning (and the weights
-``model.load_weights`` asked for) every rank fingerprints the parameters it holds (:mod:`smp.engine.fingerprint`: one
-pass over each, no random draw) and the replicas compare them in one ``all_gather_object`` over the data-parallel
-group, on the first step only; a difference is :class:`ReplicasDifferError` on every replica, naming the ranks and
-the first parameter that differs. Tensor-parallel shards are compared between the replicas of the same shard (the
-same tp_rank); sharded-data-parallel shards (DTensors, each a different slice) are not compared.
+apart would stay apart. They start apart when the ranks built the model from different seeds (SageMaker's published
+BERT script seeds every rank by its rank before building the model) or loaded different weights. SMP v1 broadcast
+the parameters and buffers over the data-parallel ranks at partitioning (its documentation: "the broadcast is
+deferred to the first call of the smp.step-decorated function when the partition is done"), as torch's
+``DistributedDataParallel`` does when it wraps a model; so does this engine, and it says so. After partitioning (and
+the weights ``model.load_weights`` asked for) every rank fingerprints the parameters it holds
+(:mod:`smp.engine.fingerprint`: one pass over each, no random draw) and the replicas compare them in one
+``all_gather_object`` over the data-parallel group, on the first step only. When they differ, every replica takes
+the first replica's parameters and buffers (one broadcast each; a tensor-parallel shard from the first replica of
+the same shard) and a :class:`ReplicasDifferWarning` names the ranks and the first parameter that differed.
+Sharded-data-parallel shards (DTensors, each a different slice) are neither compared nor broadcast.
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from partitioner.errors import EngineError
 from pipeline.p2p import named_failures
 from smp.engine.fingerprint import difference, fingerprint
 from smp.engine.pipeline_model import PipelineModel
 from smp.engine.tp_shards import sharded_names
 from smp.runtime.state import State
 
-__all__ = ["check_replicas", "ReplicasDifferError"]
+__all__ = ["sync_replicas", "ReplicasDifferWarning"]
 
 
-class ReplicasDifferError(EngineError, ValueError):
-    """The data-parallel replicas of a stage hold different weights at partitioning (the message names the ranks and
-    the first parameter that differs)."""
+class ReplicasDifferWarning(UserWarning):
+    """The data-parallel replicas of a stage held different weights at partitioning and now hold the first replica's
+    (the message names the ranks and the first parameter that differed)."""
 
 
 def _differences(prints: list[tuple[int, dict[str, tuple]]], sharded: set[str]) -> dict[int, tuple[int, str, str]]:
@@ -49,9 +53,9 @@ def _differences(prints: list[tuple[int, dict[str, tuple]]], sharded: set[str]) 
     return out
 
 
-def check_replicas(st: State, model: PipelineModel) -> None:
-    """Raise :class:`ReplicasDifferError` on every rank of this rank's data-parallel group unless the replicas hold
-    the same parameters (tensor-parallel shards: those of the same tp_rank). Every rank of the group must call it,
+def sync_replicas(st: State, model: PipelineModel) -> None:
+    """Give every replica of this rank's stage the first replica's parameters and buffers when they differ, with a
+    :class:`ReplicasDifferWarning` (see the module docstring). Every rank of the data-parallel group must call it,
     right after partitioning."""
     ranks = st.ranks("data-parallel")
     if len(ranks) == 1 or model.runner is None:
@@ -67,10 +71,18 @@ def check_replicas(st: State, model: PipelineModel) -> None:
         return
     i = min(differ)
     j, name, why = differ[i]
-    raise ReplicasDifferError(
-        f"the data-parallel replicas of this stage hold different weights when the model is partitioned: rank "
-        f"{ranks[i]}'s {name} differs from rank {ranks[j]}'s ({why}); rank(s) "
-        f"{', '.join(str(ranks[k]) for k in sorted(differ))} differ. Each replica trains its own copy and only the "
-        "gradients are averaged, so copies that start apart stay apart. Build the model from one seed on every rank "
-        "(torch.manual_seed(seed) before building it; seed the ranks apart after smp.DistributedModel for their own "
-        "dropout or augmentation), or load the same weights on every rank")
+    if st.rank == ranks[0]:
+        warnings.warn(f"the data-parallel replicas of a stage held different weights when the model was partitioned "
+                      f"(rank {ranks[i]}'s {name} differs from rank {ranks[j]}'s: {why}; rank(s) "
+                      f"{', '.join(str(ranks[k]) for k in sorted(differ))} differ): every replica now holds the first "
+                      "replica's, as SMP broadcasts them at partitioning. The ranks built the model from different "
+                      "seeds or loaded different weights", ReplicasDifferWarning, stacklevel=2)
+    with torch.no_grad(), named_failures("broadcasting the first replica's weights over the data-parallel group",
+                                         [r for r in ranks if r != st.rank], st.rank, st.config.timeout_s):
+        for n, p in model.local_named_parameters():
+            if not isinstance(p, DTensor):
+                kind = "reduced-data-parallel" if n in sharded else "data-parallel"
+                dist.broadcast(p.data, src=st.ranks(kind)[0], group=st.group(kind))
+        for b in model.local_buffers():
+            if not isinstance(b, DTensor):
+                dist.broadcast(b, src=ranks[0], group=st.group("data-parallel"))

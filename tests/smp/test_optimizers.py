@@ -70,6 +70,7 @@ def test_fused_lamb_follows_the_update_rule_step_by_step(options):
         for p, want in zip(params, want_by_step[-1]):
             np.testing.assert_allclose(p.detach().numpy(), want, rtol=2e-5, atol=2e-6, err_msg=f"step {t + 1}")
     assert all(opt.state[p]["step"] == steps for p in params)
+    assert [g["step"] for g in opt.param_groups] == [steps, steps]  # apex's count, which BERT's lr scheduler reads
 
 
 def test_fused_lamb_constructor_matches_apex():
