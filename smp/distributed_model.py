@@ -33,9 +33,10 @@ from smp.engine.materialize import tensor_ids
 from smp.engine.planning import bind_to, own_tensors, plan_ranks, shared_plan, smp_runner
 from smp.engine.tp_shards import shard_specs
 from smp.engine.weights import load_local, weight_cuts
+from smp.module_view import module_view, wrapped_module
 from smp.placement import manual_stages
 from smp.runtime import state
-from smp.runtime.compat import warn_no_effect
+from smp.runtime.compat import accept_no_effect
 from smp.tensor_parallel import distribute
 
 __all__ = ["DistributedModel"]
@@ -54,15 +55,13 @@ class DistributedModel(torch.nn.Module):
         if st.model is not None:
             raise RuntimeError("a DistributedModel already exists in this process: wrap the whole model once "
                                "(SMP supports one DistributedModel per process)")
-        unknown = set(kwargs) - self._SMP_IGNORED
-        if unknown:
-            raise TypeError(f"DistributedModel got unknown argument(s) {sorted(unknown)}")
-        if kwargs:
-            warn_no_effect(f"DistributedModel({', '.join(sorted(kwargs))}=...)",
-                           "this engine reduces gradients itself and prices memory from the trace", 3)
+        accept_no_effect(kwargs, self._SMP_IGNORED, "DistributedModel",
+                         "this engine reduces gradients itself and prices memory from the trace", 3)
         super().__init__()
-        # SMP's substitution of the modules marked for tensor parallelism, and what tensor parallelism may split
-        self.module, self.shardable = distribute(module)
+        # SMP's substitution of the modules marked for tensor parallelism, and what tensor parallelism may split;
+        # 16-bit weights kept in fp32 under fp16/bf16; model.module is SMP's face of the module (model.module.module)
+        distributed, self.shardable = distribute(module)
+        self.module = module_view(precision.fp32_weights(distributed, st.config))
         self.trace_device = trace_device
         self.trace_execution_times = trace_execution_times
         self.average_grads_across_microbatches = average_grads_across_microbatches
@@ -103,8 +102,8 @@ class DistributedModel(torch.nn.Module):
         self._post_partition_hooks.append(fn)
 
     def get_module(self) -> torch.nn.Module:
-        """The module this DistributedModel wraps (SMP: the model without its wrappers)."""
-        return self.module
+        """The module this DistributedModel wraps (SMP: the model without its wrappers), ``model.module.module``."""
+        return wrapped_module(self.module)
 
     def register_post_step_hook(self, fn: Callable[["DistributedModel", Any], None]) -> RemovableHandle | None:
         """``fn(model, optimizer)`` runs once, after the step that partitions the model (the first), as in

@@ -14,9 +14,10 @@ gradient ``g`` at step ``t``::
 
 apex's ``FusedLAMB`` runs this as two fused CUDA kernels; here it is the same arithmetic in torch ops, on
 any device. As apex does, each step also counts itself in every parameter group (``param_groups[i]["step"]``), which
-lr schedulers written for apex read (the ``PolyWarmUpScheduler`` of NVIDIA's and SageMaker's BERT scripts). Under SMP each rank holds only some of the model's gradients, so ``||G||`` is the norm over the
-whole model (:func:`smp.engine.gradnorm.global_grad_norm`), which makes a pipelined run step exactly as one
-device would. ``FusedLamb`` (the name SMP's documentation uses) is the same class.
+lr schedulers written for apex read (the ``PolyWarmUpScheduler`` of NVIDIA's and SageMaker's BERT scripts). Under
+SMP each rank holds only some of the model's gradients, so ``||G||`` is the norm over the whole model
+(:func:`smp.engine.gradnorm.global_grad_norm`), which makes a pipelined run step exactly as one device would.
+``FusedLamb`` (the name SMP's documentation uses) is the same class.
 """
 from __future__ import annotations
 

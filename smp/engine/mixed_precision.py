@@ -9,7 +9,9 @@ unscales, skips the update when a gradient overflowed and adjusts the scale. Her
 
 * :func:`configured_autocast` -- every ``@smp.step`` runs under ``torch.autocast`` in the configured dtype on
   the rank's device (``smp.step`` takes it where it would take the caller's autocast, so the stages, the
-  partitioning trace and the loss code all run under it). Weights stay in their dtype.
+  partitioning trace and the loss code all run under it). Weights are fp32: :func:`fp32_weights` turns the 16-bit
+  ones of a model built in 16 bits (``smp.model_creation(dtype=torch.float16)``, as SMP's GPT-2 recipe does) into
+  fp32 when ``smp.DistributedModel`` wraps it, where SMP kept fp32 master copies of them in its optimizer.
 * :class:`LossScaler` -- a :class:`~smp.engine.grad_scaler.PipelineGradScaler` (overflow agreed by every rank)
   that follows SMP's
   (Megatron-LM's) loss scaler: a static scale, or a dynamic one with ``init_scale``, ``scale_factor``,
@@ -30,7 +32,7 @@ from smp.runtime.compat import warn_no_effect
 from smp.runtime.config import Config
 
 __all__ = ["autocast_dtype", "active_autocast", "configured_autocast", "LossScaler", "loss_scaler",
-           "scaled_for_backward"]
+           "scaled_for_backward", "fp32_weights"]
 
 # SMP's defaults for dynamic_loss_args.
 _DYNAMIC_DEFAULTS = {"init_scale": 2.0 ** 32, "scale_factor": 2.0, "scale_window": 1000, "min_scale": 1.0,
@@ -180,3 +182,19 @@ def scaled_for_backward(scaler: LossScaler | None, tensors: Any, grad_tensors: A
     if grad_tensors is None:
         return scaler.scale(tensors), None
     return tensors, scaler.scale(grad_tensors)
+
+
+def fp32_weights(module: torch.nn.Module, config: Config) -> torch.nn.Module:
+    """``module``, its float16 and bfloat16 parameters and buffers made fp32 in place (the same objects, so an
+    optimizer already built over them keeps them) when the config trains in 16 bits; unchanged otherwise."""
+    if autocast_dtype(config) is None:
+        return module
+    half = (torch.float16, torch.bfloat16)
+    for p in module.parameters():
+        if p.dtype in half:
+            p.data = p.data.float()
+    for m in module.modules():
+        for name, b in list(m.named_buffers(recurse=False)):
+            if b is not None and b.dtype in half:
+                setattr(m, name, b.float())
+    return module

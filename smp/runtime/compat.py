@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import warnings
 
-__all__ = ["NoEffectWarning", "warn_no_effect"]
+__all__ = ["NoEffectWarning", "warn_no_effect", "accept_no_effect"]
 
 
 class NoEffectWarning(UserWarning):
@@ -24,3 +24,13 @@ def warn_no_effect(option: str, why: str, stacklevel: int = 2) -> None:
     ``stacklevel`` counts as :func:`warnings.warn` does, from the function calling this one: 1 is that
     function's line, the default 2 its caller (the user's code that passed the option)."""
     warnings.warn(f"{option} has no effect in this engine: {why}", NoEffectWarning, stacklevel=stacklevel + 1)
+
+
+def accept_no_effect(kwargs: dict, accepted: set[str], call: str, why: str, stacklevel: int = 2) -> None:
+    """Raise ``TypeError`` naming the keyword arguments of ``call`` outside ``accepted``; warn (:func:`warn_no_effect`)
+    that the others have no effect here, because ``why``. ``stacklevel`` counts from the function calling this one."""
+    unknown = set(kwargs) - accepted
+    if unknown:
+        raise TypeError(f"{call} got unknown argument(s) {sorted(unknown)}")
+    if kwargs:
+        warn_no_effect(f"{call}({', '.join(sorted(kwargs))}=...)", why, stacklevel + 1)

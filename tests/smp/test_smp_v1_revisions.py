@@ -32,3 +32,33 @@ def test_the_alias_has_smps_test_helpers_by_name() -> None:
     """)
     assert done.returncode == 0, done.stderr
     assert "verify was one of SMP's internal test helpers" in done.stdout
+
+
+def test_model_module_module_reaches_the_model_as_the_2022_gpt2_script_does() -> None:
+    """``model.module.module.transformer.h`` (2022-01/05 GPT-2), through an ``FP16_Module``-style wrapper too
+    (``model.module.module.module``), and ``model.get_module()`` (2022-10 on): one model, the same objects."""
+    done = _python("""
+        import torch
+        from transformers import GPT2Config, GPT2LMHeadModel
+        import smp
+
+        class Wrapper(torch.nn.Module):  # the script's FP16_Module: its own submodule named "module"
+            def __init__(self, module):
+                super().__init__()
+                self.add_module("module", module)
+
+            def forward(self, *args, **kwargs):
+                return self.module(*args, **kwargs)
+
+        smp.init({"pipeline_parallel_degree": 1, "fp16": True})
+        hf = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2,
+                                        bos_token_id=0, eos_token_id=0, use_cache=False)).half()
+        model = smp.DistributedModel(Wrapper(hf))
+        wrapper = model.get_module()
+        print(isinstance(model.module, Wrapper), model.module.module.module is hf,
+              model.module.module.transformer.h is hf.transformer.h, wrapper.module is hf,
+              {p.dtype for p in model.parameters()}, sorted(n for n, _ in model.module.named_parameters())[:1])
+    """)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == (
+        "True True True True {torch.float32} ['module.transformer.h.0.attn.c_attn.bias']"), done.stdout
