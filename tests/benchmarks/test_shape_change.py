@@ -6,9 +6,12 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from tests.cli.helpers import REPO, smp_env
 
 
+@pytest.mark.slow  # as the other benchmarks' tiny runs: 12 s of the default run; the shape cache's own tests stay
 def test_a_tiny_run_prints_the_table() -> None:
     done = subprocess.run([sys.executable, "benchmarks/shape_change.py", "--size", "small", "--rounds", "1",
                            "--steps", "1", "--batch", "4", "--no-pin"], cwd=REPO,
