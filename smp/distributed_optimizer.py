@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from smp.checkpoint.commit import CheckpointError
 from smp.checkpoint.sdp_state import check_shards, marker, optimizer_shards, optimizer_whole, shard_state
-from smp.checkpoint.state_dicts import SDP_KEY, SHARD_KEY, TP_KEY, ZERO_KEY, on_cpu
+from smp.checkpoint.state_dicts import SCALER_KEY, SDP_KEY, SHARD_KEY, TP_KEY, ZERO_KEY, on_cpu
 from smp.checkpoint.tp_state import ShardedParam, TPLayout, check_partial, cut_optimizer_state, whole_optimizer_state
 from smp.engine import gradnorm
 from smp.engine import mixed_precision as precision
@@ -163,7 +163,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         layout, _ = self._tensor_parallel()
         if layout.degree > 1:
             out[TP_KEY] = layout.marker()
-        return out
+        return self._with_scaler(out)
+
+    def _with_scaler(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """``state_dict`` with the fp16 loss scaler's state (scale, schedule), as SMP's fp16 optimizer saved it."""
+        return state_dict if self.loss_scaler is None else {**state_dict, SCALER_KEY: self.loss_scaler.state_dict()}
 
     def state_dict(self) -> dict[str, Any]:
         """The optimizer state of every stage, merged (on every rank), keyed as the wrapped optimizer's own
@@ -180,11 +184,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         parts: list[Any] = [None] * size
         dist.all_gather_object(parts, (layout.rank, on_cpu(local["state"])), group=group)
         merged = whole_optimizer_state(parts, params, layout.degree)
-        return {"state": dict(sorted(merged.items())), "param_groups": local["param_groups"]}
+        return self._with_scaler({"state": dict(sorted(merged.items())), "param_groups": local["param_groups"]})
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a full (``state_dict()``) or this rank's (``local_state_dict()``) optimizer state. Each rank keeps
-        the entries of the parameters it steps (its stages', or its shard's), never another stage's. Under tensor
+        """Load a full (``state_dict()``) or this rank's (``local_state_dict()``) optimizer state (and the fp16 loss
+        scaler's, at once). Each rank keeps the entries of the parameters it steps (its stages', or its shard's),
+        never another stage's. Under tensor
         parallelism a full dict's whole state tensors are cut to this rank's shards, and a local dict saved by
         another tp rank or degree is refused. Before the first step the load is applied right after partitioning,
         when those are known."""
@@ -200,6 +205,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                   "reduced-data-parallel replicas; load it with the same config and degrees "
                                   f"(this run: shard_optimizer_state={st.config.shard_optimizer_state}, "
                                   f"{st.topology.rdp} replica(s) per shard)")
+        if state_dict.get(SCALER_KEY) is not None and self.loss_scaler is not None:
+            self.loss_scaler.load_state_dict(state_dict[SCALER_KEY])
         model = st.model
         if model is not None and not model.partitioned:
             model.after_partition(lambda: self._load(state_dict))

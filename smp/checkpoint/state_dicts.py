@@ -9,7 +9,8 @@ part of a model, False on a full dict already under this engine's keys; :func:`u
 :data:`PLAN_KEY` (the partition that part was cut by, as plan JSON), :data:`ZERO_KEY` (optimizer state of one
 data-parallel shard, ZeRO-1), :data:`SHARD_KEY` (the parameters of that shard), :data:`TP_KEY` (the
 tensor-parallel degree and tp rank whose shards a partial dict holds, :mod:`~smp.checkpoint.tp_state`) and
-:data:`SDP_KEY` (the sharded-data-parallel layout whose shards a partial dict holds, :mod:`~smp.checkpoint.sdp_state`).
+:data:`SDP_KEY` (the sharded-data-parallel layout whose shards a partial dict holds, :mod:`~smp.checkpoint.sdp_state`)
+and :data:`SCALER_KEY` (an optimizer's fp16 loss scaler: its scale and schedule, which a resumed run continues).
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from typing import Any, Callable, Protocol, runtime_checkable
 import torch
 
 __all__ = ["on_cpu", "key_error", "unmarked", "to_hf_keys", "PARTIAL_KEY",
-           "OLD_PARTIAL_KEY", "PLAN_KEY", "ZERO_KEY", "SHARD_KEY", "TP_KEY", "SDP_KEY",
+           "OLD_PARTIAL_KEY", "PLAN_KEY", "ZERO_KEY", "SHARD_KEY", "TP_KEY", "SDP_KEY", "SCALER_KEY",
            "CheckpointModel", "CheckpointOptimizer"]
 
 PARTIAL_KEY = "_smp_is_partial"
@@ -29,6 +30,7 @@ ZERO_KEY = "_smp_zero"
 SHARD_KEY = "_smp_shard"
 TP_KEY = "_smp_tp"
 SDP_KEY = "_smp_sdp"
+SCALER_KEY = "_smp_loss_scaler"
 
 
 @runtime_checkable

@@ -62,3 +62,35 @@ def test_model_module_module_reaches_the_model_as_the_2022_gpt2_script_does() ->
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == (
         "True True True True {torch.float32} ['module.transformer.h.0.attn.c_attn.bias']"), done.stdout
+
+
+def test_the_fp16_loss_scale_is_in_optimizer_checkpoints() -> None:
+    """A resumed fp16 run continues with the saved loss scale, as SMP's fp16 optimizer saved it: the 2022-10 GPT-2
+    script at its notebook's fp16 skips its first steps for overflows, and a resume that restarted at 2**32 would
+    skip them again."""
+    done = _python("""
+        import torch
+        import smp
+
+        smp.init({"pipeline_parallel_degree": 1, "fp16": True})
+        model = smp.DistributedModel(torch.nn.Linear(4, 2))
+        optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), static_loss_scale=None,
+                                             dynamic_loss_scale=True, dynamic_loss_args={"init_scale": 2.0 ** 20})
+
+        @smp.step
+        def train_step(model, x):
+            loss = model(x).float().pow(2).mean() * 1e30  # overflows at any scale above 1
+            model.backward(loss)
+            return loss
+
+        train_step(model, torch.ones(2, 4))
+        optimizer.step()
+        saved = optimizer.local_state_dict()
+        fresh = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), static_loss_scale=None,
+                                         dynamic_loss_scale=True, dynamic_loss_args={"init_scale": 2.0 ** 20})
+        before = fresh.loss_scaler.get_scale()
+        fresh.load_state_dict(saved)
+        print(optimizer.overflow, before, saved["_smp_loss_scaler"]["scale"], fresh.loss_scaler.get_scale())
+    """)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", "1048576.0", "524288.0", "524288.0"], done.stdout
