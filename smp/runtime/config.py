@@ -81,6 +81,7 @@ class Config:
     _fp32_grad_accumulation: bool = False
     _match_weights: bool = False
     overlapping_allreduce: bool = True
+    ddp_dist_backend: str = "auto"  # SMP 1.13+: "auto", "nccl" or "smddp" for its data-parallel reduction
     # Profiling and re-partitioning from measurements (smp.profile, smp.profiling.replan).
     profile: dict | None = None           # {"dir": "prof", "steps": [start, stop], "monitor_s": 0.2}: those steps
     partition_file: str | None = None     # partition by this plan (smp replan -o FILE, smp plan --config)
@@ -164,6 +165,7 @@ _NO_EFFECT = {
     "sdp_max_live_parameters": "a sharded parameter is gathered where the stage first reads it and freed after its "
                                "last read, so only the parameters of the running op are whole",
     "sdp_hierarchical_allgather": "parameters are gathered over one sharding group, with no node-level stage",
+    "ddp_dist_backend": "data-parallel collectives run on smp's process groups (NCCL on CUDA, gloo on the CPU)",
 }
 _SMP_V1_FLAGS = ("fp16", "bf16", "delayed_parameter_initialization", "prescaled_batch", "checkpoint_attentions",
               "skip_tracing", "static_mode", "fast_mode", "fp16_params", "_fp32_grad_accumulation", "_match_weights",
@@ -277,6 +279,8 @@ def _validate(c: Config) -> None:
                "permutation of the letters 'D' (reduced data parallelism), 'P' (pipeline) and 'T' (tensor "
                "parallelism), the right-most varying fastest over consecutive ranks")
     _check(isinstance(c.ddp, bool), "ddp", c.ddp, "True or False")
+    _check(c.ddp_dist_backend in ("auto", "nccl", "smddp"), "ddp_dist_backend", c.ddp_dist_backend,
+           "'auto', 'nccl' or 'smddp'")
     _check(c.optimize in _OPTIMIZE, "optimize", c.optimize, f"one of {_OPTIMIZE}")
     _check(c.memory_weight is None or (isinstance(c.memory_weight, (int, float)) and 0 <= c.memory_weight <= 1),
            "memory_weight", c.memory_weight, "a number in [0, 1]")
