@@ -306,7 +306,8 @@ class DistributedModel(torch.nn.Module):
         Under tensor parallelism a full dict's whole tensors are cut to this rank's shards (loaded before the first
         step, it is applied right after partitioning, and this returns None), so a full state dict loads under any
         tensor-parallel degree; a partial dict holds one tp rank's shards and loads only into that tp rank of the
-        degree it was saved with (anything else is a :class:`CheckpointError`).
+        degree it was saved with (anything else is a :class:`CheckpointError`). A full dict loaded before the first
+        step into a model built without weights (delayed initialisation) is also applied after partitioning.
         SMP's marker ``_smp_is_partial`` is read (and ours): an unmarked full dict goes through ``translate_function``
         or SMP's translators (:func:`~smp.checkpoint.state_dicts.unmarked`).
         """
@@ -316,7 +317,7 @@ class DistributedModel(torch.nn.Module):
         if not partial or plan is None:  # full, or partial but saved before partitioning: the whole model
             if self.partitioned:
                 return self._load_held(sd, strict, part=False, whole=True)
-            if st.topology.tp == 1:
+            if st.topology.tp == 1 and not any(p.is_meta for p in self.module.parameters()):  # delayed init: later
                 return self.module.load_state_dict(sd, strict=strict)
             self.after_partition(lambda: self._load_held(sd, strict, part=False, whole=True))
             return None

@@ -19,6 +19,7 @@ scale, and ``clip_master_grads`` clips by the norm of the whole model's gradient
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -56,6 +57,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             st.config, static_loss_scale, dynamic_loss_scale, {**(dynamic_loss_args or {}), **more_dynamic_loss_args},
             world_group=lambda: state.get().group("world"))
         self.overflow = False  # SMP's fp16 optimizer: True when the last step() was skipped for an overflow
+        self._global_grad_norm: torch.Tensor | None = None  # SMP's sharded optimizer: the last step's gradient norm
         st.optimizer = self
         self._sharded = st.config.shard_optimizer_state and st.topology.rdp > 1
         if self._sharded:
@@ -97,11 +99,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def step(self, closure: Any = None) -> Any:
         """The wrapped optimizer's step; under fp16 loss scaling, unscaled and skipped on overflow; under sharded data
-        parallelism, after clipping the global gradient norm to ``sdp_gradient_clipping`` (SMP's). After a
+        parallelism, after clipping the global gradient norm to ``sdp_gradient_clipping`` (SMP's), the norm before
+        clipping kept as ``_global_grad_norm`` (as SMP's sharded optimizer; SageMaker's GPT-2 script logs it). After a
         training-health check step, ||update|| / ||weight|| is measured per layer (:mod:`smp.health`)."""
         st = state.get()
-        if st.sdp_mesh is not None and st.config.sdp_gradient_clipping > 0:  # SMP clips under sdp, 1.0 by default
-            self.clip_master_grads(st.config.sdp_gradient_clipping)
+        if st.sdp_mesh is not None:  # SMP clips under sdp (1.0 by default) and keeps the norm (scripts log it)
+            clip = st.config.sdp_gradient_clipping
+            self._global_grad_norm = self.clip_master_grads(clip if clip > 0 else math.inf)
         with profiling.span("optimizer.step", "optimizer"), health.session_of(st).around_update(st.model, st.device):
             if self.loss_scaler is not None:
                 return self.loss_scaler.scaled_step(self, self._step, closure)

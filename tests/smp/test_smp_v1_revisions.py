@@ -94,3 +94,73 @@ def test_the_fp16_loss_scale_is_in_optimizer_checkpoints() -> None:
     """)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["True", "1048576.0", "524288.0", "524288.0"], done.stdout
+
+
+def _full_state_into_delayed_model(rank: int, world: int) -> bool:
+    import torch
+
+    import smp
+
+    smp.init({"pipeline_parallel_degree": 1, "ddp": True, "sharded_data_parallel_degree": 2,
+              "sdp_param_persistence_threshold": 1, "delayed_parameter_initialization": True})
+    torch.manual_seed(0)
+    pretrained = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    with smp.model_creation():
+        net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    model = smp.DistributedModel(net)
+    model.load_state_dict(pretrained.state_dict())
+
+    @smp.step
+    def forward(model, x):
+        return model(x)
+
+    x = torch.ones(2, 4)
+    with torch.no_grad():
+        return torch.equal(forward(model, x).concat(), pretrained(x))
+
+
+def test_a_full_state_dict_loads_into_a_model_built_without_weights() -> None:
+    """The 2023 GPT-2 script's fine-tuning path: a model built under delayed initialisation with sharded data
+    parallelism takes a full state dict (``resume_from_checkpoint(..., tag="fullmodel.pt", partial=False)``) before
+    the first step; it was copied into the meta tensors, and the model trained from random weights."""
+    from smp.testing import run_ranks
+
+    assert run_ranks(_full_state_into_delayed_model, 2, timeout=120) == [True, True]
+
+
+def _grad_norm_under_sdp(rank: int, world: int) -> tuple[float, float]:
+    import torch
+    import torch.nn.functional as F
+
+    import smp
+
+    smp.init({"pipeline_parallel_degree": 1, "ddp": True, "sharded_data_parallel_degree": 2,
+              "sdp_param_persistence_threshold": 1, "sdp_gradient_clipping": 0.5})
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    reference = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    reference.load_state_dict(net.state_dict())
+    model = smp.DistributedModel(net)
+    optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = torch.randn(4, 8, generator=torch.Generator().manual_seed(1)), torch.tensor([0, 1, 0, 1])
+
+    @smp.step
+    def train_step(model, x, y):
+        loss = F.cross_entropy(model(x), y)
+        model.backward(loss)
+        return loss
+
+    train_step(model, x.chunk(2)[rank], y.chunk(2)[rank])
+    optimizer.step()
+    F.cross_entropy(reference(x), y).backward()
+    want = torch.nn.utils.clip_grad_norm_(reference.parameters(), float("inf"))
+    return float(optimizer._global_grad_norm), float(want)
+
+
+def test_the_global_gradient_norm_under_sharded_data_parallelism_is_kept_as_smp_kept_it() -> None:
+    """``optimizer._global_grad_norm``, which the 2023 GPT-2 script logs under sharded data parallelism: the norm
+    of the whole model's gradient before ``sdp_gradient_clipping``."""
+    from smp.testing import run_ranks
+
+    for got, want in run_ranks(_grad_norm_under_sdp, 2, timeout=120):
+        assert abs(got - want) < 1e-5 * want, (got, want)
