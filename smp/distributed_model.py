@@ -16,7 +16,6 @@ from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
-from torch.utils.hooks import RemovableHandle
 
 from partitioner import PartitionOptions, PartitionPlan, trace
 from partitioner.cut.plan import PlanMismatchError
@@ -33,7 +32,8 @@ from smp.engine.materialize import tensor_ids
 from smp.engine.planning import bind_to, own_tensors, plan_ranks, shared_plan, smp_runner
 from smp.engine.tp_shards import shard_specs
 from smp.engine.weights import load_local, weight_cuts
-from smp.module_view import module_view, wrapped_module
+from smp.model_hooks import ModelHooks
+from smp.module_view import module_view
 from smp.placement import manual_stages
 from smp.runtime import state
 from smp.runtime.compat import accept_no_effect
@@ -42,7 +42,7 @@ from smp.tensor_parallel import distribute
 __all__ = ["DistributedModel"]
 
 
-class DistributedModel(torch.nn.Module):
+class DistributedModel(ModelHooks, torch.nn.Module):
     """SMP v1's ``smp.DistributedModel``: wraps the whole model; partitioned into pipeline stages on the first
     ``@smp.step`` call, after which this rank holds and trains only its own stages' parameters."""
     # SMP v1 arguments that tune its own gradient reduction or profiling; here they change nothing.
@@ -95,36 +95,6 @@ class DistributedModel(torch.nn.Module):
     def out_spec(self) -> Any:
         """The pytree structure of the model's outputs, as traced."""
         return self._pipeline().split_model.program.out_spec
-
-    def register_post_partition_hook(self, fn: Callable[["DistributedModel", Any], None]) -> None:
-        """``fn(model, optimizer)`` runs once, right after partitioning; ``optimizer`` is the
-        DistributedOptimizer (None when there is none yet), as SMP passes it."""
-        self._post_partition_hooks.append(fn)
-
-    def get_module(self) -> torch.nn.Module:
-        """The module this DistributedModel wraps (SMP: the model without its wrappers), ``model.module.module``."""
-        return wrapped_module(self.module)
-
-    def register_post_step_hook(self, fn: Callable[["DistributedModel", Any], None]) -> RemovableHandle | None:
-        """``fn(model, optimizer)`` runs once, after the step that partitions the model (the first), as in
-        SMP -- e.g. to load optimizer state, which exists only then. Registered when the model is already
-        partitioned and a DistributedOptimizer exists, it runs at once and None is returned; otherwise the
-        returned handle's ``remove()`` cancels it."""
-        optimizer = state.get().optimizer
-        if self.partitioned and optimizer is not None:
-            fn(self, optimizer)
-            return None
-        handle = RemovableHandle(self._post_step_hooks)
-        self._post_step_hooks[handle.id] = fn
-        return handle
-
-    def run_post_step_hooks(self) -> None:
-        """Called by ``@smp.step`` after each step: the hooks waiting for a partitioned model run, once."""
-        if self.partitioned and self._post_step_hooks:
-            hooks = list(self._post_step_hooks.values())
-            self._post_step_hooks.clear()
-            for fn in hooks:
-                fn(self, state.get().optimizer)
 
     # -- partitioning ------------------------------------------------------------------------------------
     def partition(self, call: step_run.MicrobatchCall) -> None:

@@ -32,6 +32,7 @@ from smp.checkpoint.tp_state import ShardedParam, TPLayout, check_partial, cut_o
 from smp.engine import gradnorm
 from smp.engine import mixed_precision as precision
 from smp.engine.optimizer_step import step_in_chunks
+from smp.foreign_optimizer import foreign_optimizer
 from smp.health import session as health
 from smp.profiling import session as profiling
 from smp.runtime import state
@@ -43,13 +44,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
     """A torch ``Optimizer`` (so lr schedulers accept it) that delegates to the optimizer it wraps; it never
     calls ``Optimizer.__init__``, so ``param_groups``, ``state`` and ``defaults`` are the wrapped one's."""
 
+    def __new__(cls, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        """A torch optimizer is wrapped by this class; another optimizer object (SMP's fp16 optimizer wrappers) is
+        returned with SMP's state-dict methods (:func:`smp.foreign_optimizer.foreign_optimizer`)."""
+        if isinstance(optimizer, torch.optim.Optimizer):
+            return super().__new__(cls)
+        return foreign_optimizer(optimizer, *args, **kwargs)
+
     def __init__(self, optimizer: torch.optim.Optimizer, static_loss_scale: float | None = 1.0,
                  dynamic_loss_scale: bool = False, dynamic_loss_args: dict[str, Any] | None = None,
                  **more_dynamic_loss_args: Any):
         """``dynamic_loss_args`` (``init_scale``, ``scale_factor``, ``scale_window``, ``min_scale``,
         ``delayed_shift``, ``consecutive_hysteresis``) may also come as keyword arguments, as SMP allows."""
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
         self.optimizer = optimizer
         self._zero: Any = None
         st = state.get()

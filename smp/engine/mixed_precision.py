@@ -174,10 +174,11 @@ def loss_scaler(config: Config, static_loss_scale: float | None = 1.0, dynamic_l
     return LossScaler(1.0 if static_loss_scale is None else static_loss_scale, dynamic_loss_scale, world_group, **args)
 
 
-def scaled_for_backward(scaler: LossScaler | None, tensors: Any, grad_tensors: Any) -> tuple[Any, Any]:
+def scaled_for_backward(scaler: Any, tensors: Any, grad_tensors: Any) -> tuple[Any, Any]:
     """``model.backward``'s arguments with the loss scale of ``scaler`` applied: to the loss (or tensors), or to
-    the given output gradients; unchanged without a scaler."""
-    if scaler is None:
+    the given output gradients; unchanged without a scaler of smp's (a script's own fp16 optimizer, such as the
+    ``FP16_Optimizer`` of SageMaker's 2022 GPT-2 script, scales the loss before ``model.backward`` itself)."""
+    if not isinstance(scaler, LossScaler):
         return tensors, grad_tensors
     if grad_tensors is None:
         return scaler.scale(tensors), None

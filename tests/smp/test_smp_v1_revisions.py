@@ -164,3 +164,101 @@ def test_the_global_gradient_norm_under_sharded_data_parallelism_is_kept_as_smp_
 
     for got, want in run_ranks(_grad_norm_under_sdp, 2, timeout=120):
         assert abs(got - want) < 1e-5 * want, (got, want)
+
+
+def test_an_optimizer_object_that_is_not_a_torch_optimizer_is_returned_with_smps_state_dict_methods() -> None:
+    """The 2022 GPT-2 script's ``smp.DistributedOptimizer(FP16_Optimizer(...))``: the wrapper's own ``step``,
+    ``zero_grad(set_grads_to_None=)``, ``overflow`` and attributes, SMP's ``local_state_dict``; refused under smp's
+    own ``fp16``, which scales the loss in a DistributedOptimizer of a torch optimizer."""
+    done = _python("""
+        import torch
+        import smp
+
+        class Wrapper:  # the shape of Megatron's FP16_Optimizer
+            def __init__(self, optimizer):
+                self.optimizer, self.overflow, self.steps = optimizer, False, 0
+
+            @property
+            def param_groups(self):
+                return self.optimizer.param_groups
+
+            def zero_grad(self, set_grads_to_None=False):
+                self.optimizer.zero_grad(set_to_none=set_grads_to_None)
+
+            def step(self):
+                self.steps += 1
+                return self.optimizer.step()
+
+            def state_dict(self):
+                return self.optimizer.state_dict()
+
+            def load_state_dict(self, sd):
+                self.optimizer.load_state_dict(sd)
+
+        smp.init({"pipeline_parallel_degree": 1})
+        model = smp.DistributedModel(torch.nn.Linear(2, 1))
+        wrapper = Wrapper(torch.optim.Adam(model.parameters()))
+        optimizer = smp.DistributedOptimizer(wrapper)
+        optimizer.zero_grad(set_grads_to_None=True)
+        optimizer.overflow = True  # the script sets the loss scaler and flags this way when it resumes
+        optimizer.step()
+        print(isinstance(optimizer, Wrapper), wrapper.overflow, wrapper.steps, optimizer.steps,
+              sorted(optimizer.local_state_dict()), optimizer.state_dict()["param_groups"][0]["lr"])
+    """)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\\n")[0].split() == ["True", "True", "1", "1", "['param_groups',", "'state']", "0.001"]
+    refused = _python("""
+        import torch
+        import smp
+
+        class Wrapper:
+            def __init__(self, optimizer):
+                self.optimizer = optimizer
+                self.param_groups = optimizer.param_groups
+
+            def step(self):
+                pass
+
+        smp.init({"pipeline_parallel_degree": 1, "fp16": True})
+        model = smp.DistributedModel(torch.nn.Linear(2, 1))
+        smp.DistributedOptimizer(Wrapper(torch.optim.Adam(model.parameters())))
+    """)
+    assert "ForeignOptimizerError: smp.DistributedOptimizer(Wrapper): with 'fp16' or 'bf16'" in refused.stderr
+
+
+def _tp_surface(rank: int, world: int) -> dict:
+    import torch
+    import transformers as T
+
+    import smp
+
+    smp.init({"pipeline_parallel_degree": 1, "ddp": True, "tensor_parallel_degree": 2})
+    torch.manual_seed(0)
+    with smp.tensor_parallelism():
+        net = T.GPT2LMHeadModel(T.GPT2Config(n_layer=1, n_embd=32, n_head=4, vocab_size=64, n_positions=16,
+                                             use_cache=False, bos_token_id=0, eos_token_id=0))
+    model = smp.DistributedModel(net)
+
+    @smp.step
+    def forward(model, ids):
+        return model(input_ids=ids)["logits"]
+
+    with torch.no_grad():
+        forward(model, torch.randint(64, (2, 8), generator=torch.Generator().manual_seed(0)))
+    layer = model.get_module().transformer.seq_layers[0]
+    ran = []
+    model.register_post_partition_hook(lambda m, opt: ran.append("now"))  # partitioned: runs at once
+    return {"query": (model.is_distributed_parameter(layer.attention.query.weight),
+                      smp.utils.get_distribution_axis(layer.attention.query.weight)),
+            "norm": (model.is_distributed_parameter(layer.attention.pre_layernorm.weight),
+                     smp.utils.get_distribution_axis(layer.attention.pre_layernorm.weight)), "hook": ran}
+
+
+def test_tensor_parallel_parameters_say_they_are_split_and_along_which_axis() -> None:
+    """``model.is_distributed_parameter`` (SMP's) and ``smp.utils.get_distribution_axis``, which the 2022 GPT-2
+    script's fp16 optimizer notes for each master weight; a post-partition hook registered after partitioning runs
+    at once (the script registers the one that loads its optimizer state inside a post-step hook)."""
+    from smp.testing import run_ranks
+
+    for r in run_ranks(_tp_surface, 2, timeout=180):
+        assert r == {"query": (True, 0), "norm": (False, None), "hook": ["now"]}, r
