@@ -7,8 +7,8 @@ date: the MNIST script ``mnist/utils/pt_mnist.py`` (3 texts, 2020-12 to 2021-05)
 ``bert/bert_example/sagemaker_smp_pretrain.py`` (8 texts, 2020-12 to 2022-01) and the GPT-2 script
 ``gpt2/train_gpt_simple.py`` (3 texts, 2022-01 to 2022-10) then ``gpt2/train.py`` (2023-06; the same text moved to
 ``archived/smp-gpt-sharded-data-parallel/`` in 2024-06), all under ``training/distributed_training/pytorch/
-model_parallel/``. Texts that only lived on pull-request branches (the GPT-2 script had 21 in 2021-11 to 2022-10,
-BERT 4 more) were never published and are not run.
+model_parallel/``. Texts that only lived on pull-request branches (17 more of the GPT-2 script in 2021-11 to
+2022-10, 4 more of BERT's in 2020-12 to 2021-03) were never published and are not run.
 
 A run is :func:`launch`: ``smp launch -n N --as-smdistributed`` (the scripts' import lines are SMP's, unchanged), with
 the notebook's SMP parameters in ``SM_HP_MP_PARAMETERS`` (as SageMaker passed them) and the notebook's
