@@ -77,7 +77,8 @@ def _run(rank: int, world: int, kind: str, pp: int, schedule: str) -> dict:
             "sharded": len(shards)}
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama", pytest.param("bert", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("kind", [pytest.param("gpt2", marks=pytest.mark.slow), "llama",
+                                  pytest.param("bert", marks=pytest.mark.slow)])
 def test_tp2_reproduces_the_single_process_losses_and_gradients(kind):
     got = run_ranks(_run, 2, kind, 1, "1f1b", timeout=240)
     for r in got:
