@@ -318,6 +318,8 @@ class Executor:
             if tensors:
                 torch.autograd.backward(tensors, grads)
             input_grads = {n: t.grad for n, t in held.inputs.items()}
+        if self.gather is not None:
+            self.gather.release()  # the weights this backward gathered again
         box = self._to_send("B", a.stage, k, {src for src in stage.sources.values()
                                               if src != MODEL_INPUT and not self._local(src)})
         for n, t in held.inputs.items():

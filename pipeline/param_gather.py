@@ -1,29 +1,40 @@
-"""Sharded parameters gathered where a stage's graph reads them: ZeRO-3 at the granularity of the graph.
+"""Sharded parameters gathered where a stage's graph reads them, a unit at a time and prefetched: ZeRO-3 / FSDP at the
+granularity of the graph.
 
 ZeRO stage 3 (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models",
 arXiv:1910.02054) keeps each parameter sharded over the data-parallel replicas and makes it whole only while an op
-needs it. FSDP (PyTorch's ``fully_shard``) does so per module, from forward hooks; our stages are flat
-``fx.GraphModule`` s that read parameters by ``get_attr`` (:mod:`partitioner.capture.stage_modules`), where a hook
-would gather
-a whole stage at once. So, as SimpleFSDP does (Zhang et al. 2024, "SimpleFSDP: Simpler Fully Sharded Data Parallel
-with torch.compile", arXiv:2411.00284), the parameters are DTensors sharded on dim 0 and the graph itself gathers
-them: :meth:`GatheredParams.insert` puts a ``gather`` node right after each ``get_attr`` of a sharded parameter, so a
-parameter is whole from the first op that reads it to the last (fx's generated code drops a value after its last
-use). Every collective is DTensor's (``redistribute``), none is written here.
+needs it. FSDP (Zhao et al. 2023, "PyTorch FSDP: Experiences on Scaling Fully Sharded Data Parallel",
+arXiv:2304.11277) does so per module, from forward hooks; our stages are flat ``fx.GraphModule`` s that read
+parameters by ``get_attr`` (:mod:`partitioner.capture.stage_modules`, placed before each parameter's first reader),
+where a hook would gather a whole stage at once. So, as SimpleFSDP does (Zhang et al. 2024, "SimpleFSDP: Simpler
+Fully Sharded Data Parallel with torch.compile", arXiv:2411.00284), the parameters are DTensors sharded on dim 0 and
+the graph itself gathers them: :meth:`GatheredParams.insert` puts a ``gather`` node right after each ``get_attr`` of
+a sharded parameter, and groups the stage's sharded parameters into units (:mod:`pipeline.gather_units`: one block
+of a layer list each, one flat collective each), in the order the graph reads them.
 
-* forward: ``gather`` redistributes the parameter to ``Replicate`` and hands the ops a plain tensor.
+* forward: the first ``gather`` of a unit waits for the unit's all-gather (launched when the previous unit was
+  gathered, or now for the stage's first) and launches the next unit's, which runs while this one computes
+  (FSDP's forward prefetch, section 3.4); each whole parameter is handed to the ops as a plain tensor and dropped
+  after its last reader (fx's generated code drops a value after its last use).
 * what autograd saves of a gathered tensor (a weight for its matmul's backward, or a view of it) is not kept: under
   :meth:`GatheredParams.saving` the saved-tensor hooks (``torch.autograd.graph.saved_tensors_hooks``) pack it as a
-  reference to its parameter, and the backward gathers it again when it needs it (FSDP's
-  ``reshard_after_forward=True``), so memory holds the whole weights of the running ops only.
+  reference to its parameter, and the backward gathers its unit again when it needs it (FSDP's
+  ``reshard_after_forward=True``), prefetching the unit before it (in the stage's order) whose weights the backward
+  also needs (FSDP's backward prefetch); a unit gathered in a backward is held until the next is, or the pass ends
+  (:meth:`GatheredParams.release`).
 * backward: the gradient of a gathered tensor accumulates whole, over the step's microbatches, in a buffer of its
-  own, and is reduced once per step into the parameter's sharded ``.grad``: a reduce-scatter over the sharding
-  group, and an all-reduce across its replicas when the mesh has two dimensions (hybrid sharding) — torch's own
-  choice for pipelines of FSDP modules, which synchronise gradients at the last microbatch only
+  own, and is reduced once per step into the parameter's sharded ``.grad``: a reduce-scatter of the unit over the
+  sharding group, and an all-reduce across its replicas when the mesh has two dimensions (hybrid sharding) — torch's
+  own choice for pipelines of FSDP modules, which synchronise gradients at the last microbatch only
   (``torch.distributed.pipelining``'s ``backward_maybe_with_nosync``), trading a whole gradient buffer per stage for
   ``microbatches - 1`` fewer reductions. In the stage's last backward of the step (``final``, which the executor
-  sets) a parameter is reduced as soon as its last gradient is in, as FSDP's post-backward hook does, so its whole
-  buffer goes while the backward goes on; :meth:`GatheredParams.reduce_gradients` reduces what is left.
+  sets) a unit's reduce-scatter is launched as soon as each of its parameters has its last gradient, as FSDP's
+  post-backward hook does, and runs while the backward goes on (two at most in flight);
+  :meth:`GatheredParams.reduce_gradients` reduces what is left and waits for every one before the step returns.
+
+Exact: the all-gathers move the shards' values, and the gradients are summed over the sharding group then over the
+replica rows and divided by the replicas, as DTensor's ``Partial("avg")`` to ``Shard(0)`` did parameter by parameter
+(equal up to that summation order, float rounding on 3 or more replicas).
 
 ``trace`` records each gather (forward or backward) with the bytes whole at that moment, what the memory benchmark
 prints to show that no more than the planned parameters are whole at once.
@@ -38,7 +49,9 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.fx
-from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from pipeline.gather_units import Gathering, Reducing, Unit, units_of
 
 __all__ = ["GatheredParams", "GatherEvent", "is_sharded", "shard_of"]
 
@@ -69,69 +82,104 @@ class _Gather(torch.autograd.Function):
     """The whole value of a sharded parameter; its gradient goes to the owner's whole-gradient buffer."""
 
     @staticmethod
-    def forward(ctx: Any, param: torch.Tensor, owner: "GatheredParams", name: str) -> torch.Tensor:
+    def forward(ctx: Any, param: torch.Tensor, owner: "GatheredParams") -> torch.Tensor:
         ctx.owner, ctx.param = owner, param
-        return owner.whole(param, name, backward=False)
+        return owner.whole(param)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None]:
         ctx.owner.accumulate(ctx.param, grad)
-        return None, None, None
+        return None, None
 
 
 @dataclass(eq=False)
 class GatheredParams:
-    """The gathering of one rank's sharded parameters: graph rewriting, saved-tensor hooks and gradient buffers."""
+    """The gathering of one rank's sharded parameters: graph rewriting, units and their prefetches, saved-tensor
+    hooks, gradient buffers and their reduction."""
 
     trace: list[GatherEvent] = field(default_factory=list)
     record: bool = False  # keep every gather in ``trace`` (the memory benchmark)
+    final: bool = False  # the running backward is its stage's last of the step: reduce each unit once complete
     _grads: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # id(param) -> (param, buf)
     _live: dict[int, tuple[torch.Tensor, str]] = field(default_factory=dict)  # storage address -> (param, name)
     _live_bytes: int = 0
-    _again: "weakref.WeakValueDictionary[int, torch.Tensor]" = field(default_factory=weakref.WeakValueDictionary)
-    final: bool = False  # the running backward is its stage's last of the step: reduce each gradient once complete
     _reads: dict[int, int] = field(default_factory=dict)  # id(param) -> gather nodes reading it in its stage
+    _unit: dict[int, Unit] = field(default_factory=dict)  # id(param) -> its unit
+    _fwd: dict[Unit, dict[int, torch.Tensor]] = field(default_factory=dict)  # unit -> wholes its forward reads still
+    _left: dict[int, int] = field(default_factory=dict)  # id(param) -> reads still to come in the running forward
+    _again: "weakref.WeakValueDictionary[int, torch.Tensor]" = field(default_factory=weakref.WeakValueDictionary)
+    _held: list[torch.Tensor] = field(default_factory=list)  # the unit a backward gathered last
+    _regather: set[Unit] = field(default_factory=set)  # units whose weights a backward gathers again
+    _pending: dict[Unit, Gathering] = field(default_factory=dict)  # prefetches in flight
     _final_seen: dict[int, int] = field(default_factory=dict)  # id(param) -> its gradients in the final backward
-    _reduced: set[int] = field(default_factory=set)  # id(param) of those reduced this step already
+    _reducing: list[Reducing] = field(default_factory=list)  # reduce-scatters in flight
+    _reduced: set[Unit] = field(default_factory=set)  # units reduced this step already
 
     def insert(self, gm: torch.fx.GraphModule) -> int:
         """Rewrite ``gm`` so that each ``get_attr`` of a sharded parameter is followed by its ``gather`` and every
-        reader reads the whole tensor; returns how many were inserted (0 leaves ``gm`` as it was)."""
-        count = 0
+        reader reads the whole tensor, and group its sharded parameters into units in the order ``gm`` reads them;
+        returns how many gathers were inserted (0 leaves ``gm`` as it was)."""
         reads: dict[int, int] = {}
+        first: list[tuple[str, Any]] = []
         for node in list(gm.graph.nodes):
             param = _attribute(gm, str(node.target)) if node.op == "get_attr" else None
             if not is_sharded(param):
                 continue
+            if id(param) not in reads:
+                first.append((str(node.target), param))
             reads[id(param)] = reads.get(id(param), 0) + 1
             with gm.graph.inserting_after(node):
                 whole = gm.graph.call_function(self.gather, (node, str(node.target)))
             node.replace_all_uses_with(whole, delete_user_cb=lambda user, new=whole: user is not new)
-            count += 1
         self._reads.update(reads)
-        if count:
+        for unit in units_of(first):
+            self._unit.update((id(p), unit) for p in unit.params)
+        if reads:
             gm.recompile()
-        return count
+        return sum(reads.values())
 
     def gather(self, param: torch.Tensor, name: str) -> torch.Tensor:
         """The whole value of the sharded parameter ``param`` (the stage's attribute ``name``), differentiable: its
         gradient goes to this step's whole-gradient buffer (the node :meth:`insert` adds). A plain tensor in its
         place (the fake weights a stage runs on to learn its outputs' metadata) is passed through."""
-        return _Gather.apply(param, self, name) if isinstance(param, DTensor) else param
+        return _Gather.apply(param, self) if isinstance(param, DTensor) else param
 
-    def whole(self, param: torch.Tensor, name: str, backward: bool) -> torch.Tensor:
-        """``param`` gathered (DTensor's redistribute to ``Replicate``), known to the hooks while it lives."""
-        assert isinstance(param, DTensor)  # gather() passes other tensors through
-        with torch.no_grad():
-            out = param.redistribute(param.device_mesh, [Replicate()] * param.device_mesh.ndim).to_local()
-        nbytes = out.numel() * out.element_size()
-        key = out.untyped_storage().data_ptr()
-        self._live[key] = (param, name)
-        self._live_bytes += nbytes
-        weakref.finalize(out, self._forget, key, nbytes)
-        if self.record:
-            self.trace.append(GatherEvent(name, backward, nbytes, self._live_bytes))
+    def whole(self, param: torch.Tensor) -> torch.Tensor:
+        """``param`` whole for a forward's reader: its unit gathered at its first read in the pass (see the module
+        docstring), the whole value held until its last read in the pass."""
+        unit, key = self._unit[id(param)], id(param)
+        wholes = self._fwd.get(unit)
+        if wholes is None:
+            wholes = self._fwd[unit] = dict(zip(map(id, unit.params), self._gathered(unit, backward=False)))
+        left = self._left.pop(key, self._reads.get(key, 1)) - 1
+        if left > 0:
+            self._left[key] = left
+            return wholes[key]
+        out = wholes.pop(key)
+        if not wholes:
+            del self._fwd[unit]
         return out
+
+    def _gathered(self, unit: Unit, backward: bool) -> list[torch.Tensor]:
+        """``unit``'s parameters whole (its prefetch waited for, or gathered now), known to the hooks while they
+        live; the next unit of the pass's direction is launched."""
+        pending = self._pending.pop(unit, None)
+        wholes = unit.finish_gather(pending if pending is not None else unit.start_gather())
+        if backward:
+            after = next((u for u in reversed(unit.order[:unit.index]) if u in self._regather), None)
+        else:
+            after = unit.order[unit.index + 1] if unit.index + 1 < len(unit.order) else None
+        if after is not None and after not in self._pending:
+            self._pending[after] = after.start_gather()
+        for p, name, out in zip(unit.params, unit.names, wholes):
+            nbytes = out.numel() * out.element_size()
+            key = out.untyped_storage().data_ptr()
+            self._live[key] = (p, name)
+            self._live_bytes += nbytes
+            weakref.finalize(out, self._forget, key, nbytes)
+            if self.record:
+                self.trace.append(GatherEvent(name, backward, nbytes, self._live_bytes))
+        return wholes
 
     def _forget(self, key: int, nbytes: int) -> None:
         self._live.pop(key, None)
@@ -143,16 +191,19 @@ class GatheredParams:
         return self._live_bytes
 
     def accumulate(self, param: torch.Tensor, grad: torch.Tensor) -> None:
-        """Add ``grad`` (whole) to ``param``'s gradient buffer of this step."""
+        """Add ``grad`` (whole) to ``param``'s gradient buffer of this step; in the final backward, launch the
+        reduction of ``param``'s unit once each of its parameters has all its gradients."""
         held = self._grads.get(id(param))
         if held is None:
             self._grads[id(param)] = (param, grad.detach().clone(memory_format=torch.contiguous_format))
         else:
             held[1].add_(grad)
         if self.final:
-            seen = self._final_seen[id(param)] = self._final_seen.get(id(param), 0) + 1
-            if seen == self._reads.get(id(param), 1):
-                self._reduce(param)
+            self._final_seen[id(param)] = self._final_seen.get(id(param), 0) + 1
+            unit = self._unit[id(param)]
+            if all(self._final_seen.get(id(p), 0) >= self._reads.get(id(p), 1)
+                   for p in unit.params if p.requires_grad):
+                self._reduce(unit)
 
     @contextmanager
     def saving(self) -> Iterator[None]:
@@ -160,11 +211,16 @@ class GatheredParams:
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
             yield
 
+    def release(self) -> None:
+        """The end of a stage's backward: drop what it gathered (the executor calls it)."""
+        self._held = []
+
     def _pack(self, t: torch.Tensor) -> Any:
         key = _storage_key(t) if self._live else None
         found = self._live.get(key) if key is not None else None
         if found is None:
             return t
+        self._regather.add(self._unit[id(found[0])])
         return _Ref(found[0], found[1], tuple(t.shape), tuple(t.stride()), int(t.storage_offset()))
 
     def _unpack(self, packed: Any) -> torch.Tensor:
@@ -172,32 +228,45 @@ class GatheredParams:
             return packed
         whole = self._again.get(id(packed.param))  # a weight several ops saved: gathered once while it lives
         if whole is None:
-            whole = self.whole(packed.param, packed.name, backward=True)
-            self._again[id(packed.param)] = whole
+            unit = self._unit[id(packed.param)]
+            self._held = self._gathered(unit, backward=True)
+            for p, out in zip(unit.params, self._held):
+                self._again[id(p)] = out
+            whole = self._again[id(packed.param)]
         return whole.as_strided(packed.shape, packed.stride, packed.offset)
 
     def reduce_gradients(self, params: Iterable[torch.Tensor]) -> None:
         """Give each sharded ``param`` (of ``params``; others are skipped) its step's gradient: the whole buffers
         averaged over the mesh and left sharded as the parameter (zero for a parameter no microbatch reached),
-        added to ``.grad`` as torch accumulates. Collective over the mesh: every replica calls it after its step."""
+        added to ``.grad`` as torch accumulates. Collective over the mesh: every replica calls it after its step,
+        and it returns once every reduction of the step is done."""
+        left: list[Unit] = []
+        loose: list[tuple[str, Any]] = []  # sharded parameters no stage graph reads
         for p in params:
-            if is_sharded(p) and p.requires_grad and id(p) not in self._reduced:
-                self._reduce(p)
+            unit = self._unit.get(id(p)) if is_sharded(p) and p.requires_grad else None
+            if unit is None and is_sharded(p) and p.requires_grad:
+                loose.append(("", p))
+            elif unit is not None and unit not in self._reduced and unit not in left:
+                left.append(unit)
+        for unit in left + units_of(loose):
+            self._reduce(unit)
+        for r in self._reducing:
+            r.unit.finish_reduce(r)
+        for g in self._pending.values():  # a backward prefetch no backward used: its values may change now
+            g.work.wait()
+        self._reducing, self._pending, self._held = [], {}, []
         self._grads.clear()
         self._final_seen.clear()
         self._reduced.clear()
 
-    def _reduce(self, p: torch.Tensor) -> None:
-        """``p``'s whole gradient of this step (zero if none came), averaged over the mesh into its sharded
-        ``.grad``."""
-        assert isinstance(p, DTensor)
-        self._reduced.add(id(p))
-        held = self._grads.pop(id(p), None)
-        buf = held[1] if held is not None else torch.zeros(p.shape, dtype=p.dtype, device=p.to_local().device)
-        mesh = p.device_mesh
-        reduced = DTensor.from_local(buf, mesh, [Partial("avg")] * mesh.ndim, shape=p.shape,
-                                     stride=p.stride()).redistribute(mesh, p.placements)
-        p.grad = reduced if p.grad is None else p.grad + reduced
+    def _reduce(self, unit: Unit) -> None:
+        """Launch the reduction of ``unit``'s whole gradients of this step (zero where none came), finishing the
+        oldest in flight when more than two are."""
+        self._reduced.add(unit)
+        self._reducing.append(unit.start_reduce([self._grads.pop(id(p), (p, None))[1] for p in unit.params]))
+        if len(self._reducing) > 2:
+            r = self._reducing.pop(0)
+            r.unit.finish_reduce(r)
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,9 @@
 """What sharded data parallelism adds to a pipeline's step: each microbatch's all-gathers in its stage's forward and
 backward, and each rank's reduce-scatter and all-reduce once, after its last backward of the step.
 
-The engine gathers synchronously (:mod:`pipeline.param_gather`), so the all-gathers add to the passes; the
-reduce-scatter and all-reduce of a rank run after the rank's last pass (:func:`with_end_of_step`). What each rank holds
+The all-gathers are priced as adding to the passes and the reduce-scatter and all-reduce of a rank as running after
+the rank's last pass (:func:`with_end_of_step`): an upper bound now that the engine prefetches each unit's all-gather
+and launches its reduce-scatter during the last backward (:mod:`pipeline.param_gather`). What each rank holds
 and spends is :func:`partitioner.sdp.shards.sharded_dp`'s, over the links of its
 :class:`partitioner.sdp.group.ShardingGroup`; :func:`sharded_step` prices a plan's step so (``smp inspect --sdp``).
 """

@@ -19,9 +19,11 @@ whole over the microbatches, as :mod:`partitioner.sdp.shards` prices it), comple
 What the reduce-scatters add to that last backward is exposed after the pipeline (the tail), where the scorer puts
 the end-of-step reduction.
 
-Our runtime does not overlap (:mod:`pipeline.param_gather` gathers each parameter at its first use with DTensor's
-synchronous ``redistribute`` and waits for it, and reduces each gradient the same way), so ``smp plan`` prices
-sharded data parallelism without this (:class:`partitioner.layout.score.Pricing` ``overlap=False``, the default);
+Our runtime now runs FSDP's design at the graph's granularity (:mod:`pipeline.param_gather`,
+:mod:`pipeline.gather_units`: one flat all-gather per unit, the next unit prefetched in forward and backward, one
+reduce-scatter per unit launched as its gradients complete), but ``smp plan`` still prices sharded data parallelism
+without the overlap (:class:`partitioner.layout.score.Pricing` ``overlap=False``, the default): on CPU ranks gloo's
+collectives run on the same cores as the compute, and how much of them the overlap hides there is not measured yet;
 ``benchmarks/published.py`` prices published FSDP runs with it, as those systems ran.
 """
 from __future__ import annotations

@@ -3,6 +3,7 @@ outputs and gradients as the whole module, nothing whole once the forward is don
 gathered again there, and the gradients reduced into shards once."""
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -60,7 +61,117 @@ def test_gathered_where_read_and_gathered_again_for_the_backward():
         assert r["inserted"] == 4 and r["out"] and r["x_grad"], r
         assert r["grad_err"] < 1e-6, r
         assert r["whole_after_forward"] == 0, r  # nothing saved for the backward holds a whole weight
-        # The backward needs both weights (for the input's gradient), gathered again, each once; never the biases.
-        assert sorted(r["again"]) == ["a.weight", "b.weight"], r
+        # The backward needs both weights (for the input's gradient): their unit (no block: the four parameters,
+        # 51 elements, one unit) is gathered again, once.
+        assert sorted(r["again"]) == ["a.bias", "a.weight", "b.bias", "b.weight"], r
         assert r["peak"] <= (24 + 6 + 18 + 3) * 4, r
         assert r["local_grad"] == ((2, 6) if r["rank"] == 0 else (1, 6)), r  # a shard, as the parameter
+
+
+class Blocks(torch.nn.Module):
+    """A stem, a layer list of three blocks and a head, with odd row counts: uneven shards on two ranks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = torch.nn.Linear(4, 7)
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Tanh(),
+                                                              torch.nn.Linear(5, 7)) for _ in range(3))
+        self.norm = torch.nn.LayerNorm(7)
+        self.head = torch.nn.Linear(7, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.stem(x)
+        for block in self.blocks:
+            h = h + block(h)
+        return self.head(self.norm(h))
+
+
+def _units(rank: int, world: int, rows: int):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from pipeline import gather_units
+    from pipeline.param_gather import GatheredParams, shard_of
+
+    torch.manual_seed(0)
+    model = Blocks()
+    x = torch.randn(6, 4, requires_grad=True)
+    y_ref = model(x)
+    (y_ref ** 2).sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    x = x.detach().requires_grad_(True)
+    mesh = init_device_mesh("cpu", (rows, world // rows)) if rows > 1 else init_device_mesh("cpu", (world,))
+    placements = [Replicate()] * (mesh.ndim - 1) + [Shard(0)]
+    for mod in list(model.modules()):
+        for name, p in list(mod.named_parameters(recurse=False)):
+            setattr(mod, name, torch.nn.Parameter(shard_of(p, mesh, placements)))
+    class Flat(torch.fx.Tracer):  # parameters read by get_attr, as a stage graph reads them
+        def is_leaf_module(self, m: torch.nn.Module, qualname: str) -> bool:
+            return False
+    gm = torch.fx.GraphModule(model, Flat().trace(model))
+    gathered = GatheredParams()
+    gathered.insert(gm)
+    events: list[tuple[str, int]] = []
+    start, whole = gather_units.Unit.start_gather, GatheredParams.whole
+
+    def logged_start(unit, *args):
+        events.append(("start", unit.index))
+        return start(unit, *args)
+
+    def logged_whole(self, param):
+        out = whole(self, param)
+        events.append(("read", self._unit[id(param)].index))
+        return out
+    gather_units.Unit.start_gather, GatheredParams.whole = logged_start, logged_whole
+    with CommDebugMode() as forward_comm, gathered.saving():
+        y = gm(x)
+    forward = list(events)
+    gathered.final = True  # the step's only backward: each unit reduced as soon as its gradients are in
+    with CommDebugMode() as backward_comm:
+        (y ** 2).sum().backward()
+    gather_units.Unit.start_gather, GatheredParams.whole = start, whole
+    again = events[len(forward):]
+    with CommDebugMode() as end_comm:
+        gathered.reduce_gradients(gm.parameters())
+    units = {u.index: u.names for u in gathered._unit.values()}
+
+    def counts(comm):
+        return {str(k).split(".")[-1]: v for k, v in comm.get_comm_counts().items()}
+    return {"out": float((y - y_ref).detach().abs().max()),
+            "grad_err": max(float((p.grad.full_tensor() - grads[n]).abs().max()) for n, p in gm.named_parameters()),
+            "units": [units[i] for i in sorted(units)], "events": forward, "again": again,
+            "forward": counts(forward_comm), "backward": counts(backward_comm), "end": counts(end_comm),
+            "local": {n: tuple(p.grad.to_local().shape) for n, p in gm.named_parameters()}}
+
+
+def test_units_gathered_by_one_collective_each_prefetched_and_reduced_as_they_complete():
+    results = run_ranks(_units, 2, 1, timeout=120)
+    for r in results:
+        assert r["out"] == 0.0 and r["grad_err"] < 1e-6, r
+        # a unit per block; the stem and the norm + head, outside the blocks, in runs under a block's bytes
+        assert [names[0] for names in r["units"]] == ["stem.weight", "blocks.0.0.weight", "blocks.1.0.weight",
+                                                      "blocks.2.0.weight", "norm.weight"], r["units"]
+        assert r["forward"] == {"_allgather_base_": 5}, r  # one all-gather per unit
+        # the backward gathers again the units whose weights it needs (all: the input's gradient needs the stem's),
+        # and reduce-scatters each unit as its gradients complete, before the step's end
+        assert r["backward"] == {"_allgather_base_": 5, "_reduce_scatter_base_": 5}, r
+        assert r["end"] == {}, r
+        # forward prefetch: unit i + 1's all-gather starts before any of unit i's parameters is read
+        events = r["events"]
+        for i in range(4):
+            assert events.index(("start", i + 1)) < events.index(("read", i)), events
+        assert r["again"] == [("start", i) for i in (4, 3, 2, 1, 0)], r["again"]  # each once, in reverse
+    assert [r["local"]["blocks.0.0.weight"] for r in results] == [(3, 7), (2, 7)]  # uneven shards, as the parameter
+    assert [r["local"]["head.weight"] for r in results] == [(2, 7), (1, 7)]
+
+
+@pytest.mark.slow
+def test_units_under_hybrid_sharding_reduce_over_the_rows_too():
+    for r in run_ranks(_units, 4, 2, timeout=300):  # 2 replica rows x a sharding group of 2
+        assert r["out"] == 0.0 and r["grad_err"] < 1e-6, r
+        assert {k: v for k, v in r["backward"].items() if k != "allreduce_"} == {
+            "_allgather_base_": 5, "_reduce_scatter_base_": 5}, r
+        # the rows' sums, one per unit: of the units whose reduce-scatter is waited for in the backward (two at
+        # most in flight), and of the last two at the step's end
+        assert r["backward"]["allreduce_"] == 3 and r["end"] == {"allreduce_": 2}, r
