@@ -18,7 +18,9 @@ is exactly what the schedule implies (GPipe: m, 1F1B: p - s, ZB-H1: p + 1, all c
 ``peak_held`` counts it; with an ``offload`` (:mod:`pipeline.offload`) what checkpointed stages hold waits in
 host memory, loaded ahead of the backward. Values that cross stages are detached at the boundary, also between two
 stages on one rank, so each ``B`` runs autograd through its own stage only. Gradients accumulate in the
-parameters' ``.grad`` across microbatches, as ``loss.backward()`` per microbatch would.
+parameters' ``.grad`` across microbatches, as ``loss.backward()`` per microbatch would. A stage's last ``B`` of the
+step makes them final: the sharded parameters' gathering (:mod:`pipeline.param_gather`) is told so, and so are the
+data-parallel buckets (:mod:`pipeline.grad_buckets`), also at that microbatch's ``W`` under a split backward.
 
 With a :class:`pipeline.timeline.Recorder` every pass is a span; a detailed one (profiling,
 :mod:`pipeline.profiler`) also gets, nested in each pass, the time it waited for its receives
@@ -34,6 +36,7 @@ import torch
 import torch.utils.checkpoint
 
 from partitioner.capture.stage_modules import MODEL_INPUT, SplitModel
+from pipeline.grad_buckets import GradBuckets
 from pipeline.offload import ActivationOffload
 from pipeline.p2p import Transport
 from pipeline.param_gather import GatheredParams
@@ -75,6 +78,7 @@ class Executor:
     peak_held: dict[int, int] = field(default_factory=dict)
     offload: ActivationOffload | None = None  # checkpointed stages' inputs to host memory and back (pipeline.offload)
     gather: GatheredParams | None = None  # sharded parameters' saved whole copies dropped, gathered again in backward
+    grad_buckets: GradBuckets | None = None  # data-parallel averages launched as the last backward makes them final
 
     def __post_init__(self) -> None:
         if not self.schedule.lowered:
@@ -280,9 +284,12 @@ class Executor:
     def _backward(self, a: Action) -> None:
         stage = self._stages[a.stage]
         k = a.microbatch
+        final = k == self._last_backward[a.stage]
         if self.gather is not None:  # the stage's last backward of the step reduces sharded gradients as it goes
-            self.gather.final = k == self._last_backward[a.stage]
+            self.gather.final = final
         split = self.schedule.split_backward
+        if self.grad_buckets is not None:  # and launches the data-parallel buckets its gradients fill
+            self.grad_buckets.final_pass(a.stage, final)
         held = self._held.get((a.stage, k)) if split else self._held.pop((a.stage, k), None)
         if held is None:
             raise RuntimeError(f"backward of stage {a.stage} microbatch {k} before its forward ran in training "
@@ -330,8 +337,15 @@ class Executor:
                 self._grads[key] = self._grads[key] + grad if key in self._grads else grad
             else:
                 box[n] = grad.contiguous()
+        if self.grad_buckets is not None and final and not split:
+            self.grad_buckets.stage_done(a.stage)
 
     def _weight(self, a: Action) -> None:
+        final = a.microbatch == self._last_backward[a.stage]
+        if self.grad_buckets is not None:
+            self.grad_buckets.final_pass(a.stage, final)
         held = self._held.pop((a.stage, a.microbatch), None)  # None: B already did everything
         if held is not None and held.weight_pass is not None:
             held.weight_pass()
+        if self.grad_buckets is not None and final:
+            self.grad_buckets.stage_done(a.stage)

@@ -22,12 +22,14 @@ from partitioner.cut.plan import PlanMismatchError
 from partitioner.cut.portfolio import fixed_plan
 from partitioner.tp.shard_program import tensor_parallel_graph
 from pipeline import PipelineRunner
+from pipeline.grad_buckets import DEFAULT_BUCKET_CAP_MB
 from smp.checkpoint.commit import CheckpointError
 from smp.checkpoint.sdp_state import check_shards, load_into, local_shards, marker, whole_values
 from smp.checkpoint.state_dicts import PARTIAL_KEY, PLAN_KEY, SDP_KEY, TP_KEY, key_error, on_cpu, unmarked
 from smp.checkpoint.tp_state import TPLayout, check_partial, cut_model_state, whole_model_state
 from smp.engine import mixed_precision as precision
 from smp.engine import step_run
+from smp.engine.grad_averaging import GradAveraging
 from smp.engine.materialize import tensor_ids
 from smp.engine.planning import bind_to, own_tensors, plan_ranks, shared_plan, smp_runner
 from smp.engine.tp_shards import shard_specs
@@ -47,10 +49,11 @@ class DistributedModel(ModelHooks, torch.nn.Module):
     ``@smp.step`` call, after which this rank holds and trains only its own stages' parameters."""
     # SMP v1 arguments that tune its own gradient reduction or profiling; here they change nothing.
     _SMP_IGNORED = {"backward_passes_per_step", "gradient_as_bucket_view", "broadcast_buffers",
-                    "bucket_cap_mb", "find_unused_parameters", "overlapping_allreduce", "trace_memory_usage"}
+                    "find_unused_parameters", "trace_memory_usage"}
 
     def __init__(self, module: torch.nn.Module, trace_device: str = "cpu", trace_execution_times: bool = False,
-                 average_grads_across_microbatches: bool = True, **kwargs: Any):
+                 average_grads_across_microbatches: bool = True, overlapping_allreduce: bool = True,
+                 bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB, **kwargs: Any):
         st = state.get()
         if st.model is not None:
             raise RuntimeError("a DistributedModel already exists in this process: wrap the whole model once "
@@ -65,6 +68,8 @@ class DistributedModel(ModelHooks, torch.nn.Module):
         self.trace_device = trace_device
         self.trace_execution_times = trace_execution_times
         self.average_grads_across_microbatches = average_grads_across_microbatches
+        # SMP v1's DDP arguments: average over the replicas in buckets of bucket_cap_mb during the backward
+        self.grad_averaging = GradAveraging(overlapping_allreduce, bucket_cap_mb)
         self.partitioned = False
         self.runner: PipelineRunner | None = None
         self.traced_autocast: tuple[str, torch.dtype] | None = None  # the autocast the model was partitioned under

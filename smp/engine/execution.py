@@ -6,7 +6,8 @@ tensor-parallel group's are regrouped or, under ``prescaled_batch``, checked to 
 step function (:mod:`smp.engine.tp_batch`), partitions the model on its first call (and gives the data-parallel
 replicas the same weights, the first replica's: :mod:`smp.engine.replicas`), walks this rank's schedule while the
 microbatches' threads run the user's function (:mod:`smp.engine.step_function`), averages gradients over the
-data-parallel replicas and brings the last stage's return values to every rank (:mod:`smp.engine.step_values`).
+data-parallel replicas in buckets while the backward runs (:mod:`smp.engine.grad_averaging`) and brings the last
+stage's return values to every rank (:mod:`smp.engine.step_values`).
 Every wait in it is bounded by ``timeout_s``. When anything in it fails — here, or on a peer, seen as a closed
 connection or a silence — this rank releases the step's threads, explains a silent peer by the smp call that peer is
 in instead, leaves the failure note and closes smp's process groups (:meth:`smp.runtime.state.State.report_failure`),
@@ -26,12 +27,10 @@ import time
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from partitioner.capture.program import flatten_inputs
 from pipeline import PeerError
 from pipeline.p2p import named_failures
-from pipeline.param_gather import is_sharded
 from smp.engine.materialize import tensor_ids
 from smp.engine.pipeline_model import PipelineModel
 from smp.engine.repartition import repartition_in_flight
@@ -137,24 +136,18 @@ def _run(st: State, model: PipelineModel, run: StepRun, call: str) -> list[Any]:
                 for n, v in zip(sm.program.input_names, flat)}
 
     last = model.is_last_stage_rank()
+    replicas = train and st.topology.dp > 1
+    params = [(n, p) for n, p in model.local_named_parameters() if p.requires_grad] if replicas else []
+    if replicas:  # gradients averaged over the replicas in buckets, launched as the last backward fills them
+        # a tp rank's shards average over the replicas of that shard only; whole parameters over every replica
+        shards = tensor_ids(model.module, sharded_names(runner.plan.traced_graph())) if st.topology.tp > 1 else set()
+        model.grad_averaging.begin(st, runner, params, shards, call)
     # The step function gets each microbatch's outputs from the loss hook; the runner keeps none.
     runner.run_microbatches(inputs_of, run.loss_hook if last else None, train, run.before_forward,
                             keep_outputs=False)
     local = run.results()
-    if train and st.topology.dp > 1:
-        tp = st.topology.tp > 1
-        sharded = tensor_ids(model.module, sharded_names(runner.plan.traced_graph())) if tp else set()
-        params = [p for p in model.local_parameters() if p.requires_grad]
-        if runner.gather is not None:  # sharded parameters: their whole gradients reduce-scattered, once per step
-            with named_failures("reducing the sharded gradients over the sharded-data-parallel replicas",
-                                [r for r in st.ranks("reduced-data-parallel") if r != st.rank], st.rank,
-                                st.config.timeout_s):
-                runner.gather.reduce_gradients(params)
-            params = [p for p in params if not is_sharded(p)]
-        # A tp rank's shards average over the replicas of that shard only; whole parameters over every replica.
-        _reduce_data_parallel(st, [p for p in params if id(p) not in sharded], call, "data-parallel")
-        if tp and st.topology.rdp > 1:
-            _reduce_data_parallel(st, [p for p in params if id(p) in sharded], call, "reduced-data-parallel")
+    if replicas:
+        model.grad_averaging.end(st, runner, [p for _, p in params])
     src = runner.ranks[-1]
     waiting_on = [src] if not last else [r for r in runner.ranks if r != st.rank]
     with named_failures("receiving the step's results from the last stage" if not last else
@@ -179,22 +172,3 @@ def _take_first_stage_inputs(st: State, run: StepRun) -> None:
                               st.device)
     if st.rank != src:
         run.use_inputs(*inputs)
-
-
-def _reduce_data_parallel(st: State, params: list[torch.nn.Parameter], call: str, kind: str) -> None:
-    """Average the gradients of ``params`` over the replicas of this stage (one coalesced all-reduce on the
-    group of ``kind``: "data-parallel", or "reduced-data-parallel" for tensor-parallel shards)."""
-    st.calls[kind].announce(call)
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    grads = [p.grad for p in params if p.grad is not None]  # all of them: filled with zeros above
-    if not grads:
-        return
-    flat = torch._utils._flatten_dense_tensors(grads)
-    peers = [r for r in st.ranks(kind) if r != st.rank]
-    with named_failures(f"averaging gradients over the {kind} replicas", peers, st.rank, st.config.timeout_s):
-        dist.all_reduce(flat, group=st.group(kind))
-    flat /= len(peers) + 1
-    for g, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
-        g.copy_(reduced)

@@ -12,6 +12,7 @@ from typing import Any, Protocol
 import torch
 
 from pipeline import PipelineRunner
+from smp.engine.grad_averaging import GradAveraging
 
 __all__ = ["PipelineModel"]
 
@@ -25,6 +26,7 @@ class PipelineModel(Protocol):
     runner: PipelineRunner | None
     traced_autocast: tuple[str, torch.dtype] | None
     average_grads_across_microbatches: bool
+    grad_averaging: GradAveraging  # over the data-parallel replicas: overlapped buckets (SMP's overlapping_allreduce)
 
     @property
     def out_spec(self) -> Any:

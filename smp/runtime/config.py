@@ -72,6 +72,7 @@ class Config:
     timeout_s: float = DEFAULT_TIMEOUT_S  # per wait/collective; from SMP_TIMEOUT_S when the config has none
     prescaled_batch: bool = False     # with tp > 1: a tp group reads one batch (True) or one each (smp.engine.tp_batch)
     activation_loading_horizon: int = DEFAULT_HORIZON  # offloaded activations load this many backwards ahead
+    overlapping_allreduce: bool = True  # replicas average in buckets during the backward (smp.engine.grad_averaging)
     # SMP v1 keys accepted for compatibility; they have no effect here (see _NO_EFFECT).
     checkpoint_attentions: bool = False
     skip_tracing: bool = False
@@ -80,7 +81,6 @@ class Config:
     fp16_params: bool = False
     _fp32_grad_accumulation: bool = False
     _match_weights: bool = False
-    overlapping_allreduce: bool = True
     ddp_dist_backend: str = "auto"  # SMP 1.13+: "auto", "nccl" or "smddp" for its data-parallel reduction
     # Profiling and re-partitioning from measurements (smp.profile, smp.profiling.replan).
     profile: dict | None = None           # {"dir": "prof", "steps": [start, stop], "monitor_s": 0.2}: those steps
@@ -160,7 +160,6 @@ _NO_EFFECT = {
     "fp16_params": "parameters keep the dtype the model was created with; use 'fp16' for mixed precision",
     "_fp32_grad_accumulation": "gradients accumulate in the parameters' dtype, fp32 under 'fp16'/'bf16'",
     "_match_weights": "there are no tensor-parallel weights to match",
-    "overlapping_allreduce": "data-parallel gradients are averaged in one collective after each step",
     "sdp_reduce_bucket_size": "each sharded gradient is reduce-scattered on its own, once per step",
     "sdp_max_live_parameters": "a sharded parameter is gathered where the stage first reads it and freed after its "
                                "last read, so only the parameters of the running op are whole",

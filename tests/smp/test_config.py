@@ -23,7 +23,7 @@ def _load_recording(config: dict) -> tuple[object, list[str]]:
 @pytest.mark.parametrize("key,value", [
     ("prescaled_batch", True), ("checkpoint_attentions", True), ("skip_tracing", True), ("static_mode", True),
     ("fast_mode", True), ("fp16_params", True), ("_fp32_grad_accumulation", True), ("_match_weights", True),
-    ("overlapping_allreduce", False), ("sdp_max_live_parameters", 10**8), ("sdp_hierarchical_allgather", False),
+    ("sdp_max_live_parameters", 10**8), ("sdp_hierarchical_allgather", False),
     ("sdp_reduce_bucket_size", 10**7),
 ])
 def test_keys_without_effect_are_accepted_with_a_warning(key, value):
@@ -35,6 +35,7 @@ def test_keys_without_effect_are_accepted_with_a_warning(key, value):
 @pytest.mark.parametrize("key,value", [
     ("fp16", True), ("bf16", True), ("delayed_parameter_initialization", True),
     ("sharded_data_parallel_degree", 1), ("activation_loading_horizon", 4), ("overlapping_allreduce", True),
+    ("overlapping_allreduce", False),
     ("skip_tracing", False), ("offload_activations", True), ("activation_loading_horizon", 8),
     ("sdp_param_persistence_threshold", 1000), ("sdp_gradient_clipping", 0.5),
 ])
