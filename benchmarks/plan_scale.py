@@ -9,7 +9,14 @@ the search did (layouts enumerated, priced, partitions made) and the layout it c
 and after: other work on the machine slows the run, not its memory. Goal (issue 24): the 70B shape on 1,024 devices
 planned in under 60 s and 2 GB (``--goal`` runs that row alone).
 
-Run: ``python benchmarks/plan_scale.py [--shapes 8b,70b,405b] [--devices 64,512,2048] [--goal] [--seq 8192]``.
+``--sc21`` runs the GPT shapes of Narayanan et al. (SC'21, "Efficient Large-Scale Language Model Training on GPU
+Clusters Using Megatron-LM", Table 1: 18.4B on 256 A100s .. 1008B on 3,072) instead, each on its row's devices and
+global batch (:data:`benchmarks.published.ROWS`, the ``sc21-*`` rows; factory ``sc21_gpt``), ``a100-80gb`` in
+``bf16``: the search ``benchmarks/published.py`` runs for the planner's best layout of each row. Goal (issue 40):
+each under 60 s, the chosen layout unchanged. Each row also gives the 1-minute load average when it started.
+
+Run: ``python benchmarks/plan_scale.py [--shapes 8b,70b,405b] [--devices 64,512,2048] [--goal] [--seq 8192]`` or
+``python benchmarks/plan_scale.py --sc21 [18.4B,39.1B,...]``.
 """
 from __future__ import annotations
 
@@ -21,6 +28,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -29,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import llama_on_meta, load_average  # noqa: E402
 from partitioner.units import format_bytes  # noqa: E402
 
-__all__ = ["LLAMA3", "llama3", "llama3_8b", "llama3_70b", "llama3_405b", "main"]
+__all__ = ["LLAMA3", "SC21", "llama3", "llama3_8b", "llama3_70b", "llama3_405b", "sc21_gpt", "main"]
 
 REPO = Path(__file__).resolve().parents[1]
 # (layers, hidden, intermediate, heads, KV heads, vocabulary): Llama 3 / 3.1 (Dubey et al. 2024, "The Llama 3 Herd
@@ -37,6 +45,8 @@ REPO = Path(__file__).resolve().parents[1]
 LLAMA3 = {"8b": (32, 4096, 14336, 32, 8, 128256), "70b": (80, 8192, 28672, 64, 8, 128256),
           "405b": (126, 16384, 53248, 128, 8, 128256)}
 SEQ = int(os.environ.get("PLAN_SCALE_SEQ", "8192"))  # the factories' sequence length (--seq sets it)
+# The SC'21 GPT rows of benchmarks/published.py that --sc21 plans (the smaller ones fit one node or eight).
+SC21 = ("18.4B", "39.1B", "76.1B", "145.6B", "310.1B", "529.6B", "1008B")
 TIME_GOAL_S, RSS_GOAL_BYTES = 60.0, 2e9
 # The subprocess: run `smp plan`, then print its own peak RSS (KiB on Linux) on the last line of stderr.
 _RUN = ("import resource, sys; from smp.cli import main; rc = main(sys.argv[1:]); "
@@ -63,14 +73,31 @@ def llama3_405b() -> tuple:
     return llama3("405b")
 
 
-def _row(shape: str, devices: int, seq: int) -> tuple[list[str], float, int]:
-    """Plan one shape on ``devices`` devices in a subprocess: the row's cells, its wall seconds and peak RSS."""
+def sc21_gpt() -> tuple:
+    """The ``smp plan`` factory of the SC'21 GPT row named by ``PLAN_SCALE_SC21`` (``18.4B`` .. ``1008B``)."""
+    from benchmarks.published import build
+
+    return build(_sc21_row(os.environ["PLAN_SCALE_SC21"]))
+
+
+def _sc21_row(name: str) -> Any:
+    from benchmarks.published import ROWS
+
+    return next(r for r in ROWS if r.key == f"sc21-{name}")
+
+
+def _row(shape: str, devices: int, seq: int, batch: int | None = None) -> tuple[list[str], float, int]:
+    """Plan one shape on ``devices`` devices (a global batch of ``batch``, default one sequence per device) in a
+    subprocess: the row's cells, its wall seconds and peak RSS. A shape of :data:`SC21` is that GPT row, on A100s."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "plan.json"
-        argv = ["plan", f"{Path(__file__).resolve()}:llama3_{shape}", "--devices", str(devices), "--global-batch",
-                str(devices), "--device", "h100-80gb", "--dtype", "bf16", "--top", "1", "--json", str(out), "-q"]
+        gpt = shape in SC21
+        factory, device = ("sc21_gpt", "a100-80gb") if gpt else (f"llama3_{shape}", "h100-80gb")
+        argv = ["plan", f"{Path(__file__).resolve()}:{factory}", "--devices", str(devices), "--global-batch",
+                str(batch or devices), "--device", device, "--dtype", "bf16", "--top", "1", "--json", str(out), "-q"]
         env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-                   PLAN_SCALE_SEQ=str(seq), OMP_NUM_THREADS="1")
+                   PLAN_SCALE_SEQ=str(seq), PLAN_SCALE_SC21=shape, OMP_NUM_THREADS="1")
+        load = f"{os.getloadavg()[0]:.2f}" if hasattr(os, "getloadavg") else "-"
         t0, c0 = time.perf_counter(), os.times()
         done = subprocess.run([sys.executable, "-c", _RUN, *argv], capture_output=True, text=True, cwd=REPO, env=env)
         wall, c1 = time.perf_counter() - t0, os.times()
@@ -79,14 +106,15 @@ def _row(shape: str, devices: int, seq: int) -> tuple[list[str], float, int]:
                     if line.startswith("peak_rss_kib")), 0)
         if done.returncode != 0 or not out.exists():
             why = (done.stderr.strip().splitlines() or ["?"])[-2 if rss else -1]
-            failed = [shape, str(devices), f"{wall:.1f}", f"{cpu:.1f}", format_bytes(rss), "-", "-", "-", why[:80]]
+            failed = [shape, str(devices), f"{wall:.1f}", f"{cpu:.1f}", format_bytes(rss), load, "-", "-", "-",
+                      why[:80]]
             return failed, wall, rss
         data = json.loads(out.read_text())
     best, search = data["layouts"][0], data["search"]
     layout = (f"pp{best['pp']} tp{best['tp']} dp{best['dp']} {best['microbatches']}x{best['microbatch_size']} "
               f"{best['schedule']}{' ckpt' if best['checkpointing'] != 'none' else ''}"
               f"{' zero1' if best['zero1'] else ''}: step {best['step_s']:.2f} s, MFU {100 * best['mfu']:.1f}%")
-    return [shape, str(devices), f"{wall:.1f}", f"{cpu:.1f}", format_bytes(rss), str(search["enumerated"]),
+    return [shape, str(devices), f"{wall:.1f}", f"{cpu:.1f}", format_bytes(rss), load, str(search["enumerated"]),
             str(search["scored"]), str(search["partitions"]), layout], wall, rss
 
 
@@ -96,28 +124,40 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--devices", default="64,512,2048")
     ap.add_argument("--seq", type=int, default=SEQ, help="tokens per sequence (default 8192)")
     ap.add_argument("--goal", action="store_true", help="only the goal's row: 70b on 1024 devices")
+    ap.add_argument("--sc21", nargs="?", const=",".join(SC21), metavar="NAMES",
+                    help=f"the SC'21 GPT rows instead (default all: {','.join(SC21)}), on their devices and batch")
     opts = ap.parse_args(argv)
-    runs = [("70b", 1024)] if opts.goal else [(s, int(d)) for s in opts.shapes.split(",")
-                                             for d in opts.devices.split(",")]
-    print(f"# smp plan on Llama-3 shapes (meta), h100-80gb, bf16, sequence {opts.seq}, global batch = devices; "
-          f"before: {load_average()}", flush=True)
-    header = ["shape", "devices", "wall s", "CPU s", "peak RSS", "layouts", "priced", "partitions", "best"]
+    runs: list[tuple[str, int, int | None]]
+    if opts.sc21:
+        runs = [(n, _sc21_row(n).devices, _sc21_row(n).global_batch) for n in opts.sc21.split(",")]
+        print(f"# smp plan on the SC'21 GPT shapes (meta), a100-80gb, bf16, sequence 2048, each row's devices and "
+              f"global batch; before: {load_average()}", flush=True)
+    else:
+        runs = [("70b", 1024, None)] if opts.goal else [(s, int(d), None) for s in opts.shapes.split(",")
+                                                       for d in opts.devices.split(",")]
+        print(f"# smp plan on Llama-3 shapes (meta), h100-80gb, bf16, sequence {opts.seq}, global batch = devices; "
+              f"before: {load_average()}", flush=True)
+    header = ["shape", "devices", "wall s", "CPU s", "peak RSS", "load", "layouts", "priced", "partitions", "best"]
     rows: list[list[str]] = []
     missed: list[str] = []
-    for shape, devices in runs:
-        cells, wall, rss = _row(shape, devices, opts.seq)
+    for shape, devices, batch in runs:
+        cells, wall, rss = _row(shape, devices, opts.seq, batch)
         rows.append(cells)
         print("  " + "  ".join(cells), flush=True)
         if (shape, devices) == ("70b", 1024):
             missed += [f"wall {wall:.1f} s > {TIME_GOAL_S:.0f} s"] * (wall > TIME_GOAL_S)
             missed += [f"peak RSS {format_bytes(rss)} > 2 GB"] * (rss > RSS_GOAL_BYTES)
+        if opts.sc21 and wall > TIME_GOAL_S:
+            missed.append(f"{shape} {wall:.1f} s")
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     print("\n".join("  ".join(c.rjust(w) if i < len(header) - 1 else c for i, (c, w) in enumerate(zip(r, widths)))
                     for r in [header, ["-" * w for w in widths], *rows]))
     print(f"# after: {load_average()}")
-    if ("70b", 1024) in runs:
+    if ("70b", 1024, None) in runs:
         print("# goal, 70b on 1024 devices under 60 s and 2 GB: " + ("MISSED: " + "; ".join(missed) if missed
                                                                       else "met"))
+    if opts.sc21:
+        print("# goal, every SC'21 shape under 60 s: " + ("MISSED: " + "; ".join(missed) if missed else "met"))
     return 0
 
 

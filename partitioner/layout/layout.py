@@ -13,10 +13,12 @@ shares a node's links). The search that chooses one is :mod:`partitioner.layout.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass
 from typing import Any
 
-__all__ = ["Layout", "Score", "Proposal", "SCHEDULES", "CHECKPOINTING", "PLACEMENTS", "partition_pipeline"]
+__all__ = ["Layout", "Score", "Proposal", "SCHEDULES", "CHECKPOINTING", "PLACEMENTS", "partition_pipeline",
+           "global_rank", "replicas_share_node"]
 
 # The schedules a layout may run, by the names of `smp simulate --schedules` (pipeline.schedule accepts them all).
 SCHEDULES = ("1f1b", "gpipe", "interleaved-virtual", "zero-bubble")
@@ -157,3 +159,20 @@ class Proposal:
     def to_dict(self) -> dict[str, Any]:
         """The layout's fields and the score's, in one flat dict."""
         return {**self.layout.to_dict(), **self.score.to_dict()}
+
+
+def global_rank(layout: Layout, pipe_rank: int, replica: int, tp_rank: int = 0) -> int:
+    """The global rank of (pipeline rank, dp replica, tp rank) under the layout's placement (tp fastest)."""
+    pp, tp, dp = layout.pp, layout.tp, layout.dp
+    if layout.placement == "DPT":
+        return (replica * pp + pipe_rank) * tp + tp_rank
+    return (pipe_rank * dp + replica) * tp + tp_rank
+
+
+@functools.lru_cache(maxsize=4096)
+def replicas_share_node(pp: int, tp: int, dp: int, placement: str, ranks_per_node: int) -> tuple[bool, ...]:
+    """Per pipeline rank, whether its dp replicas (tp rank 0) are all on one node: the first and the last replica's
+    ranks are (placement puts them in order)."""
+    probe = Layout(pp=pp, tp=tp, dp=dp, microbatch_size=1, microbatches=pp, placement=placement)
+    return tuple(global_rank(probe, r, 0) // ranks_per_node == global_rank(probe, r, dp - 1) // ranks_per_node
+                 for r in range(pp))

@@ -43,12 +43,13 @@ interleaved, ``(m + (pp - 1)/3) c`` for ZB-H1 (Narayanan et al. 2021; Qi et al. 
 per microbatch, is v times the least bottleneck of the ops cut in topological order into pp x v contiguous stages
 that each fit the memory budget with the microbatches in flight (:func:`chain_bottleneck`; at least the work / pp;
 infinite when no such cut fits, which puts the layout last). Where the budget binds, the partitioner trades speed
-for memory too, so the estimate follows it there.
+for memory too, so the estimate follows it there. Once cut, :meth:`LayoutScorer.plan_bound` bounds the step by the
+busiest rank's passes, before simulating.
 """
 from __future__ import annotations
 
 import dataclasses
-import functools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
@@ -65,10 +66,10 @@ from ..cut.options import UNLIMITED, PartitionOptions
 from ..cut.plan import PartitionPlan
 from ..cut.portfolio import partition
 from ..sdp.shards import PERSISTENCE_THRESHOLD, ShardedRank, sharded_dp
-from .chain import chain_bottleneck
+from .chain import Chain, ReachCache, chain_bottleneck
 from .costs import LayoutCosts
 from .headroom import DEFAULT, Headroom
-from .layout import Layout, Score, partition_pipeline
+from .layout import Layout, Score, global_rank, partition_pipeline, replicas_share_node
 from .sharded import sdp_links, sdp_passes
 
 __all__ = ["SimOutcome", "PipelineSimulator", "Pricing", "Bound", "LayoutScorer", "global_rank", "chain_bottleneck"]
@@ -149,14 +150,6 @@ def _shares(layout: Layout) -> dict[str, int]:
             + (("gradients",) if layout.microbatches == 1 else ())}
 
 
-def global_rank(layout: Layout, pipe_rank: int, replica: int, tp_rank: int = 0) -> int:
-    """The global rank of (pipeline rank, dp replica, tp rank) under the layout's placement (tp fastest)."""
-    pp, tp, dp = layout.pp, layout.tp, layout.dp
-    if layout.placement == "DPT":
-        return (replica * pp + pipe_rank) * tp + tp_rank
-    return (pipe_rank * dp + replica) * tp + tp_rank
-
-
 class LayoutScorer:
     """Prices layouts of one model (``costs``) under ``pricing`` with ``simulate``; partitions are cached by what
     they depend on (tp, microbatch size, stages, microbatches, pipeline), so layouts that differ only in schedule
@@ -172,6 +165,8 @@ class LayoutScorer:
         self.budget = pricing.headroom.usable(self.device_budget)
         self._totals: dict[tuple[int, int], _Sums] = {}
         self._chains: dict[tuple, float] = {}
+        self._ops: dict[tuple, Chain] = {}  # per (tp, size, checkpointing, shares): what its chains share
+        self._reaches = ReachCache()
 
     @property
     def partitions(self) -> int:
@@ -192,6 +187,18 @@ class LayoutScorer:
                                       float(activation_bytes(g, o.dtype).sum()))
         return self._totals[key]
 
+    def memory_bound(self, layout: Layout) -> float:
+        """The lower bound on the largest device's memory of :meth:`bound`, alone (cheap: a layout over the budget
+        needs no estimate)."""
+        t = self._sums(layout.tp, layout.microbatch_size)
+        m, pp, v = layout.microbatches, layout.pp, layout.virtual_stages
+        shares = _shares(layout)
+        state = sum(x / shares.get(kind, 1) for kind, x in t.parts.items())
+        # Every stage holds a microbatch's activations at once (checkpointed: while it recomputes), GPipe's all m.
+        held = t.activations / v if layout.checkpointing == "full" else (
+            (m if layout.schedule == "gpipe" else 1) * t.activations)
+        return (state + held) / pp
+
     def bound(self, layout: Layout) -> Bound:
         """Lower bounds on the step and the largest device's memory, and the estimate to order by (module
         docstring); nothing is partitioned or simulated."""
@@ -201,19 +208,15 @@ class LayoutScorer:
         m, pp, v = layout.microbatches, layout.pp, layout.virtual_stages
         busy = m * max(work / pp, t.op_recompute_s if ckpt else t.op_s)
         # Some rank holds at least the mean of the gradients, and reduces them at best over the intra-node link.
-        local = any(_replicas_share_node(pp, layout.tp, layout.dp, layout.placement, self.pricing.ranks_per_node))
+        local = any(replicas_share_node(pp, layout.tp, layout.dp, layout.placement, self.pricing.ranks_per_node))
         reduce = all_reduce_s(t.parts["gradients"] / pp, layout.dp, self.rates if local else self.inter)
         if layout.sdp > 1:  # a reduce-scatter over the sharding group moves no less than an all-gather of the same
             reduce = min(all_gather_s(t.parts["gradients"] / pp, layout.sdp, link) for link in (self.rates, self.inter))
         fill = {"1f1b": pp - 1.0, "gpipe": pp - 1.0, "interleaved-virtual": (pp - 1.0) / v,
                 "zero-bubble": (pp - 1.0) / 3}[layout.schedule]
         rank_s = v * self._chain(layout)
-        shares = _shares(layout)
-        state = sum(x / shares.get(kind, 1) for kind, x in t.parts.items())
-        # Every stage holds a microbatch's activations at once (checkpointed: while it recomputes), GPipe's all m.
-        held = t.activations / v if ckpt else (m if layout.schedule == "gpipe" else 1) * t.activations
         return Bound(step_s=max(busy, reduce), estimate_s=max(busy, (m + fill) * max(rank_s, work / pp)) + reduce,
-                     memory_bytes=(state + held) / pp)
+                     memory_bytes=self.memory_bound(layout))
 
     def _chain(self, layout: Layout) -> float:
         """A stage's time in the estimate: the least bottleneck of the ops cut in topological order into the layout's
@@ -224,14 +227,16 @@ class LayoutScorer:
         shares = _shares(layout)
         key = (layout.tp, layout.microbatch_size, k, ckpt, tuple(flight), tuple(sorted(shares.items())))
         if key not in self._chains:
-            c, g = self.costs.costs(layout.tp, layout.microbatch_size), self.costs.graph(layout.tp,
-                                                                                        layout.microbatch_size)
-            o = self.pricing.options
-            parts = param_memory_parts(g, o.dtype, o.optimizer)
-            state = np.sum([v / shares.get(kind, 1) for kind, v in parts.items()], axis=0)
-            self._chains[key] = chain_bottleneck(c.total_s + c.forward_s if ckpt else c.total_s, k,
-                                                 fixed=g.by_first_user(state), acts=activation_bytes(g, o.dtype),
-                                                 in_flight=flight, budget=self.budget)
+            ops = key[:2] + key[3:4] + key[5:]  # the chain's ops and memory: every stage count and flight shares them
+            if ops not in self._ops:
+                c, g = (self.costs.costs(layout.tp, layout.microbatch_size),
+                        self.costs.graph(layout.tp, layout.microbatch_size))
+                o = self.pricing.options
+                parts = param_memory_parts(g, o.dtype, o.optimizer)
+                state = np.sum([v / shares.get(kind, 1) for kind, v in parts.items()], axis=0)
+                self._ops[ops] = Chain(c.total_s + c.forward_s if ckpt else c.total_s, fixed=g.by_first_user(state),
+                                       acts=activation_bytes(g, o.dtype), budget=self.budget, kept=self._reaches)
+            self._chains[key] = self._ops[ops].bottleneck(k, flight)
         return self._chains[key]
 
     # -- the price -------------------------------------------------------------------------------------------------
@@ -273,11 +278,41 @@ class LayoutScorer:
 
     def _replica_link(self, layout: Layout, pipe_rank: int) -> DeviceRates:
         """The link a pipeline rank's dp replicas reduce over: within a node when they all share one."""
-        shared = _replicas_share_node(layout.pp, layout.tp, layout.dp, layout.placement, self.pricing.ranks_per_node)
+        shared = replicas_share_node(layout.pp, layout.tp, layout.dp, layout.placement, self.pricing.ranks_per_node)
         return self.rates if shared[pipe_rank] else self.inter
 
-    def score(self, layout: Layout) -> Score:
-        """The layout's :class:`partitioner.layout.layout.Score` (see the module docstring)."""
+    def plan_bound(self, layout: Layout) -> float:
+        """A lower bound on the layout's step from its stages (:meth:`plan`), before simulating them: the busiest
+        pipeline rank's passes, m forwards and backwards of each of its stages, one at a time (communication, the
+        runtime's overheads, sdp's gathers and the reduction after the pipeline only add to it); a hair below, so
+        that rounding never puts it above the simulated step."""
+        plan, ckpt = self.plan(layout), layout.checkpointing == "full"
+        fwd = np.array([s.forward_s for s in plan.stages])
+        work = fwd * (2.0 if ckpt else 1.0) + np.array([s.backward_s for s in plan.stages])
+        per_rank = np.bincount(np.arange(layout.stages) % layout.pp, weights=work, minlength=layout.pp)
+        return layout.microbatches * float(per_rank.max(initial=0.0)) * (1 - 1e-9)
+
+    def exposed(self, layout: Layout, score: Score) -> Score:
+        """``score`` (of :meth:`score` with ``exposed=False``) with its exposed communication."""
+        return dataclasses.replace(score, exposed_comm_s=max(0.0, score.step_s - self._quiet_step(layout)))
+
+    def _quiet_step(self, layout: Layout) -> float:
+        """The layout's pipeline step with free communication (no stage sends, tp collectives or sdp gathers)."""
+        plan, graph = self.plan(layout), self.costs.graph(layout.tp, layout.microbatch_size)
+        costs = self.costs.costs(layout.tp, layout.microbatch_size)
+        k, ckpt = layout.stages, layout.checkpointing == "full"
+        stage = plan.stage_of_ops(graph)
+        fwd = np.array([s.forward_s for s in plan.stages])
+        bwd = np.array([s.backward_s for s in plan.stages]) + (fwd if ckpt else 0.0)
+        tp_f, tp_b = (np.bincount(stage, weights=x, minlength=k) if x is not None else np.zeros(k)
+                      for x in (costs.tp_forward_s, costs.tp_backward_s))
+        deps = sorted(stage_crossings(graph, stage, k, self.pricing.options.dtype))
+        return self._sim(layout, np.maximum(fwd - tp_f, 0.0), np.maximum(bwd - tp_b - (tp_f if ckpt else 0.0), 0.0),
+                         {}, deps).step_s
+
+    def score(self, layout: Layout, *, exposed: bool = True) -> Score:
+        """The layout's :class:`partitioner.layout.layout.Score` (see the module docstring); ``exposed=False``:
+        without its exposed communication (NaN), which takes a second simulation (:meth:`exposed` adds it)."""
         plan, o = self.plan(layout), self.pricing.options
         graph, costs = self.costs.graph(layout.tp, layout.microbatch_size), self.costs.costs(layout.tp,
                                                                                             layout.microbatch_size)
@@ -293,8 +328,6 @@ class LayoutScorer:
         crossing = stage_crossings(graph, stage, k, o.dtype)
         deps = sorted(crossing)
         sim = self._sim(layout, fwd + gf, bwd + gb, self.stage_comm(layout, crossing), deps)
-        quiet = self._sim(layout, np.maximum(fwd - tp_f, 0.0), np.maximum(bwd - tp_b - (tp_f if ckpt else 0.0), 0.0),
-                          {}, deps)  # the same step with free communication
         memory = stage_memory(plan, graph, sim.peak_in_flight)
         ranks = [[s for s in range(k) if s % pp == r] for r in range(pp)]
         held = [self._rank_memory(layout, [memory[s] for s in mine], [plan.stages[s].bytes_in for s in mine])
@@ -317,7 +350,8 @@ class LayoutScorer:
         return Score(step_s=step, pipeline_s=sim.step_s, dp_comm_s=after, samples_per_s=out.samples_per_s,
                      tokens_per_s=out.tokens_per_s, flops_per_s_per_device=out.flops_per_s_per_device, mfu=out.mfu,
                      memory_bytes=int(round(sum(held[worst]))), budget_bytes=self.budget, bubble=sim.bubble,
-                     exposed_comm_s=max(0.0, step - quiet.step_s), tp_comm_s=float(tp_step),
+                     exposed_comm_s=max(0.0, step - self._quiet_step(layout)) if exposed else math.nan,
+                     tp_comm_s=float(tp_step),
                      parameter_bytes=int(round(held[worst][0])), activation_bytes=int(round(held[worst][1])))
 
     def sharded(self, layout: Layout, plan: PartitionPlan,
@@ -360,12 +394,3 @@ class LayoutScorer:
         if layout.zero1:
             seconds += all_gather_s(sum(s.weights_bytes for s in mine), layout.dp, link)
         return seconds
-
-
-@functools.lru_cache(maxsize=4096)
-def _replicas_share_node(pp: int, tp: int, dp: int, placement: str, ranks_per_node: int) -> tuple[bool, ...]:
-    """Per pipeline rank, whether its dp replicas (tp rank 0) are all on one node: the first and the last replica's
-    ranks are (placement puts them in order)."""
-    probe = Layout(pp=pp, tp=tp, dp=dp, microbatch_size=1, microbatches=pp, placement=placement)
-    return tuple(global_rank(probe, r, 0) // ranks_per_node == global_rank(probe, r, dp - 1) // ranks_per_node
-                 for r in range(pp))

@@ -13,8 +13,11 @@ EuroSys'24) prune theirs: a layout whose lower bound on the largest device's mem
 less the headroom kept free for the allocator, :mod:`partitioner.layout.headroom`) is dropped unpriced, the rest
 are priced (:meth:`partitioner.layout.score.LayoutScorer.score`: partition, simulate) in order of their optimistic
 estimate, a layout whose lower bound on the step is no better than the K-th best priced so far is
-skipped, and the walk stops once the estimate itself reaches the K-th best (``exhaustive=True`` walks on: the
-bounds alone are then exact, so the result is the K best of the whole space). Only layouts that fit are returned.
+skipped (before it is partitioned, then again before it is simulated, with the bound its cut stages give:
+:meth:`partitioner.layout.score.LayoutScorer.plan_bound`), and the walk stops once the estimate itself reaches
+the K-th best (``exhaustive=True`` walks on: the bounds alone are then exact, so the result is the K best of the
+whole space); the memory bound comes first, as a layout over the budget needs no estimate. The exposed
+communication, a second simulation, is priced for the proposals returned alone. Only layouts that fit are returned.
 When none fits, :class:`NoLayoutFitsError` says what would: more devices, checkpointing, ZeRO-1, sharded data
 parallelism (the least degree with which the closest layout fits, priced), less headroom, a smaller batch.
 """
@@ -164,12 +167,13 @@ def search(layouts: Iterable[Layout], scorer: LayoutScorer, top: int = 5, *, exh
     for lay in layouts:
         result.enumerated += 1
         tried.update((lay.checkpointing, lay.zero1, ("sdp", lay.sdp)))
-        b = scorer.bound(lay)
-        if least is None or b.memory_bytes < least[0]:
-            least = (b.memory_bytes, lay)
-        if budget is not None and b.memory_bytes > budget:
+        memory = scorer.memory_bound(lay)  # first: the estimate of a layout over the budget is not needed
+        if least is None or memory < least[0]:
+            least = (memory, lay)
+        if budget is not None and memory > budget:
             result.memory_pruned += 1
             continue
+        b = scorer.bound(lay)
         queue.append((b.estimate_s, b.step_s, lay))
     queue.sort(key=lambda q: (q[0], q[1], _order(q[2])))
     best: list[Proposal] = []
@@ -186,14 +190,18 @@ def search(layouts: Iterable[Layout], scorer: LayoutScorer, top: int = 5, *, exh
                                           scorer.pricing.sdp_threshold):
             result.unsharded += 1
             continue
-        score = scorer.score(lay)
+        if kth < math.inf and scorer.plan_bound(lay) >= kth:  # its stages, cut, cannot beat the K-th best
+            result.bound_pruned += 1
+            continue
+        score = scorer.score(lay, exposed=False)  # what only the proposals print is added to them alone
         result.scored += 1
         if not score.fits:
             if closest is None or score.memory_bytes < closest.score.memory_bytes:
                 closest = Proposal(lay, score)
             continue
         best = sorted([*best, Proposal(lay, score)], key=_key)[:top]
-    result.proposals, result.partitions = best, scorer.partitions
+    result.proposals, result.partitions = [Proposal(p.layout, scorer.exposed(p.layout, p.score)) for p in best], \
+        scorer.partitions
     if not best:
         raise NoLayoutFitsError(_no_fit(budget, least, closest, tried, scorer))
     return result

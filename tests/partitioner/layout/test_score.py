@@ -90,7 +90,11 @@ def test_the_bounds_bound_the_prices(costs) -> None:
                                                           virtual_stages=2)):
         bound, score = s.bound(layout), s.score(layout)
         assert bound.step_s <= score.step_s and bound.memory_bytes <= score.memory_bytes, layout.describe()
-        assert bound.step_s <= bound.estimate_s
+        assert bound.step_s <= bound.estimate_s and s.memory_bound(layout) == bound.memory_bytes
+        assert s.plan_bound(layout) <= score.step_s, layout.describe()  # the busiest rank's passes, cut
+        # the search prices without the second (free-communication) simulation and adds it to the proposals alone
+        bare = s.score(layout, exposed=False)
+        assert math.isnan(bare.exposed_comm_s) and s.exposed(layout, bare) == score
 
 
 def test_placement_orders_the_axes_with_tp_fastest() -> None:
@@ -117,6 +121,54 @@ def test_sharded_data_parallelism_is_priced_as_smp_simulate_sdp_prices_it(costs)
     bound = s.bound(lay(dp=4, sdp=4))
     assert bound.memory_bytes <= sharded.memory_bytes and bound.step_s <= sharded.step_s
     assert bound.memory_bytes < s.bound(lay(dp=4)).memory_bytes  # the bound counts the state / sdp
+
+
+def _bisected(seconds: np.ndarray, stages: int, fixed: np.ndarray, acts: np.ndarray, in_flight: list[int],
+              budget: float, rtol: float = 1e-3) -> float:
+    """The estimate's bottleneck as first written: each probe packed greedily with one np.searchsorted per stage."""
+    cum = np.concatenate([[0.0], np.cumsum(seconds)])
+    cf, ca = (np.concatenate([[0.0], np.cumsum(x)]) for x in (fixed, acts))
+
+    def fits(cap: float) -> bool:
+        pos = 0
+        for s in range(stages):
+            held = cf + in_flight[s] * ca
+            end = min(int(np.searchsorted(cum, cum[pos] + cap, side="right")) - 1,
+                      int(np.searchsorted(held, held[pos] + budget, side="right")) - 1)
+            pos = max(pos, end)
+            if pos >= len(seconds):
+                return True
+        return False
+
+    largest = float(seconds.max(initial=0.0))
+    lo = max(cum[-1] / stages, largest)
+    hi = lo + largest
+    if not fits(hi):
+        hi = cum[-1] + largest
+        if not fits(hi):
+            return math.inf
+    while hi - lo > rtol * lo:
+        cap = (lo + hi) / 2
+        lo, hi = (lo, cap) if fits(cap) else (cap, hi)
+    return hi
+
+
+def test_the_estimate_is_the_bisection_to_the_last_bit() -> None:
+    # The chains keep their sums as Python lists, probed with bisect, and each op's reach within the budget per
+    # microbatches in flight: the same comparisons of the same doubles as a searchsorted per probe, so the same
+    # estimate exactly (the search's order, and the walk's stop, depend on it), zeros and memory that binds included.
+    from partitioner.layout.chain import Chain
+
+    rng = np.random.default_rng(40)
+    for _ in range(300):
+        n, k = int(rng.integers(1, 120)), int(rng.integers(1, 24))
+        seconds = rng.exponential(1.0, n) * (rng.random(n) < 0.8)
+        fixed, acts = rng.exponential(1.0, n) * (rng.random(n) < 0.5), rng.exponential(1.0, n)
+        flight = [int(f) for f in rng.integers(1, 5, k)]
+        budget = float(rng.uniform(0.3, 3.0) * (fixed.sum() + 3 * acts.sum()) / k)
+        chain = Chain(seconds, fixed=fixed, acts=acts, budget=budget)
+        assert chain.bottleneck(k, flight) == _bisected(seconds, k, fixed, acts, flight, budget)
+        assert chain_bottleneck(seconds, k) == _bisected(seconds, k, fixed, acts, flight, math.inf)
 
 
 def test_the_estimate_cuts_the_ops_into_the_fastest_contiguous_stages_that_fit() -> None:

@@ -63,6 +63,18 @@ def test_the_search_finds_the_brute_force_optimum(costs) -> None:
     assert [p.layout for p in exact.proposals] == [w[2] for w in want[:3]]
 
 
+def test_the_fast_search_finds_what_the_exhaustive_one_does_where_memory_binds(costs) -> None:
+    # A budget that only some layouts fit: the estimate's chains are cut under it, the walk stops early, and a layout
+    # whose stages cannot beat the K-th best is not simulated; the best K are those of the exhaustive walk.
+    bounds = sorted(scorer(costs).memory_bound(lay) for lay in candidates(SPACE, costs.tp_degrees))
+    budget = bounds[len(bounds) // 2] / DEFAULT.usable(1.0)
+    fast, full = (search(candidates(SPACE, costs.tp_degrees), scorer(costs, device_memory=budget), top=3,
+                         exhaustive=exhaustive) for exhaustive in (False, True))
+    assert [p.layout for p in fast.proposals] == [p.layout for p in full.proposals]
+    assert [p.score for p in fast.proposals] == [p.score for p in full.proposals]  # exposed communication included
+    assert fast.scored < full.scored < full.enumerated - full.memory_pruned
+
+
 def test_a_layout_over_the_memory_budget_is_never_returned(costs) -> None:
     everything = brute_force(costs)
     memory = sorted(m for _, m, _ in everything)
