@@ -135,7 +135,8 @@ class DistributedModel(ModelHooks, torch.nn.Module):
             plan = shared_plan(self.module, call.args, call.kwargs, pp,
                                PartitionOptions.of(options, measure=self.trace_execution_times),
                                st.world_group, cfg.timeout_s, tp=(st.topology.tp, st.topology.tp_rank(st.rank)),
-                               shardable=self.shardable, step=True, ranks=pp)
+                               shardable=self.shardable, step=True, ranks=pp,
+                               sequence_parallel=cfg.sequence_parallel)
         else:
             graph = self._trace(call)
             plan = fixed_plan(graph, pp, manual_stages(self.module, graph), options)
@@ -146,7 +147,7 @@ class DistributedModel(ModelHooks, torch.nn.Module):
         """The model traced on ``call``, as this rank's tp rank runs it (:mod:`partitioner.tp.sharding`)."""
         st = state.get()
         return tensor_parallel_graph(trace(self.module, call.args, call.kwargs), st.topology.tp,
-                                     st.topology.tp_rank(st.rank), self.shardable)
+                                     st.topology.tp_rank(st.rank), self.shardable, st.config.sequence_parallel)
 
     def _saved_plan(self, call: step_run.MicrobatchCall, pp: int) -> PartitionPlan | None:
         """The partition of a loaded checkpoint: required for partial state (its tensors are cut that way), a

@@ -2,7 +2,9 @@
 
 Owns: ``sharding`` (which ops and parameters split, :func:`~partitioner.find_sharding`), ``shard_rules`` (how one
 op carries a shard), ``shard_program`` (one tp rank's program, :func:`~partitioner.shard_graph`), ``collectives``
-(the ops a sharded graph calls: Megatron's f and g, vocabulary-parallel embedding and loss), ``rank_zero`` (tp rank
+(the ops a sharded graph calls: Megatron's f and g, vocabulary-parallel embedding and loss, and their
+sequence-parallel forms), ``sequence`` (Megatron's sequence parallelism: the regions between tp regions on a slice of
+the sequence, :func:`~partitioner.tp.sequence.sequence_parallel`), ``rank_zero`` (tp rank
 0's graph, what a plan of one tp rank is made from, and the weights a degree leaves some rank no slice of) and
 ``pricing`` (the seconds of each collective in a tp rank's graph, and the plan's record).
 

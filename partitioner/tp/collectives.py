@@ -26,7 +26,8 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor
 
 __all__ = ["TPComm", "UnboundGroupError", "shard_range", "copy_to", "reduce_from", "gather_from", "scatter_to",
-           "vocab_embedding", "vocab_cross_entropy", "tp_dropout", "tp_attention", "FOLDED"]
+           "vocab_embedding", "vocab_cross_entropy", "tp_dropout", "tp_attention", "FOLDED", "Tokens",
+           "seq_reduce_scatter", "seq_gather", "seq_scatter", "seq_gather_whole", "SEQUENCE_OPS"]
 
 
 class UnboundGroupError(RuntimeError):
@@ -139,23 +140,77 @@ def scatter_to(x: torch.Tensor, dim: int, comm: TPComm) -> torch.Tensor:
     return _dtensor(x, comm, Replicate()).redistribute(comm.mesh, [Shard(dim)]).to_local()
 
 
+# Where a tensor holds its tokens, for sequence parallelism (partitioner.tp.sequence): dimension ``dim`` is ``outer``
+# x sequence x ``inner`` long (a (batch, sequence, hidden) activation: (1, 1, 1); flattened to (batch x sequence,
+# hidden): (0, batch, 1)), and the sequence factor is what the ranks split.
+Tokens = tuple[int, int, int]
+
+
+def _on_tokens(x: torch.Tensor, tokens: Tokens, tp: int, fn: Any, grow: bool) -> torch.Tensor:
+    """``fn(view, axis)`` on ``x`` viewed with its sequence on an axis of its own, viewed back; ``grow``: ``fn``
+    returns the whole sequence (``tp`` times this rank's), else this rank's slice of it."""
+    dim, outer, inner = tokens
+    shape = list(x.shape)
+    length = shape[dim] // (outer * inner)
+    out = fn(x.reshape(shape[:dim] + [outer, length, inner] + shape[dim + 1:]), dim + 1)
+    shape[dim] = outer * inner * (length * tp if grow else length // tp)
+    return out.reshape(shape)
+
+
+def seq_reduce_scatter(x: torch.Tensor, tokens: Tokens, comm: TPComm) -> torch.Tensor:
+    """Megatron's ``g`` under sequence parallelism: the partial sums ``x`` reduce-scattered along the sequence
+    forward (each rank keeps the sum of its slice); backward, the slices' gradients all-gathered."""
+    from torch.distributed.tensor import Partial
+    from torch.distributed.tensor.placement_types import Shard
+    return _on_tokens(x, tokens, comm.size, lambda v, axis: _dtensor(v, comm, Partial()).redistribute(
+        comm.mesh, [Shard(axis)]).to_local(), grow=False)
+
+
+def seq_gather(x: torch.Tensor, tokens: Tokens, comm: TPComm) -> torch.Tensor:
+    """Megatron's ``f`` under sequence parallelism: the sequence all-gathered forward from each rank's slice (the
+    whole value a column-parallel matmul reads); backward, the gradient (a partial sum on each rank)
+    reduce-scattered along the sequence."""
+    from torch.distributed.tensor import Partial
+    from torch.distributed.tensor.placement_types import Replicate, Shard
+    return _on_tokens(x, tokens, comm.size, lambda v, axis: _dtensor(v, comm, Shard(axis)).redistribute(
+        comm.mesh, [Replicate()]).to_local(grad_placements=[Partial()]), grow=True)
+
+
+def seq_scatter(x: torch.Tensor, tokens: Tokens, comm: TPComm) -> torch.Tensor:
+    """This rank's slice along the sequence of a value every rank holds whole (position embeddings added to the
+    residual stream); backward, the slices' gradients gathered into the whole value's (:func:`scatter_to`)."""
+    return _on_tokens(x, tokens, comm.size, lambda v, axis: scatter_to(v, axis, comm), grow=False)
+
+
+def seq_gather_whole(x: torch.Tensor, tokens: Tokens, comm: TPComm) -> torch.Tensor:
+    """The whole sequence from each rank's slice, for ops every rank then runs whole (an output, an op that mixes
+    positions); backward, each rank keeps its slice of the gradient (:func:`gather_from`)."""
+    return _on_tokens(x, tokens, comm.size, lambda v, axis: gather_from(v, axis, v.shape[axis] * comm.size, comm),
+                      grow=True)
+
+
+# The sequence-parallel collectives (partitioner.tp.sequence), priced by partitioner.tp.pricing.
+SEQUENCE_OPS = frozenset({seq_reduce_scatter, seq_gather, seq_scatter, seq_gather_whole})
+
 # The collectives that join the op whose result they carry (partitioner.capture.build's ``folded``): no stage cut
 # between a row-parallel matmul and its all-reduce, and Megatron's f and the gather of an output stay with the value
 # they act on.
-FOLDED = frozenset({copy_to, gather_from, reduce_from, scatter_to})
+FOLDED = frozenset({copy_to, gather_from, reduce_from, scatter_to}) | SEQUENCE_OPS
 
 
 def vocab_embedding(weight: torch.Tensor, ids: torch.Tensor, start: int, padding_idx: int,
-                    comm: TPComm) -> torch.Tensor:
+                    comm: TPComm, tokens: Tokens | None = None) -> torch.Tensor:
     """Rows ``ids`` of an embedding whose rows ``[start, start + len(weight))`` this rank holds: each rank looks
-    up the ids it holds, zeros elsewhere, and ``g`` sums the ranks' lookups."""
+    up the ids it holds, zeros elsewhere, and ``g`` sums the ranks' lookups (reduce-scatters them along the
+    sequence where the output holds ``tokens``: sequence parallelism)."""
     stop = start + weight.shape[0]
     outside = (ids < start) | (ids >= stop)
     local = torch.where(outside, torch.zeros_like(ids), ids - start)
     pad = padding_idx - start if start <= padding_idx < stop else -1
     rows = F.embedding(local, weight, padding_idx=pad if pad >= 0 else None) if weight.shape[0] else \
         weight.new_zeros((*ids.shape, weight.shape[1]))
-    return reduce_from(rows.masked_fill(outside.unsqueeze(-1), 0.0), comm)
+    rows = rows.masked_fill(outside.unsqueeze(-1), 0.0)
+    return reduce_from(rows, comm) if tokens is None else seq_reduce_scatter(rows, tokens, comm)
 
 
 def vocab_cross_entropy(logits: torch.Tensor, target: torch.Tensor, start: int, reduction: int,

@@ -15,6 +15,12 @@ sum of exponentials and the target's logit) and the gather of a sharded output (
 Megatron's ``f`` (``copy_to``) all-reduces the gradient of a whole value that sharded ops read, when that value has
 a gradient. ``g``'s backward is the identity and a gather's keeps this rank's slice: both free. Bytes are counted
 at the training precision (:mod:`partitioner.cost.precision`).
+
+Under sequence parallelism (:mod:`partitioner.tp.sequence`) ``g`` and the embedding's sum are reduce-scatters forward
+and all-gathers backward, ``f`` an all-gather forward and a reduce-scatter backward: a ring reduce-scatter moves what
+an all-gather of the same whole tensor moves, so each pair costs an all-reduce's bytes (in twice the latency steps).
+A whole value sliced along the sequence gathers its gradient backward, a sliced output is gathered forward; the
+weights the sliced regions read whole sum their gradients through ``f`` (an all-reduce backward, each microbatch).
 """
 from __future__ import annotations
 
@@ -30,7 +36,18 @@ from ..capture.graph import OpGraph
 from ..cost.collectives import all_gather_s, all_reduce_s
 from ..cost.devices import DeviceRates
 from ..cost.precision import at_precision
-from .collectives import copy_to, gather_from, reduce_from, scatter_to, vocab_cross_entropy, vocab_embedding
+from .collectives import (
+    copy_to,
+    gather_from,
+    reduce_from,
+    scatter_to,
+    seq_gather,
+    seq_gather_whole,
+    seq_reduce_scatter,
+    seq_scatter,
+    vocab_cross_entropy,
+    vocab_embedding,
+)
 
 __all__ = ["Collective", "tp_degree", "collectives", "collective_seconds", "tensor_parallel_record",
            "degree_mismatch", "stage_comm_s"]
@@ -39,8 +56,9 @@ __all__ = ["Collective", "tp_degree", "collectives", "collective_seconds", "tens
 @dataclass(frozen=True)
 class Collective:
     """One tp collective of a sharded graph: the fx node that issues it, the op it is priced in, ``kind``
-    (``"all_reduce"`` or ``"all_gather"``), ``count`` collectives of ``nbytes`` each (the whole tensor, at the
-    training precision; an all-gather's gathered output), in the op's forward or ``backward``."""
+    (``"all_reduce"``, ``"all_gather"`` or ``"reduce_scatter"``), ``count`` collectives of ``nbytes`` each (the whole
+    tensor, at the training precision: an all-gather's gathered output, a reduce-scatter's input), in the op's forward
+    or ``backward``."""
 
     node: str
     op: int
@@ -74,7 +92,11 @@ def collectives(graph: OpGraph, dtype: str = "fp32", needs_grad: np.ndarray | No
         if node.op != "call_function" or node.name not in prog.op_of:
             continue
         op, fn, val = prog.op_of[node.name], node.target, node.meta.get("val")
-        if fn is reduce_from or fn is vocab_embedding:
+        grad = needs_grad is None or bool(needs_grad[op])
+        if fn in (seq_reduce_scatter, seq_gather, seq_scatter, seq_gather_whole) or \
+                (fn is vocab_embedding and node.kwargs.get("tokens")):
+            found += _sequence(node, op, dtype, grad, tp_degree(graph))
+        elif fn is reduce_from or fn is vocab_embedding:
             found.append(Collective(node.name, op, "all_reduce", _bytes(val, dtype)))
         elif fn is copy_to and (needs_grad is None or bool(needs_grad[op])):
             found.append(Collective(node.name, op, "all_reduce", _bytes(val, dtype), backward=True))
@@ -93,13 +115,28 @@ def collectives(graph: OpGraph, dtype: str = "fp32", needs_grad: np.ndarray | No
     return found
 
 
+def _sequence(node: Any, op: int, dtype: str, grad: bool, tp: int) -> list[Collective]:
+    """The collectives of one sequence-parallel op (see the module docstring), each of the whole tensor's bytes."""
+    fn, val = node.target, node.meta.get("val")
+    if fn is seq_gather or fn is seq_gather_whole:  # val: the whole sequence
+        pair = [Collective(node.name, op, "all_gather", _bytes(val, dtype))]
+        if fn is seq_gather and grad:
+            pair.append(Collective(node.name, op, "reduce_scatter", _bytes(val, dtype), backward=True))
+        return pair
+    whole = _bytes(val, dtype, tp)  # val: this rank's slice
+    if fn is seq_scatter:
+        return [Collective(node.name, op, "all_gather", whole, backward=True)] if grad else []
+    pair = [Collective(node.name, op, "reduce_scatter", whole)]  # g, or the embedding's sum
+    return pair + ([Collective(node.name, op, "all_gather", whole, backward=True)] if grad else [])
+
+
 def collective_seconds(graph: OpGraph, rates: DeviceRates, dtype: str = "fp32",
                        needs_grad: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Per op, the forward and the backward seconds of its tp collectives (zeros for a graph not sharded)."""
     fwd, bwd = np.zeros(graph.num_nodes), np.zeros(graph.num_nodes)
     tp = tp_degree(graph)
     for c in collectives(graph, dtype, needs_grad):
-        price = all_reduce_s if c.kind == "all_reduce" else all_gather_s
+        price = all_reduce_s if c.kind == "all_reduce" else all_gather_s  # a ring reduce-scatter: an all-gather's
         (bwd if c.backward else fwd)[c.op] += c.count * price(c.nbytes, tp, rates)
     return fwd, bwd
 

@@ -18,8 +18,9 @@ from .sharding import Sharding, find_sharding
 __all__ = ["rank_zero_graph", "thin_params"]
 
 
-def rank_zero_graph(graph: OpGraph, tp: int) -> tuple[OpGraph, Sharding]:
-    """``(the graph tp rank 0 of tp runs, its Sharding)`` of a traced ``graph``; raises what
+def rank_zero_graph(graph: OpGraph, tp: int, sequence: bool = False) -> tuple[OpGraph, Sharding]:
+    """``(the graph tp rank 0 of tp runs, its Sharding)`` of a traced ``graph`` (``sequence``: with sequence
+    parallelism, :mod:`partitioner.tp.sequence`; its notes are warned); raises what
     :func:`~partitioner.tp.sharding.find_sharding` and :func:`~partitioner.tp.shard_program.shard_graph` raise on a
     model they cannot shard (``ValueError``, ``TypeError``, ``RuntimeError``)."""
     if graph.fx is None:
@@ -27,7 +28,8 @@ def rank_zero_graph(graph: OpGraph, tp: int) -> tuple[OpGraph, Sharding]:
     with warnings.catch_warnings():  # torch's deprecation notices while copying the graph
         warnings.simplefilter("ignore", FutureWarning)
         sharding = find_sharding(graph.fx.module, tp)
-        return shard_graph(graph, sharding, 0), sharding
+        local = shard_graph(graph, sharding, 0, sequence)
+        return local, local.fx.sharding or sharding
 
 
 def thin_params(sharding: Sharding) -> list[tuple[int, str]]:

@@ -6,7 +6,8 @@ al. 2019): sharded parameters become this rank's slices (copies, so no rank keep
 shape constants of the ops between a column- and a row-parallel matmul shrink to the local sizes, a
 row-parallel matmul's partial sums are all-reduced (``g``) before its bias is added, whole values entering
 sharded ops pass through ``f``, the word embedding and the loss become vocabulary-parallel, sharded outputs
-are gathered, and dropout draws from the engine's streams (:mod:`partitioner.tp.collectives`). The collectives
+are gathered, and dropout draws from the engine's streams (:mod:`partitioner.tp.collectives`); with ``sequence``,
+the regions between them run on a slice of the sequence (:mod:`partitioner.tp.sequence`). The collectives
 read one :class:`~partitioner.tp.collectives.TPComm` held by the program (``TracedProgram.tp_comm``), which
 the runtime binds to its process group; the partitioner itself never touches a process.
 
@@ -15,6 +16,7 @@ Every rank writes the same nodes under the same names, so one plan cut on rank 0
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import operator
 import warnings
 from typing import Any, Callable, Collection, Sequence
@@ -40,6 +42,7 @@ from .collectives import (
     vocab_embedding,
 )
 from .pricing import collective_seconds
+from .sequence import SequenceParallelWarning, sequence_parallel
 from .shard_rules import node_args
 from .sharding import Shard, Sharding, find_sharding
 
@@ -255,10 +258,11 @@ def _keep_plain_constants(module: torch.nn.Module, source: torch.nn.Module) -> N
             setattr(holder, leaf, value)
 
 
-def shard_graph(graph: OpGraph, sharding: Sharding, rank: int) -> OpGraph:
+def shard_graph(graph: OpGraph, sharding: Sharding, rank: int, sequence: bool = False) -> OpGraph:
     """The op graph of tp rank ``rank`` (see the module docstring), over a new module that holds this rank's
     shards of the sharded parameters (``OpGraph.fx.module``) and the unbound ``TPComm`` (``fx.tp_comm``); every
-    other tensor is the model's own."""
+    other tensor is the model's own. ``sequence``: Megatron's sequence parallelism where it applies (its program's
+    ``Sharding.sequence`` says whether it did; :class:`SequenceParallelWarning` says where it did not)."""
     prog = graph.fx
     if prog is None:
         raise ValueError("shard_graph needs a traced graph (partitioner.trace), not a synthetic one")
@@ -267,6 +271,11 @@ def shard_graph(graph: OpGraph, sharding: Sharding, rank: int) -> OpGraph:
     fx_graph = copy_graph(prog.module.graph)
     writer = _Writer(fx_graph, sharding, rank)
     writer.write()
+    if sequence:
+        rewrite = sequence_parallel(fx_graph, writer.comm, sharding.tp)
+        sharding = dataclasses.replace(sharding, sequence=rewrite.applied)
+        if rewrite.notes:
+            warnings.warn("sequence_parallel: " + "; ".join(rewrite.notes), SequenceParallelWarning, stacklevel=2)
     fx_graph.lint()
     comm = TPComm(sharding.tp, rank)
     setattr(prog.module, COMM_ATTR, comm)
@@ -293,10 +302,11 @@ def shard_graph(graph: OpGraph, sharding: Sharding, rank: int) -> OpGraph:
     return out
 
 
-def tensor_parallel_graph(graph: OpGraph, tp: int, rank: int, shardable: Collection[str] | None = None) -> OpGraph:
+def tensor_parallel_graph(graph: OpGraph, tp: int, rank: int, shardable: Collection[str] | None = None,
+                          sequence: bool = False) -> OpGraph:
     """``graph`` as tp rank ``rank`` of ``tp`` runs it (:func:`partitioner.tp.sharding.find_sharding`, then
     :func:`shard_graph`); warns :class:`ReplicatedWarning` naming the matmuls and embeddings left whole.
-    ``shardable``: the parameters that may be split (None: all)."""
+    ``shardable``: the parameters that may be split (None: all); ``sequence``: sequence parallelism."""
     if graph.fx is None:
         raise ValueError("tensor parallelism needs a traced graph (partitioner.trace), not a synthetic one")
     if tp == 1:
@@ -312,4 +322,4 @@ def tensor_parallel_graph(graph: OpGraph, tp: int, rank: int, shardable: Collect
                          "pair matches Megatron's column/row pattern with sizes divisible by the degree); use "
                          "tensor_parallel_degree=1" + ("" if shardable is None else ", or mark more of the model "
                                                        "with smp.tensor_parallelism()"))
-    return shard_graph(graph, sharding, rank)
+    return shard_graph(graph, sharding, rank, sequence)

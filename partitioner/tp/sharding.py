@@ -46,11 +46,13 @@ class Sharding:
     gathers: list[str] = field(default_factory=list)         # sharded values the graph outputs (gathered)
     scatters: dict[str, list[tuple[str, int, int]]] = field(default_factory=dict)  # node -> whole inputs it slices
     replicated: dict[str, str] = field(default_factory=dict)  # matmul or embedding left whole -> why
+    sequence: bool = False  # the program written from it runs its whole regions on a slice of the sequence
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready summary: degree, sharded parameters, roles and what stayed replicated."""
+        """JSON-ready summary: degree, sharded parameters, roles, what stayed replicated and sequence parallelism."""
         return {"tp": self.tp, "params": {k: asdict(v) for k, v in sorted(self.params.items())},
-                "roles": dict(sorted(self.roles.items())), "replicated": dict(sorted(self.replicated.items()))}
+                "roles": dict(sorted(self.roles.items())), "replicated": dict(sorted(self.replicated.items())),
+                "sequence": self.sequence}
 
 
 class _Restart(Exception):

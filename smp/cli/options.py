@@ -184,6 +184,10 @@ def add_plan_args(p: argparse.ArgumentParser, *, microbatches_required: bool = F
                    help="tensor-parallel degree: split each transformer block's matmuls, the embedding and the LM "
                         "head over T ranks of a node (Megatron's pattern; what cannot be split stays whole, with a "
                         "warning), plan tp rank 0's shards and price the tp all-reduces on --link (default 1)")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="with --tp: Megatron's sequence parallelism, the norms, residual adds and dropout between the "
+                        "tp regions run on 1/T of the sequence (activations and their compute 1/T per rank; the "
+                        "all-reduces become reduce-scatter/all-gather pairs); config key sequence_parallel")
     p.add_argument("--sdp", "--sharded-data-parallel-degree", dest="sdp", metavar="D", type=positive_int, default=1,
                    help="sharded data-parallel degree: each stage's parameters sharded over D replicas (ZeRO-3, "
                         "SMP's sharded_data_parallel_degree): memory per rank with weights, gradients at rest and "

@@ -22,9 +22,11 @@ __all__ = ["shard_target", "replicated_warnings", "warn", "tp_lines", "MAX_LISTE
 MAX_LISTED = 12  # replicated layers named one per line; the rest are counted
 
 
-def shard_target(graph: Any, tp: int, progress: Callable[[str], None] = lambda m: None) -> tuple[Any, Any]:
-    """``(graph tp rank 0 runs, its Sharding)`` for degree ``tp`` (:func:`partitioner.tp.rank_zero.rank_zero_graph`),
-    what cannot be sharded refused in the command line's terms; ``(graph, None)`` for ``tp`` 1."""
+def shard_target(graph: Any, tp: int, progress: Callable[[str], None] = lambda m: None,
+                 sequence: bool = False) -> tuple[Any, Any]:
+    """``(graph tp rank 0 runs, its Sharding)`` for degree ``tp`` (:func:`partitioner.tp.rank_zero.rank_zero_graph`;
+    ``sequence``: ``--sequence-parallel``), what cannot be sharded refused in the command line's terms; ``(graph,
+    None)`` for ``tp`` 1."""
     if tp == 1:
         return graph, None
     if graph.fx is None:
@@ -33,7 +35,7 @@ def shard_target(graph: Any, tp: int, progress: Callable[[str], None] = lambda m
 
     progress(f"sharding for tensor parallelism of degree {tp} (Megatron's pattern)")
     try:
-        local, sharding = rank_zero_graph(graph, tp)
+        local, sharding = rank_zero_graph(graph, tp, sequence)
     except (ValueError, TypeError, RuntimeError) as exc:
         raise CLIError(f"--tp {tp}: cannot shard this model: {type(exc).__name__}: {exc}") from None
     thin = thin_params(sharding)
@@ -84,7 +86,9 @@ def tp_lines(record: dict[str, Any], rates: dict[str, Any], microbatches: int, f
              "each stage, the largest shards)",
              f"  weights per tp rank {format_bytes(local_weights)} of the model's {format_bytes(full_weights)} in "
              f"{dtype} ({share:.3f} = 1/{1 / share if share else 0:.2f}); gradients and optimizer state scale with "
-             "them, activations do not (no sequence parallelism)"]
+             "them" + ("; sequence parallelism: the activations between tp regions are 1/T of the sequence"
+                       if sharding.get("sequence") else
+                       ", activations only inside tp regions (no sequence parallelism)")]
     if comm:
         worst = max(range(len(comm)), key=comm.__getitem__)
         link = (f"{rates.get('link', '?')}, {format_bytes(rates.get('link_bytes_per_s', 0))}/s + "

@@ -47,18 +47,21 @@ def shared_plan(model: torch.nn.Module, args: tuple, kwargs: dict, num_stages: i
                 options: PartitionOptions | None = None, group: Any = None,
                 timeout_s: float | None = None, loss: tuple[Any, Any] | None = None,
                 tp: tuple[int, int] = (1, 0), shardable: Collection[str] | None = None,
-                step: bool = False, ranks: int | None = None) -> PartitionPlan:
+                step: bool = False, ranks: int | None = None, sequence_parallel: bool = False) -> PartitionPlan:
     """Every rank traces ``model`` on one microbatch; global rank 0 partitions and sends the plan to all, over
     ``group`` (every rank; default: the default group), whose timeout bounds the other ranks' wait
     (``timeout_s`` names it in the error: raise it when partitioning takes longer). ``loss``: ``(loss_fn, one
     microbatch's target)``, the loss the last stage computes, priced in the plan (``partitioner.trace``). ``tp``:
     (tensor-parallel degree, this rank's tp rank): every rank binds the plan to its own tp rank's graph (global
-    rank 0, tp rank 0, partitions its own); ``shardable``: the parameters tensor parallelism may split (None: all).
+    rank 0, tp rank 0, partitions its own); ``shardable``: the parameters tensor parallelism may split (None: all);
+    ``sequence_parallel``: the regions between tp regions run on a slice of the sequence
+    (:mod:`partitioner.tp.sequence`).
     ``step``: the model runs in an ``@smp.step`` function, whose loss the plan prices (:mod:`smp.engine.step_loss`).
     ``ranks``: the pipeline's ranks, when a model with ``pipe_split()`` markers is to be cut into the markers' stages
     instead of ``num_stages`` (a multiple of ``ranks``, else an error on every rank: :func:`stages_on_ranks`)."""
     loss_fn, target = loss if loss is not None else (None, None)
-    graph = tensor_parallel_graph(trace(model, args, kwargs, loss_fn=loss_fn, target=target), *tp, shardable)
+    graph = tensor_parallel_graph(trace(model, args, kwargs, loss_fn=loss_fn, target=target), *tp, shardable,
+                                  sequence_parallel)
     if ranks is not None:
         num_stages = stages_on_ranks(graph, ranks) or num_stages
     outside = step_loss(graph) if step and loss is None else None
@@ -81,7 +84,8 @@ def shared_plan(model: torch.nn.Module, args: tuple, kwargs: dict, num_stages: i
 def pipeline_runner(model: torch.nn.Module, args: tuple = (), kwargs: dict | None = None, *,
                     num_stages: int | None = None, microbatches: int = 1, virtual_stages: int | None = None,
                     options: PartitionOptions | None = None, weights: str | None = None,
-                    loss_fn: Any = None, target: Any = None, **runner_kwargs: Any) -> PipelineRunner:
+                    loss_fn: Any = None, target: Any = None, sequence_parallel: bool = False,
+                    **runner_kwargs: Any) -> PipelineRunner:
     """Trace ``model`` on the example inputs ``(args, kwargs)``, **one microbatch** (as every API that takes example
     inputs: :mod:`partitioner.capture.plan_inputs`; ``step`` takes the whole batch, ``microbatches`` of them),
     partition on global rank 0, share the plan with every rank and build this rank's :class:`pipeline.PipelineRunner`
@@ -93,7 +97,9 @@ def pipeline_runner(model: torch.nn.Module, args: tuple = (), kwargs: dict | Non
     microbatch's target: the loss ``step`` will compute, priced on the last stage by the plan.
     Steps may change the batch size and sequence length from one to the next (:mod:`pipeline.shape_classes`).
     ``tp_groups`` (with ``pipelines``): tensor parallelism, each layer split over the ranks of a tp group
-    (:mod:`partitioner.tp.sharding`); the model's parameters become this rank's shards (:mod:`smp.engine.tp_shards`).
+    (:mod:`partitioner.tp.sharding`); the model's parameters become this rank's shards (:mod:`smp.engine.tp_shards`);
+    ``sequence_parallel``: the regions between tp regions run on a slice of the sequence
+    (:mod:`partitioner.tp.sequence`).
 
     The model keeps only this rank's tensors (:mod:`smp.engine.materialize`): built without weights, it gets them
     initialised, or read from the checkpoint ``weights`` (:mod:`smp.engine.weights`: only this rank's keys are read);
@@ -107,7 +113,8 @@ def pipeline_runner(model: torch.nn.Module, args: tuple = (), kwargs: dict | Non
     tp = (len(tp_group), tp_group.index(dist.get_rank()))
     plan = shared_plan(model, tuple(args), dict(kwargs or {}), stages,
                        PartitionOptions.of(options, microbatches=microbatches, time_prices=_on_cpu(runner_kwargs)),
-                       loss=loss, tp=tp, ranks=len(mine) if num_stages is None and virtual_stages is None else None)
+                       loss=loss, tp=tp, ranks=len(mine) if num_stages is None and virtual_stages is None else None,
+                       sequence_parallel=sequence_parallel)
     v = virtual_stages or stages_per_rank(plan, len(mine), microbatches, runner_kwargs.get("schedule"),
                                           "leave schedule unset or pass schedule='interleaved-virtual', or run on "
                                           "{stages} ranks (one stage each)")

@@ -40,7 +40,7 @@ def _loss(out, _target):
     return out.loss
 
 
-def _run(rank: int, world: int, kind: str, pp: int, schedule: str) -> dict:
+def _run(rank: int, world: int, kind: str, pp: int, schedule: str, sequence_parallel: bool = False) -> dict:
     from partitioner.capture.program import tensor_aliases
     from partitioner.tp.shard_program import shard_tensor
     from smp.engine.planning import pipeline_runner
@@ -56,7 +56,8 @@ def _run(rank: int, world: int, kind: str, pp: int, schedule: str) -> dict:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         runner = pipeline_runner(model, (ids[:2],), {"labels": ids[:2]}, microbatches=m, pipelines=pipelines,
-                                 tp_groups=tp_groups, schedule=schedule, timeout_s=60)  # one microbatch
+                                 tp_groups=tp_groups, schedule=schedule, timeout_s=60,
+                                 sequence_parallel=sequence_parallel)  # one microbatch
     loss = runner.step((ids,), {"labels": ids}, loss_fn=_loss).loss
     graph = runner.plan.traced_graph()
     alias = tensor_aliases(graph.fx.module)
@@ -74,7 +75,7 @@ def _run(rank: int, world: int, kind: str, pp: int, schedule: str) -> dict:
         whole += grads[name].numel()
     runner.close()
     return {"loss": loss, "want": float(want), "worst": worst, "held": held, "whole": whole,
-            "sharded": len(shards)}
+            "sharded": len(shards), "sequence": graph.fx.sharding.sequence}
 
 
 @pytest.mark.parametrize("kind", [pytest.param("gpt2", marks=pytest.mark.slow), "llama",

@@ -143,7 +143,7 @@ def _simulate(ns: argparse.Namespace, opts: Options) -> int:
     target = load_target(ns.target, size=ns.size, batch=ns.batch, progress=progress)
     opts = priced_options(opts, target)
     whole = trace_target(target, progress, opts)
-    graph, sharding = shard_target(whole, opts.tp, progress)
+    graph, sharding = shard_target(whole, opts.tp, progress, getattr(ns, "sequence_parallel", False))
     if sharding is not None:
         warn(replicated_warnings(sharding))
     rpn //= opts.tp  # pipeline stages per node: each stage's tp group fills tp ranks of it

@@ -114,7 +114,7 @@ def test_the_plan_records_the_degree_the_seconds_and_the_sharding(graphs) -> Non
     whole, local = graphs
     plan = partitioner.partition(local, 2, rates=DeviceRates().with_links("nvlink4"), microbatches=2)
     tp = plan.tensor_parallel
-    assert tp["degree"] == 2 and set(tp["sharding"]) == {"params", "roles", "replicated"}
+    assert tp["degree"] == 2 and set(tp["sharding"]) == {"params", "roles", "replicated", "sequence"}
     costs = estimate(local, DeviceRates().with_links("nvlink4"))
     assert sum(tp["comm_s"]) == pytest.approx(costs.tp_comm_s.sum())
     for s, comm in zip(plan.stages, tp["comm_s"]):
