@@ -183,7 +183,7 @@ def test_every_example_has_a_fast_variant():
 
 
 # Whose fast variant the default test run keeps (see the module docstring); the others run under -m slow.
-DEFAULT = ("train_gpt2.py", "smp_v1_mnist.py", "smp_v1_gpt2.py", "train_restart.py")
+DEFAULT = ("train_gpt2.py", "smp_v1_mnist.py", "smp_v1_gpt2.py")  # train_restart.py: resume is also in test_checkpoint
 
 
 @pytest.mark.parametrize("script", [s if s in DEFAULT else pytest.param(s, marks=pytest.mark.slow)

@@ -145,6 +145,7 @@ def _from_tp1(rank: int, world: int, tmp: str) -> dict:
     return {"loss": step(AT + 1)}
 
 
+@pytest.mark.slow
 def test_full_checkpoints_load_across_tp_degrees(tp2_run):
     tmp, straight = tp2_run
     want = straight[0]["losses"][AT][0]

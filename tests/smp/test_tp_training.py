@@ -242,6 +242,7 @@ def _recomputed(rank: int, world: int) -> list[dict]:
     return out
 
 
+@pytest.mark.slow
 def test_activation_checkpointing_replays_tensor_parallel_dropout_masks():
     for plain, recomputed in run_ranks(_recomputed, 2, timeout=240):
         assert plain["loss"] == recomputed["loss"]

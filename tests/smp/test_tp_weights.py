@@ -140,6 +140,7 @@ def _runner_load(rank: int, world: int, weights: str) -> dict:
     return {"loss": float(loss), "want": want, "whole_reads": sorted(set(read_whole) & {"transformer.wte.weight"})}
 
 
+@pytest.mark.slow
 def test_pipeline_runner_reads_tp_shards_from_disk(tmp_path):
     build("gpt2").save_pretrained(tmp_path)
     for r in run_ranks(_runner_load, 2, str(tmp_path), timeout=240):
