@@ -44,3 +44,26 @@ def test_a_plans_schedule_is_priced_as_the_step_model_prices_the_plan() -> None:
     assert sim.step_s == plan_step(plan, make_schedule("gpipe", 3, 6), graph=graph).step_s
     slower = plan_sim(plan, graph, options, forward_s=[2 * s.forward_s for s in plan.stages])
     assert slower.step_s > sim.step_s
+
+
+def test_the_planners_simulator_builds_each_schedule_once_and_prices_it_as_a_fresh_one() -> None:
+    """The schedule a layout search simulates hundreds of times is built once per shape, and the outcome of the same
+    inputs is kept; each call still gives what a freshly built schedule gives (simulations do not modify the shared
+    one), its lists its own."""
+    rates = DeviceRates(pass_overhead_s=1e-4, step_overhead_s=1e-3)
+    cases = [("1f1b", 4, 8, 1), ("gpipe", 4, 8, 1), ("interleaved-virtual", 2, 4, 2), ("zero-bubble", 3, 6, 1)]
+    for times in ([1e-3, 3e-3, 2e-3, 1e-3], [5e-3, 1e-3, 1e-3, 4e-3]):
+        for name, ranks, m, v in cases:
+            k = ranks * v
+            fwd, bwd = times[:k] + [1e-3] * (k - len(times[:k])), [2 * t for t in times[:k]] + [2e-3] * (k - 4)
+            deps = [(s, s + 1) for s in range(k - 1)]
+            comm = {e: 1e-4 * (1 + e[0]) for e in deps}
+            out = pipeline_simulator(name, ranks, m, v, fwd, bwd, comm, deps, rates)
+            out.peak_in_flight.append(-1)  # the caller's own lists
+            out.rank_end_s.append(-1.0)
+            again = pipeline_simulator(name, ranks, m, v, fwd, bwd, comm, deps, rates)
+            fresh = simulate_stages(name, m, fwd, bwd, rates, deps=deps, comm=comm, num_ranks=ranks,
+                                    virtual_stages=v)
+            assert (again.step_s, again.bubble) == (fresh.step_s, fresh.bubble)
+            assert again.rank_end_s == [e[-1] for e in fresh.ends]
+            assert again.peak_in_flight == peak_in_flight(fresh.schedule)
