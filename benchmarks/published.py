@@ -23,9 +23,9 @@ Rows have a role:
 FSDP (ZeRO-3) rows are priced as what they are: sharded data parallelism over the row's ``sdp`` replicas (our
 runtime's ``sharded_data_parallel_degree``, :mod:`partitioner.sdp.shards`), every parameter sharded as FSDP does
 (threshold 1) and, as FSDP prefetches all-gathers and reduce-scatters during compute (``Row.overlap``), only what
-compute cannot hide exposed (:mod:`partitioner.sdp.overlap`, ``Pricing(overlap=True)``). Our runtime gathers
-synchronously at first use (:mod:`pipeline.param_gather`), so ``smp plan`` and the planner's best layout here price
-sdp without overlap. Selective activation checkpointing, which our runtime lacks (it checkpoints whole stages), is
+compute cannot hide exposed (:mod:`partitioner.sdp.overlap`, ``Pricing(overlap=True)``). Our runtime prefetches
+the same units (:mod:`pipeline.param_gather`), so ``smp plan`` and the planner's best layout here price sdp so too.
+Selective activation checkpointing, which our runtime lacks (it checkpoints whole stages), is
 priced as torchtitan's "op" policy runs it (:class:`SelectiveCosts`: in each transformer block the backward
 recomputes every other matmul and every op but attention). Each row's ``priced`` note says how. Memory is not
 limited (``--device-memory unlimited``): memory is not what is calibrated here.

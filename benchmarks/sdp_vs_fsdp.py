@@ -19,12 +19,22 @@ collectives of one step (every ``c10d`` op the process dispatches: all-gathers, 
 the rest, with the bytes of their larger side) and what it holds after that step's backward: parameters, gradients
 and optimizer state (its shards).
 
+Each smp round also prices its own layout with ``smp plan`` (fixed degrees: pp 1, dp 2, sdp 2, threshold 1, one
+microbatch of half the batch; :func:`target`, the model with its loss), the ops timed afresh by rank 0 after the
+warm-up steps while its peer waits (``SMP_RECALIBRATE=1`` unless set, and this machine's per-pass and per-step
+costs measured first, as ``step_model.py`` does: a shared machine's speed drifts by tens of per cent), and prints
+that step beside the round's measured median (goal: within 25 %; the measured step also has the SGD step, which
+``smp plan``'s step leaves out), and the step of the compute alone with both ranks busy and no collective
+(:func:`compute_worker`): what the op times, taken in one process while its peer waits, do not see.
+
 Run: ``python benchmarks/sdp_vs_fsdp.py [--rounds 3] [--steps 8]``: about a minute on two cores.
 """
 from __future__ import annotations
 
 import argparse
 import copy
+import json
+import os
 import statistics
 import sys
 import time
@@ -40,9 +50,13 @@ from torch.utils._pytree import tree_leaves
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import load_average, pin  # noqa: E402
+from partitioner.cost import calibration  # noqa: E402
+from smp.cli.runtime_costs import ensure_runtime_costs  # noqa: E402
 from smp.testing import run_ranks  # noqa: E402
 
 CONFIGS = ("smp sdp", "fsdp2")
+GOAL = 0.25  # smp plan's predicted step against the measured one
+SDP_CFG = "SDP_CFG"  # the environment variable target() reads the configuration from
 LR, MOMENTUM = 0.05, 0.9
 
 
@@ -86,6 +100,38 @@ class LM(torch.nn.Module):
 
 def _loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+class LMLoss(LM):
+    """The LM with the step's loss, as ``smp plan`` prices a step: ids of ``seq + 1`` tokens in, the loss out."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return _loss(super().forward(ids[:, :-1]), ids[:, 1:])
+
+
+def target() -> tuple[torch.nn.Module, tuple]:
+    """``smp plan``'s TARGET (``benchmarks/sdp_vs_fsdp.py:target``): the Llama of the configuration in ``$SDP_CFG``
+    (JSON) with its loss, and one replica's half of the global batch."""
+    cfg = json.loads(os.environ[SDP_CFG])
+    ids = torch.randint(0, cfg["vocab"], (cfg["batch"] // 2, cfg["seq"] + 1),
+                        generator=torch.Generator().manual_seed(1))
+    return LMLoss(cfg), (ids,)
+
+
+def predicted_step(cfg: dict) -> float:
+    """The step ``smp plan`` predicts for the smp run's layout (pp 1, dp 2 = sdp 2, every parameter sharded, one
+    microbatch per replica), its ops timed now, beside the steps it predicts (as ``step_model.py --plan`` does)."""
+    import tempfile
+
+    from smp.cli import main as smp_main
+
+    os.environ[SDP_CFG] = json.dumps(cfg)
+    with tempfile.TemporaryDirectory() as tmp:
+        code = smp_main(["plan", f"{Path(__file__).resolve()}:target", "--devices", "2", "--global-batch",
+                         str(cfg["batch"]), "--pp", "1", "--tp", "1", "--dp", "2", "--sdp", "2", "--sdp-threshold", "1",
+                         "--microbatch-size", str(cfg["batch"] // 2), "--schedules", "1f1b", "--checkpointing", "none",
+                         "--zero1", "off", "--top", "1", "-q", "--json", f"{tmp}/plan.json"])
+        return float(json.loads(Path(tmp, "plan.json").read_text())["layouts"][0]["step_s"]) if not code else 0.0
 
 
 def _local_bytes(tensors: Any) -> int:
@@ -164,6 +210,7 @@ def worker(rank: int, world: int, name: str, cfg: dict) -> dict[str, Any] | None
     counting = True
     with counter:
         losses.append(one_step(2))
+    predicted = predicted_step(cfg) if name != "fsdp2" and rank == 0 else 0.0  # the peer waits at the barrier
     wall = []
     for i in range(cfg["steps"]):
         dist.barrier()
@@ -188,9 +235,36 @@ def worker(rank: int, world: int, name: str, cfg: dict) -> dict[str, Any] | None
         ref_losses.append(float(loss))
     ref = dict(reference.named_parameters())
     rel = max(float((whole[n] - p).abs().max() / p.abs().max().clamp_min(1e-12)) for n, p in ref.items())
-    return {"wall": wall, "calls": dict(counter.calls), "bytes": dict(counter.bytes), "state": state[0],
+    return {"wall": wall, "predicted": predicted, "calls": dict(counter.calls), "bytes": dict(counter.bytes),
+            "state": state[0],
             "loss_err": max(abs(a - b) for a, b in zip(losses, ref_losses)), "param_rel": rel,
             "params": sum(p.numel() for p in ref.values())}
+
+
+def compute_worker(rank: int, world: int, cfg: dict) -> float | None:
+    """Each rank trains a whole copy of the model on its half of the batch with no collective (a barrier around each
+    step): the median step of the compute alone on this host with every rank busy, which the plan's op times (taken
+    in one process while its peer waits) do not see; rank 0 returns it."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    pin(rank, cfg)
+    torch.manual_seed(0)
+    model = LM(cfg)
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    ids = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"] + 1),
+                        generator=torch.Generator().manual_seed(1)).chunk(world)[rank]
+    wall = []
+    for i in range(cfg["steps"] + 2):
+        dist.barrier()
+        t0 = time.perf_counter()
+        _loss(model(ids[:, :-1]), ids[:, 1:]).backward()
+        opt.step()
+        opt.zero_grad()
+        dist.barrier()
+        if i >= 2:
+            wall.append(time.perf_counter() - t0)
+    return statistics.median(wall) if rank == 0 else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -206,6 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vocab", type=int, default=8000)
     ap.add_argument("--no-pin", dest="pin", action="store_false", help="do not pin rank r to core r %% cores")
     args = ap.parse_args(argv)
+    os.environ.setdefault(calibration.RECALIBRATE_ENV, "1")  # ops timed beside the steps they predict (the ranks)
+    ensure_runtime_costs()  # this machine's per-pass and per-step costs, measured now
     cfg = {k: getattr(args, k) for k in ("steps", "batch", "seq", "layers", "hidden", "intermediate", "heads",
                                          "vocab", "pin")}
     print(f"sdp vs fsdp2: Llama {args.layers} layers, hidden {args.hidden}, intermediate {args.intermediate}, "
@@ -215,11 +291,14 @@ def main(argv: list[str] | None = None) -> int:
     began = time.perf_counter()
     wall: dict[str, list[float]] = {k: [] for k in CONFIGS}
     last: dict[str, dict] = {}
+    predicted: list[tuple[float, float]] = []  # per smp round: smp plan's step, the round's median step
     for rnd in range(args.rounds):
         for name in (CONFIGS if rnd % 2 == 0 else CONFIGS[::-1]):
             res = run_ranks(worker, 2, name, cfg, timeout=900, pg_timeout=300)[0]
             wall[name] += res["wall"]
             last[name] = res
+            if name == "smp sdp":
+                predicted.append((res["predicted"], statistics.median(res["wall"])))
     print(f"{last['fsdp2']['params'] / 1e6:.1f}M parameters")
     print()
     kinds = ("all-gather", "reduce-scatter", "all-reduce", "other")
@@ -238,6 +317,13 @@ def main(argv: list[str] | None = None) -> int:
           "faster); loss err: largest |loss - one process's| over the steps; param rel: largest |difference| / "
           "max |parameter| after them; state: this rank's parameters, gradients and optimizer state after a "
           "step's backward")
+    alone = run_ranks(compute_worker, 2, cfg, timeout=900, pg_timeout=300)[0]
+    print(f"the compute alone (each rank its half of the batch, no collective, both at once): {alone * 1e3:.1f} ms")
+    errs = sorted(p / m - 1 for p, m in predicted)
+    print(f"smp plan's step for the smp run's layout (pp1 dp2 sdp2, ops timed beside each round's steps): "
+          f"{statistics.median(p for p, _ in predicted) * 1e3:.1f} ms vs measured "
+          f"{statistics.median(m for _, m in predicted) * 1e3:.1f} ms, median error {statistics.median(errs):+.1%} "
+          f"({' '.join(f'{e:+.0%}' for e in errs)}; goal within {GOAL:.0%})")
     print(f"After: {load_average()}; {time.perf_counter() - began:.0f} s")
     return 0
 

@@ -7,8 +7,8 @@ costs one all-gather in each pass and one reduce-scatter per step, not one per p
 keeps each parameter a ``Shard(0)`` DTensor and builds the flat buffer per collective, padding each parameter's dim-0
 shard to ``ceil(rows / ranks)`` rows, as is done here. A unit is what :func:`units_of` groups from a stage graph's
 reads, in the order the graph first reads them: the parameters of one block of a layer list (the module path up to
-its first numeric component, ``model.layers.3``: :func:`partitioner.sdp.overlap.fsdp_unit`, what the planner prices),
-and the parameters outside any block in consecutive runs cut where one reaches a block's bytes.
+its first numeric component, ``model.layers.3``), and the parameters outside any block in consecutive runs cut where
+one reaches a block's bytes: :func:`partitioner.sdp.units.group_units`, the grouping the planner prices.
 
 * :meth:`Unit.start_gather` copies this rank's shards into one flat buffer (padding left as it is) and launches one
   ``all_gather_single`` over the sharding group, asynchronously; :meth:`Unit.finish_gather` waits for it and copies
@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from partitioner.sdp.overlap import fsdp_unit
+from partitioner.sdp.units import group_units
 
 __all__ = ["Unit", "Gathering", "Reducing", "units_of"]
 
@@ -62,6 +62,11 @@ class Gathering:
     out: torch.Tensor
     flat: torch.Tensor
     work: Any
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of its buffers."""
+        return self.out.numel() * self.out.element_size() + self.flat.numel() * self.flat.element_size()
 
 
 @dataclass
@@ -169,29 +174,11 @@ class Unit:
 
 def units_of(reads: list[tuple[str, DTensor]]) -> list[Unit]:
     """The units of a stage that reads the sharded parameters ``reads`` ((attribute name, parameter), in the order
-    the stage first reads them): consecutive parameters of one block (:func:`fsdp_unit`), of one dtype and mesh,
-    share a unit; runs of parameters outside any block are cut into units as soon as one reaches the largest block's
-    bytes (the whole run is one unit when the stage has no block)."""
-    def key(name: str, p: DTensor) -> tuple[str, torch.dtype, int]:
-        return fsdp_unit(name), p.dtype, id(p.device_mesh)
-
-    runs: list[list[tuple[str, DTensor]]] = []
-    for name, p in reads:
-        if runs and key(*runs[-1][-1]) == key(name, p):
-            runs[-1].append((name, p))
-        else:
-            runs.append([(name, p)])
-    block_bytes = [sum(p.numel() * p.element_size() for _, p in run) for run in runs if fsdp_unit(run[0][0])]
-    cap = max(block_bytes, default=0)
-    units: list[Unit] = []
-    for run in runs:
-        piece: list[tuple[str, DTensor]] = []
-        for name, p in run:
-            if piece and cap and not fsdp_unit(name) and sum(q.numel() * q.element_size() for _, q in piece) >= cap:
-                units.append(Unit([q for _, q in piece], [n for n, _ in piece]))
-                piece = []
-            piece.append((name, p))
-        units.append(Unit([q for _, q in piece], [n for n, _ in piece]))
+    the stage first reads them): :func:`partitioner.sdp.units.group_units`, the planner's grouping, with each unit of
+    one dtype and mesh."""
+    groups = group_units([name for name, _ in reads], [p.numel() * p.element_size() for _, p in reads],
+                         [(p.dtype, id(p.device_mesh)) for _, p in reads])
+    units = [Unit([reads[i][1] for i in g], [reads[i][0] for i in g]) for g in groups]
     for i, u in enumerate(units):
         u.order, u.index = units, i
     return units

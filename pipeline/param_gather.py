@@ -36,8 +36,8 @@ Exact: the all-gathers move the shards' values, and the gradients are summed ove
 replica rows and divided by the replicas, as DTensor's ``Partial("avg")`` to ``Shard(0)`` did parameter by parameter
 (equal up to that summation order, float rounding on 3 or more replicas).
 
-``trace`` records each gather (forward or backward) with the bytes whole at that moment, what the memory benchmark
-prints to show that no more than the planned parameters are whole at once.
+``trace`` records each gather (forward or backward) with the bytes held then (whole parameters and the buffers of the
+all-gathers in flight): the memory test and benchmark hold it to what :mod:`partitioner.sdp.units` plans.
 """
 from __future__ import annotations
 
@@ -70,7 +70,8 @@ def shard_of(whole: torch.Tensor, mesh: Any, placements: Any) -> DTensor:
 
 class GatherEvent(NamedTuple):
     """One gather: the parameter's ``name`` (its attribute in the stage), ``backward`` (gathered again for the
-    backward), its whole ``nbytes``, and ``live_bytes``, the whole bytes of every gathered parameter alive then."""
+    backward), its whole ``nbytes``, and ``live_bytes``, the most the gathering held while gathering its unit (whole
+    parameters and all-gather buffers: :attr:`GatheredParams.held_bytes`)."""
 
     name: str
     backward: bool
@@ -103,6 +104,7 @@ class GatheredParams:
     _grads: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # id(param) -> (param, buf)
     _live: dict[int, tuple[torch.Tensor, str]] = field(default_factory=dict)  # storage address -> (param, name)
     _live_bytes: int = 0
+    _buffer_bytes: int = 0  # of the all-gathers in flight: output and input
     _reads: dict[int, int] = field(default_factory=dict)  # id(param) -> gather nodes reading it in its stage
     _unit: dict[int, Unit] = field(default_factory=dict)  # id(param) -> its unit
     _fwd: dict[Unit, dict[int, torch.Tensor]] = field(default_factory=dict)  # unit -> wholes its forward reads still
@@ -162,24 +164,34 @@ class GatheredParams:
 
     def _gathered(self, unit: Unit, backward: bool) -> list[torch.Tensor]:
         """``unit``'s parameters whole (its prefetch waited for, or gathered now), known to the hooks while they
-        live; the next unit of the pass's direction is launched."""
-        pending = self._pending.pop(unit, None)
-        wholes = unit.finish_gather(pending if pending is not None else unit.start_gather())
-        if backward:
-            after = next((u for u in reversed(unit.order[:unit.index]) if u in self._regather), None)
-        else:
-            after = unit.order[unit.index + 1] if unit.index + 1 < len(unit.order) else None
-        if after is not None and after not in self._pending:
-            self._pending[after] = after.start_gather()
+        live; the next unit of the pass's direction is launched once this one's buffers are gone."""
+        pending = self._pending.pop(unit, None) or self._start(unit)
+        wholes = unit.finish_gather(pending)
         for p, name, out in zip(unit.params, unit.names, wholes):
             nbytes = out.numel() * out.element_size()
             key = out.untyped_storage().data_ptr()
             self._live[key] = (p, name)
             self._live_bytes += nbytes
             weakref.finalize(out, self._forget, key, nbytes)
-            if self.record:
-                self.trace.append(GatherEvent(name, backward, nbytes, self._live_bytes))
+        copied_out = self.held_bytes
+        self._buffer_bytes -= pending.nbytes
+        del pending  # its buffers go before the next unit's are made, as partitioner.sdp.units prices it
+        if backward:
+            after = next((u for u in reversed(unit.order[:unit.index]) if u in self._regather), None)
+        else:
+            after = unit.order[unit.index + 1] if unit.index + 1 < len(unit.order) else None
+        if after is not None and after not in self._pending:
+            self._pending[after] = self._start(after)
+        if self.record:
+            held = max(copied_out, self.held_bytes)
+            self.trace.extend(GatherEvent(name, backward, out.numel() * out.element_size(), held)
+                              for name, out in zip(unit.names, wholes))
         return wholes
+
+    def _start(self, unit: Unit) -> Gathering:
+        g = unit.start_gather()
+        self._buffer_bytes += g.nbytes
+        return g
 
     def _forget(self, key: int, nbytes: int) -> None:
         self._live.pop(key, None)
@@ -189,6 +201,11 @@ class GatheredParams:
     def live_bytes(self) -> int:
         """Bytes of gathered (whole) parameters alive now."""
         return self._live_bytes
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes the gathering holds now: whole parameters and the buffers of the all-gathers in flight."""
+        return self._live_bytes + self._buffer_bytes
 
     def accumulate(self, param: torch.Tensor, grad: torch.Tensor) -> None:
         """Add ``grad`` (whole) to ``param``'s gradient buffer of this step; in the final backward, launch the
@@ -229,6 +246,7 @@ class GatheredParams:
         whole = self._again.get(id(packed.param))  # a weight several ops saved: gathered once while it lives
         if whole is None:
             unit = self._unit[id(packed.param)]
+            self._held = []  # the unit gathered before: what the backward still reads of it lives on in its views
             self._held = self._gathered(unit, backward=True)
             for p, out in zip(unit.params, self._held):
                 self._again[id(p)] = out
@@ -254,19 +272,20 @@ class GatheredParams:
             r.unit.finish_reduce(r)
         for g in self._pending.values():  # a backward prefetch no backward used: its values may change now
             g.work.wait()
+            self._buffer_bytes -= g.nbytes
         self._reducing, self._pending, self._held = [], {}, []
         self._grads.clear()
         self._final_seen.clear()
         self._reduced.clear()
 
     def _reduce(self, unit: Unit) -> None:
-        """Launch the reduction of ``unit``'s whole gradients of this step (zero where none came), finishing the
-        oldest in flight when more than two are."""
+        """Launch the reduction of ``unit``'s whole gradients of this step (zero where none came), first finishing
+        the oldest in flight when two are (so two at most hold their buffers)."""
         self._reduced.add(unit)
-        self._reducing.append(unit.start_reduce([self._grads.pop(id(p), (p, None))[1] for p in unit.params]))
-        if len(self._reducing) > 2:
+        if len(self._reducing) >= 2:
             r = self._reducing.pop(0)
             r.unit.finish_reduce(r)
+        self._reducing.append(unit.start_reduce([self._grads.pop(id(p), (p, None))[1] for p in unit.params]))
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from partitioner.sdp.shards import ShardedRank, sharded_dp
 from partitioner.units import format_bytes
 
 from .schedule import Schedule, peak_in_flight
-from .sharded_step import with_end_of_step
+from .sharded_step import exposed, with_end_of_step
 from .stage_simulation import simulate_stages
 
 __all__ = ["EXACT_MAX_STAGES", "PipelineCosts", "pipeline_costs", "PricedStep", "simulate_costs"]
@@ -92,13 +92,13 @@ def pipeline_costs(graph: OpGraph, options: PartitionOptions, stages: int, *, ex
         if sdp is None or degree == 1:
             return costs
         ranks = sharded_dp(plan, graph, degree, threshold=sdp.threshold, link=sdp.link)
-        gather = [r.gather_forward_s for r in ranks]  # as long in the backward
-        end = [r.end_of_step_s for r in ranks]
+        fwd, bwd, end = exposed(plan, graph, sdp, ranks, [s.forward_s for s in plan.stages],
+                                [s.backward_s for s in plan.stages])
         if not costs.exact:  # the model spread evenly over the stages
-            ranks, gather, end = [], [sum(gather) / stages] * stages, [sum(end) / stages] * stages
-        costs.forward_s = [f + g for f, g in zip(costs.forward_s, gather)]
-        costs.backward_s = [b + g for b, g in zip(costs.backward_s, gather)]
-        costs.sdp_gather_s, costs.sdp_end_s, costs.sdp = [2 * g for g in gather], end, ranks
+            ranks, fwd, bwd, end = [], *([sum(x) / stages] * stages for x in (fwd, bwd, end))
+        costs.forward_s = [f + g for f, g in zip(costs.forward_s, fwd)]
+        costs.backward_s = [b + g for b, g in zip(costs.backward_s, bwd)]
+        costs.sdp_gather_s, costs.sdp_end_s, costs.sdp = [f + b for f, b in zip(fwd, bwd)], end, ranks
         return costs
 
     if exact and stages <= min(ops, EXACT_MAX_STAGES):

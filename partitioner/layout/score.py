@@ -24,8 +24,9 @@ What neither command prices, the layout adds, as the runtime runs it:
   :func:`partitioner.sdp.shards.sharded_dp` as ``smp simulate --sdp`` prices it: the stages cut without the memory
   budget (the sharded ranks are held to it), each stage's all-gathers added to its forward and backward, each
   rank's reduce-scatter and all-reduce after its pipeline end (instead of the plain all-reduce), its memory the
-  sharded rank's peak; the sharding group's link is the intra-node one when its D replicas share a node (our
-  runtime's collectives do not overlap compute; ``Pricing.overlap``: FSDP's do, :mod:`partitioner.sdp.overlap`);
+  sharded rank's peak; the sharding group's link is the intra-node one when its D replicas share a node; the
+  collectives overlap compute as the runtime and FSDP run them (:mod:`partitioner.sdp.overlap`: what each pass
+  exposes, and the reduce-scatters' tail after the pipeline);
 * throughput and MFU over the job, by :func:`partitioner.cost.throughput.from_counts` (the one definition);
 * the memory budget less a headroom (:mod:`partitioner.layout.headroom`, ``Pricing.headroom``: 10% by default) is
   what a layout must fit (:attr:`LayoutScorer.budget`); its stages are cut under the budget whose partitioner's
@@ -101,13 +102,14 @@ class Pricing:
     """What every layout is priced under: the partitioner's ``options`` (device, precision, links, memory budget,
     optimizer, memory weight; microbatches and pipeline are each layout's), ``ranks_per_node`` and, under sdp, the
     elements below which a parameter stays whole (``sdp_threshold``, SMP's ``sdp_param_persistence_threshold``);
-    ``overlap``: sdp's collectives overlap with compute as in FSDP (:mod:`partitioner.sdp.overlap`; not our runtime);
+    ``overlap``: sdp's collectives overlap with compute, prefetched as the runtime and FSDP run them
+    (:mod:`partitioner.sdp.overlap`); False prices each one exposed where it is issued (a what-if);
     ``headroom``: memory every device keeps free of its budget (:mod:`partitioner.layout.headroom`)."""
 
     options: PartitionOptions
     ranks_per_node: int
     sdp_threshold: int = PERSISTENCE_THRESHOLD
-    overlap: bool = False
+    overlap: bool = True
     headroom: Headroom = DEFAULT
 
     @property

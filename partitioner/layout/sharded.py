@@ -30,8 +30,8 @@ def sdp_passes(layout: Layout, plan: PartitionPlan, graph: OpGraph, threshold: i
                overlap: bool) -> tuple[np.ndarray | float, np.ndarray | float, np.ndarray | None]:
     """What ``layout``'s sharded data parallelism adds, per stage, to each microbatch's forward and backward of
     ``forward_s`` / ``backward_s``, and per pipeline rank after its pipeline (None: the reduce-scatter of
-    :class:`partitioner.sdp.shards.ShardedRank`, not overlapped). Without ``overlap`` (our runtime) the stage's
-    gathers whole in each pass; with it, :func:`partitioner.sdp.overlap.overlapped`'s exposed seconds."""
+    :class:`partitioner.sdp.shards.ShardedRank`, not overlapped). With ``overlap`` (the runtime's prefetch),
+    :func:`partitioner.sdp.overlap.overlapped`'s exposed seconds; without, the stage's gathers whole in each pass."""
     if layout.sdp == 1:
         return 0.0, 0.0, None
     if not overlap:

@@ -1,30 +1,27 @@
-"""Sharded data parallelism whose collectives overlap with compute: the exposed seconds of FSDP's prefetched
-all-gathers and its reduce-scatters during the backward.
+"""Sharded data parallelism whose collectives overlap with compute: the exposed seconds of the prefetched all-gathers
+and of the reduce-scatters during the backward, as our runtime and FSDP run them.
 
 PyTorch FSDP (Zhao et al. 2023, "PyTorch FSDP: Experiences on Scaling Fully Sharded Data Parallel", VLDB 16(12),
 section 3.4 "Communication optimizations": backward and forward prefetching on a separate stream) issues the
 all-gather of the next parameters while the current ones compute, and reduce-scatters each gradient while the
-backward goes on. Such a pass is priced with the two-stream bound (compute on one stream, the pass's collectives
-in order on the other): it takes ``first + max(compute, comm - first - last) + last``, where ``first`` is the
-collective no compute precedes (the first unit's gather) and ``last`` the one no compute follows (the
-reduce-scatter of the gradient completed last); what it adds to the compute,
-``first + last + max(0, comm - first - last - compute)``, is exposed.
-
-FSDP gathers a unit at a time (:func:`fsdp_unit`: torchtitan and the transformer auto-wrap policy wrap each block
-of the model's layer list, the rest in the root unit), one collective per unit, so one ring's latency per unit,
-not per parameter. Per stage and microbatch (:func:`stage_collectives`, :func:`overlapped`): the forward's gathers
-in the order the stage first reads the units; the backward's gathers again (FSDP's ``reshard_after_forward``) in
-the reverse order; the reduce-scatters in the backward of the step's last microbatch only (the gradient accumulates
-whole over the microbatches, as :mod:`partitioner.sdp.shards` prices it), completed last for the unit read first.
-What the reduce-scatters add to that last backward is exposed after the pipeline (the tail), where the scorer puts
-the end-of-step reduction.
-
-Our runtime now runs FSDP's design at the graph's granularity (:mod:`pipeline.param_gather`,
+backward goes on; our runtime does the same at the stage graph's granularity (:mod:`pipeline.param_gather`,
 :mod:`pipeline.gather_units`: one flat all-gather per unit, the next unit prefetched in forward and backward, one
-reduce-scatter per unit launched as its gradients complete), but ``smp plan`` still prices sharded data parallelism
-without the overlap (:class:`partitioner.layout.score.Pricing` ``overlap=False``, the default): on CPU ranks gloo's
-collectives run on the same cores as the compute, and how much of them the overlap hides there is not measured yet;
-``benchmarks/published.py`` prices published FSDP runs with it, as those systems ran.
+reduce-scatter per unit launched as its gradients complete, two at most in flight). Such a pass is priced with the
+two-stream bound (compute on one stream, the pass's collectives in order on the other): it takes
+``first + max(compute, comm - first - last) + last``, where ``first`` is the collective no compute precedes (the
+first unit's gather) and ``last`` the one no compute follows (the reduce-scatter of the unit completed last); what
+it adds to the compute, ``first + last + max(0, comm - first - last - compute)``, is exposed.
+
+The units are :func:`partitioner.sdp.units.group_units`' (one block of the layer list each; what the runtime
+gathers), one collective per unit, so one ring's latency per unit, not per parameter. Per stage and microbatch
+(:func:`stage_collectives`, :func:`overlapped`): the forward's gathers in the order the stage first reads the units;
+the backward's gathers again (``reshard_after_forward``) in the reverse order; the reduce-scatters in the backward
+of the step's last microbatch only (the gradient accumulates whole over the microbatches, as
+:mod:`partitioner.sdp.shards` prices it), completed last for the unit read first. What the reduce-scatters add to
+that last backward is exposed after the pipeline (the tail), where the scorer puts the end-of-step reduction.
+``smp plan``, ``smp inspect --sdp`` and ``smp simulate --sdp`` price sharded data parallelism so;
+``benchmarks/published.py`` prices published FSDP runs with it, and ``benchmarks/step_model.py --plan`` checks it
+against our runtime's steps on CPU ranks.
 """
 from __future__ import annotations
 
@@ -40,25 +37,18 @@ from ..cost.precision import param_memory_parts
 from ..cut.objective import stage_params
 from ..cut.plan import PartitionPlan
 from .shards import sharded_params
+from .units import stage_units
 
-__all__ = ["StageCollectives", "fsdp_unit", "exposed_s", "stage_collectives", "overlapped"]
+__all__ = ["StageCollectives", "exposed_s", "stage_collectives", "overlapped"]
 
 
 @dataclass(frozen=True)
 class StageCollectives:
-    """One stage's sharded-parameter collectives in the order its forward first reads the parameters: seconds of
-    each parameter's all-gather (``gathers_s``) and of its gradient's reduce-scatter (``scatters_s``)."""
+    """One stage's sharded-parameter collectives in the order its forward first reads the units: seconds of each
+    unit's all-gather (``gathers_s``) and of its gradients' reduce-scatter (``scatters_s``)."""
 
     gathers_s: tuple[float, ...]
     scatters_s: tuple[float, ...]
-
-
-def fsdp_unit(name: str) -> str:
-    """The FSDP unit of the parameter ``name``: its path up to the first numeric component (``model.layers.3`` of
-    ``model.layers.3.mlp.up_proj.weight``: a block of a ``ModuleList``), else the root unit ``""``."""
-    parts = name.split(".")
-    cut = next((i for i, part in enumerate(parts) if part.isdigit()), None)
-    return "" if cut is None else ".".join(parts[:cut + 1])
 
 
 def exposed_s(compute_s: float, comm_s: float, first_s: float = 0.0, last_s: float = 0.0) -> float:
@@ -70,28 +60,23 @@ def exposed_s(compute_s: float, comm_s: float, first_s: float = 0.0, last_s: flo
 def stage_collectives(plan: PartitionPlan, graph: OpGraph, degree: int, threshold: int,
                       link: DeviceRates) -> list[StageCollectives]:
     """Per stage of ``plan`` (made from ``graph``), its sharded parameters' collectives over ``degree`` ranks on
-    ``link``, one per :func:`fsdp_unit`, priced as :func:`partitioner.sdp.shards.sharded_dp` prices a collective
-    (ring all-gathers, a reduce-scatter moving the same bytes), in the order the stage first reads the units."""
+    ``link``, one per unit (:func:`partitioner.sdp.units.stage_units`), priced as
+    :func:`partitioner.sdp.shards.sharded_dp` prices a collective (ring all-gathers, a reduce-scatter moving the same
+    bytes), in the order the stage first reads the units."""
     k, opts = plan.num_stages, plan.options
     stage = plan.stage_of_ops(graph)
     shard = sharded_params(graph, stage, k, degree, threshold)
     parts = param_memory_parts(graph, opts.get("dtype", "fp32"), opts.get("optimizer", "adam"))
-    first = np.full(max(len(graph.param_names), 1), graph.num_nodes, np.int64)
-    if len(graph.use_node):
-        np.minimum.at(first, graph.use_param, graph.use_node)
+    order = np.argsort(stage, kind="stable")  # each stage's ops in forward (index) order
+    bounds = np.searchsorted(stage[order], np.arange(k + 1))
     p_stage, p_idx = stage_params(graph, stage, k)
     out = []
     for s in range(k):
         held = p_idx[p_stage == s]
-        units: dict[str, list[float]] = {}  # unit -> [first read, weight bytes, gradient bytes]
-        for p in held[shard[held]]:
-            unit = units.setdefault(fsdp_unit(graph.param_names[p]), [float(graph.num_nodes), 0.0, 0.0])
-            unit[0] = min(unit[0], float(first[p]))
-            unit[1] += float(parts["weights"][p])
-            unit[2] += float(parts["gradients"][p])
-        ordered = sorted(units.values())
-        out.append(StageCollectives(tuple(all_gather_s(w, degree, link) for _, w, _ in ordered),
-                                    tuple(all_gather_s(g, degree, link) for _, _, g in ordered)))
+        units = stage_units(graph, order[bounds[s]:bounds[s + 1]], held[shard[held]], parts["weights"],
+                            parts["gradients"], degree)
+        out.append(StageCollectives(tuple(all_gather_s(w, degree, link) for w in units.weights),
+                                    tuple(all_gather_s(g, degree, link) for g in units.gradients)))
     return out
 
 

@@ -6,25 +6,25 @@ al. 2020, "ZeRO: Memory optimizations toward training trillion parameter models"
 Zhao et al. 2023, VLDB 16(12)), as :mod:`smp.engine.sharded_dp` runs it. A parameter of at least ``threshold``
 elements (SMP's ``sdp_param_persistence_threshold``) that only one stage uses is sharded; the rest (small ones, tied
 weights used on two stages; buffers are not parameters) stay whole on every replica and are all-reduced as in plain
-data parallelism. A sharded parameter is all-gathered where the stage first reads it, freed after its last forward read,
-and gathered again in the backward: two all-gathers per microbatch. Its gradient accumulates whole over the step's
-microbatches and is reduce-scattered once per step, in the stage's last backward as soon as it is complete (the
-whole buffer freed then): with one microbatch only one parameter's gradient is whole at a time, with more every
-sharded gradient of the stage is whole until that last backward. With ``replicas`` (R) above D (hybrid sharding)
-each shard's gradient is then all-reduced over the R / D groups.
+data parallelism. The sharded parameters are gathered and reduced a unit at a time (:mod:`partitioner.sdp.units`: a
+block of the model's layer list, one flat collective each): a unit is all-gathered where the stage first reads it,
+the next one prefetched meanwhile, and gathered again in the backward: two all-gathers per unit and microbatch. Its
+gradients accumulate whole over the step's microbatches and are reduce-scattered once per step, in the stage's last
+backward as soon as they are complete, two units at most in flight: with one microbatch only the units in flight are
+whole, with more every sharded gradient of the stage is whole until that last backward. With ``replicas`` (R) above D
+(hybrid sharding) each shard's gradient is then all-reduced over the R / D groups.
 
 Per rank (:class:`ShardedRank`): weights, optimizer state and fp32 master weights of sharded parameters / D; their
-gradients / D at rest and whole during the step; the gathered whole copies alive at once (the most, over the
-stage's ops in forward order, of the sharded parameters whose first-to-last-read window covers the op);
-activations as without sharding (:func:`partitioner.stage_memory`). Bytes per parameter by kind are
-:func:`partitioner.cost.precision.param_memory_parts`'s. Collectives are ring algorithms priced with
-:func:`partitioner.cost.collectives.all_gather_s` (a reduce-scatter moves the same bytes in the same steps) and
-:func:`partitioner.cost.collectives.all_reduce_s` on the ``link`` of the sharding group: one collective per sharded
-parameter, one coalesced all-reduce of the whole parameters' gradients, with its copies
-(:func:`partitioner.cost.collectives.gradient_all_reduce_s`, as the engine averages data-parallel gradients). They are
-priced
-whole, not overlapped with compute: the runtime (:mod:`pipeline.param_gather`) waits for each one where it is issued;
-:mod:`partitioner.sdp.overlap` prices FSDP's overlapped collectives, for published runs.
+gradients / D at rest and whole during the step (with the reduce-scatters' buffers); what the gathering holds at once
+(:func:`partitioner.sdp.units.gathered_peak`: the whole parameters still read and the all-gather buffers of the unit
+being copied out or prefetched); activations as without sharding (:func:`partitioner.stage_memory`). Bytes per
+parameter by kind are :func:`partitioner.cost.precision.param_memory_parts`'s. Collectives are ring algorithms priced
+with :func:`partitioner.cost.collectives.all_gather_s` (a reduce-scatter moves the same bytes in the same steps) and
+:func:`partitioner.cost.collectives.all_reduce_s` on the ``link`` of the sharding group: one collective per unit, one
+coalesced all-reduce of the whole parameters' gradients, with its copies
+(:func:`partitioner.cost.collectives.gradient_all_reduce_s`, as the engine averages data-parallel gradients). The
+seconds here are the collectives' own; what of them the runtime's prefetch hides behind compute is
+:mod:`partitioner.sdp.overlap`'s.
 
 A degree that shards nothing (every parameter under the threshold, or used by two stages) changes nothing but the
 name: :func:`shardable` says what a degree would shard (:class:`Shardable`), the layout search leaves such a degree
@@ -46,8 +46,9 @@ from ..cost.precision import param_memory_parts
 from ..cut.memory import stage_memory
 from ..cut.objective import stage_params
 from ..cut.plan import PartitionPlan
+from .units import gathered_peak, stage_units
 
-__all__ = ["PERSISTENCE_THRESHOLD", "ShardedRank", "sharded_params", "gathered_window", "sharded_dp", "Shardable",
+__all__ = ["PERSISTENCE_THRESHOLD", "ShardedRank", "sharded_params", "sharded_dp", "Shardable",
            "shardable", "warn_if_nothing_sharded", "ShardsNothingWarning"]
 
 PERSISTENCE_THRESHOLD = 1_000_000  # SMP v1's default sdp_param_persistence_threshold, in elements
@@ -59,8 +60,9 @@ class ShardedRank:
     """What one pipeline rank holds and spends under sharded data parallelism of ``degree`` over ``replicas``.
 
     Bytes at the training precision: ``weights_bytes``, ``gradient_bytes`` (at rest: the shards),
-    ``gradient_peak_bytes`` (during the step's backward: whole), ``optimizer_bytes``, ``master_bytes``,
-    ``gathered_bytes`` (whole copies alive at once; ``gathered`` names them at that peak) and
+    ``gradient_peak_bytes`` (during the step's last backward: whole, and the reduce-scatters' buffers),
+    ``optimizer_bytes``, ``master_bytes``, ``gathered_bytes`` (what the gathering holds at once: whole parameters and
+    all-gather buffers; ``gathered`` names the parameters whole or being gathered at that peak) and
     ``activation_bytes`` (at the schedule's peak in flight). ``sharded``: parameters sharded, of ``params`` the
     rank's stages hold. Seconds: ``gather_forward_s`` / ``gather_backward_s`` per microbatch, ``reduce_scatter_s``
     and ``all_reduce_s`` once per step, for ``microbatches`` per step."""
@@ -137,7 +139,8 @@ class Shardable:
     """What sharding (a degree above 1) shards of a model's ``params`` parameters at ``threshold`` elements (SMP's
     ``sdp_param_persistence_threshold``): ``over`` have that many elements or more, of which ``shared`` are used by
     several stages (kept whole); ``largest`` names the largest parameter under the threshold, with ``largest_numel``
-    elements (None: none is), ``shared_names`` the shared ones."""
+    elements (None: none is), ``shared_names`` the shared ones; ``sharded_numel`` of their ``numel`` elements are
+    sharded."""
 
     params: int
     over: int
@@ -146,6 +149,14 @@ class Shardable:
     largest: str | None
     largest_numel: int
     shared_names: tuple[str, ...] = ()
+    numel: int = 0
+    sharded_numel: int = 0
+
+    @property
+    def whole_share(self) -> float:
+        """The share of the parameters' ``numel`` elements that stay whole on every replica (under the threshold,
+        or shared); 0 without parameters."""
+        return 1.0 - self.sharded_numel / self.numel if self.numel else 0.0
 
     @property
     def sharded(self) -> int:
@@ -177,7 +188,8 @@ def shardable(graph: OpGraph, threshold: int = PERSISTENCE_THRESHOLD, stage: np.
     return Shardable(params=int((numel > 0).sum()), over=int(over.sum()), shared=int(shared.sum()),
                      threshold=int(threshold), largest=graph.param_names[i] if big else None,
                      largest_numel=int(under[i]) if big else 0,
-                     shared_names=tuple(graph.param_names[j] for j in np.flatnonzero(shared)))
+                     shared_names=tuple(graph.param_names[j] for j in np.flatnonzero(shared)),
+                     numel=int(numel.sum()), sharded_numel=int(numel[over & ~shared].sum()))
 
 
 def warn_if_nothing_sharded(plan: PartitionPlan, degree: int, threshold: int) -> Shardable | None:
@@ -199,28 +211,6 @@ def warn_if_nothing_sharded(plan: PartitionPlan, degree: int, threshold: int) ->
 
 class ShardsNothingWarning(UserWarning):
     """Sharded data parallelism was asked for, but no parameter is sharded; the message says why and the fix."""
-
-
-def gathered_window(graph: OpGraph, ops: np.ndarray, params: np.ndarray,
-                    nbytes: np.ndarray) -> tuple[float, list[int]]:
-    """The most bytes of whole ``params`` (their ``nbytes``) alive at once over ``ops`` (one stage's ops in forward
-    order), each alive from its first read to its last; and the parameters alive at that op."""
-    if not len(params) or not len(ops):
-        return 0.0, []
-    users = np.isin(graph.use_param, params)
-    first = np.full(len(graph.param_names), graph.num_nodes, np.int64)
-    last = np.full(len(graph.param_names), -1, np.int64)
-    np.minimum.at(first, graph.use_param[users], graph.use_node[users])
-    np.maximum.at(last, graph.use_param[users], graph.use_node[users])
-    start = np.searchsorted(ops, first[params])
-    stop = np.searchsorted(ops, last[params], side="right")
-    live = np.zeros(len(ops) + 1)
-    np.add.at(live, start, nbytes[params])
-    np.add.at(live, stop, -nbytes[params])
-    alive = np.cumsum(live)[:-1]
-    peak = int(np.argmax(alive))
-    at_peak = params[(start <= peak) & (peak < stop)]
-    return float(alive[peak]), [int(p) for p in at_peak]
 
 
 def sharded_dp(plan: PartitionPlan, graph: OpGraph, degree: int, *, replicas: int | None = None,
@@ -258,19 +248,17 @@ def sharded_dp(plan: PartitionPlan, graph: OpGraph, degree: int, *, replicas: in
     for s in range(k):
         held = p_idx[p_stage == s]
         mine, whole = held[shard[held]], held[~shard[held]]
-        gathered, alive = gathered_window(graph, order[bounds[s]:bounds[s + 1]], mine, parts["weights"])
-        grads = parts["gradients"]
-        # One microbatch: each gradient is reduced as it comes, so its shards plus one whole one; else all whole.
-        one = opts.get("microbatches", 1) == 1
-        mine_peak = float(grads[mine].sum()) / degree + (float(grads[mine].max()) if len(mine) else 0.0) if one \
-            else float(grads[mine].sum())
+        ops, grads = order[bounds[s]:bounds[s + 1]], parts["gradients"]
+        units = stage_units(graph, ops, mine, parts["weights"], grads, degree)
+        gathered, alive = gathered_peak(graph, ops, units, parts["weights"], degree)
         rows.append(_Stage(
             at_rest={name: float(parts[name][whole].sum()) + float(parts[name][mine].sum()) / degree
                      for name in ("weights", "gradients", "optimizer", "master")},
-            gradient_peak=float(grads[whole].sum()) + mine_peak,
+            gradient_peak=float(grads[whole].sum()) + _gradient_peak(units.gradients, degree,
+                                                                     opts.get("microbatches", 1) == 1),
             gathered=gathered, alive=alive,
-            gather_s=float(sum(all_gather_s(float(parts["weights"][p]), degree, link) for p in mine)),
-            scatter_s=float(sum(all_gather_s(float(grads[p]), degree, link) for p in mine)),
+            gather_s=float(sum(all_gather_s(w, degree, link) for w in units.weights)),
+            scatter_s=float(sum(all_gather_s(g, degree, link) for g in units.gradients)),
             # The whole parameters' gradients over every replica, then each shard's over the R / D groups.
             reduce_s=(gradient_all_reduce_s(float(grads[whole].sum()), replicas, device, replica_link)
                       + all_reduce_s(float(grads[mine].sum()) / degree, replicas // degree, replica_link)),
@@ -278,6 +266,18 @@ def sharded_dp(plan: PartitionPlan, graph: OpGraph, degree: int, *, replicas: in
     return [_rank(r, [s for s in range(k) if stage_rank[s] == r], rows, graph, degree, replicas,
                   int(opts.get("microbatches", 1)))
             for r in sorted(set(stage_rank))]
+
+
+def _gradient_peak(grads: Sequence[float], degree: int, one: bool) -> float:
+    """The most bytes a stage's sharded gradients (``grads`` per unit, in forward order) hold in the step's last
+    backward, which reduce-scatters each unit once complete, two at most in flight (:mod:`pipeline.param_gather`):
+    the shards, and the unit launched laid out twice (whole and as the reduce-scatter's input) beside the input of
+    the one still in flight; with several microbatches (not ``one``) every unit is whole from the earlier ones."""
+    if not grads:
+        return 0.0
+    launched = max(2 * g + (grads[i + 1] if i + 1 < len(grads) else 0.0) for i, g in enumerate(grads)) if one \
+        else max(grads) + sum(grads)
+    return sum(grads) / degree + launched
 
 
 @dataclass(frozen=True)

@@ -16,9 +16,10 @@ from smp.cli.errors import CLIError
 from smp.cli.options import RANKS_PER_NODE, Options
 from smp.cli.text import table
 
-__all__ = ["check_budget", "price_plan", "memory_table", "sdp_lines", "MAX_LISTED"]
+__all__ = ["check_budget", "price_plan", "memory_table", "sdp_lines", "whole_line", "MAX_LISTED", "WHOLE_SAID"]
 
 MAX_LISTED = 4  # gathered parameters named per stage; the rest are counted
+WHOLE_SAID = 0.01  # the share of a model's elements sdp leaves whole above which smp plan says so (norms, biases: less)
 
 
 def check_budget(ranks: Sequence[Any], budget: float | None, degree: int) -> None:
@@ -79,9 +80,10 @@ def sdp_lines(rec: dict[str, Any], microbatches: int, step_s: float | None = Non
              f"  collectives on {link['name']} ({format_bytes(link['bytes_per_s'])}/s + "
              f"{format_seconds(link['latency_s'])} per ring step), worst on {where}: all-gathers "
              f"{format_seconds(worst['gather_forward_s'] + worst['gather_backward_s'])} per microbatch (forward and "
-             f"backward, inside its stage time), {format_seconds(worst['all_gather_s'])} per step (x {microbatches}); "
-             f"reduce-scatter {format_seconds(worst['reduce_scatter_s'])} and all-reduce "
-             f"{format_seconds(worst['all_reduce_s'])} once per step, after its last backward"]
+             f"backward, a unit prefetched while the one before computes), {format_seconds(worst['all_gather_s'])} "
+             f"per step (x {microbatches}); reduce-scatters {format_seconds(worst['reduce_scatter_s'])} during its "
+             f"last backward and all-reduce {format_seconds(worst['all_reduce_s'])} after it; the step has what the "
+             "compute does not hide"]
     if "predicted_step_s" in rec:
         more = f" ({100 * (rec['predicted_step_s'] / step_s - 1):+.1f}% over the pipeline alone)" if step_s else ""
         lines.append(f"  predicted step with them {format_seconds(rec['predicted_step_s'])}{more}, bubble "
@@ -93,3 +95,19 @@ def sdp_lines(rec: dict[str, Any], microbatches: int, step_s: float | None = Non
             lines.append(f"  gathered at the peak of stage(s) {','.join(map(str, r['stages']))}: "
                          f"{format_bytes(r['gathered_bytes'])} ({', '.join(names)})")
     return lines
+
+
+def whole_line(graph: Any, plan: Any, degree: int, threshold: int) -> str | None:
+    """What sharding of ``degree`` leaves whole on every replica of ``plan``'s stages (made from ``graph``) at
+    ``threshold`` elements (SMP's ``sdp_param_persistence_threshold``, whose default, SMP v1's, leaves the matrices
+    of a small model whole), with how to shard everything; None when it leaves less than :data:`WHOLE_SAID`."""
+    from partitioner.sdp.shards import shardable
+
+    found = shardable(graph, threshold, plan.stage_of_ops(graph), plan.num_stages)
+    if degree <= 1 or found.whole_share < WHOLE_SAID:
+        return None
+    shared = f" and {found.shared} used by several stages" if found.shared else ""
+    return (f"sdp leaves whole {found.whole_share:.3f} of the parameters' elements on every replica (all-reduced as "
+            f"under plain data parallelism): {found.params - found.over} parameters under "
+            f"sdp_param_persistence_threshold={threshold:,} elements{shared}; set it to 1 (--sdp-threshold 1; 0 in "
+            "the smp config) to shard every parameter as FSDP2 does")

@@ -1,11 +1,13 @@
 """``pipeline.stage_pricing``: a real plan's stage costs up to the exact limit, total / P beyond it; boundaries
-priced by where their ranks are; sharded data parallelism's gathers in the passes and its reductions in the step."""
+priced by where their ranks are; what sharded data parallelism's prefetched gathers expose in the passes and its
+reductions in the step."""
 from __future__ import annotations
 
 import pytest
 
-from partitioner import OpGraph, PartitionOptions, trace
-from partitioner.sdp.group import ShardingGroup
+from partitioner import OpGraph, PartitionOptions, partition, trace
+from partitioner.sdp.group import ShardingGroup, cut_options
+from pipeline.sharded_step import exposed
 from pipeline.stage_pricing import EXACT_MAX_STAGES, pipeline_costs, simulate_costs
 from smp import zoo
 
@@ -39,13 +41,17 @@ def test_boundaries_between_nodes_take_the_inter_node_link(graph: OpGraph) -> No
     assert 0 <= one_node.bubble < 1
 
 
-def test_sharding_adds_the_gathers_to_the_passes_and_the_reductions_to_the_step(graph: OpGraph) -> None:
+def test_sharding_adds_what_the_gathers_expose_to_the_passes_and_the_reductions_to_the_step(graph: OpGraph) -> None:
     plain = pipeline_costs(graph, OPTIONS, 2)
-    sharded = pipeline_costs(graph, OPTIONS, 2, sdp=ShardingGroup(2, threshold=1))
+    group = ShardingGroup(2, threshold=1)
+    sharded = pipeline_costs(graph, OPTIONS, 2, sdp=group)
     assert len(sharded.sdp) == 2 and all(r.sharded > 0 for r in sharded.sdp)
-    gathers = [r.gather_forward_s for r in sharded.sdp]
-    assert sharded.forward_s == pytest.approx([f + g for f, g in zip(plain.forward_s, gathers)])
-    assert sharded.sdp_gather_s == pytest.approx([2 * g for g in gathers])
-    assert sharded.sdp_end_s == [r.end_of_step_s for r in sharded.sdp]
+    plan = partition(graph, 2, cut_options(OPTIONS, 2))
+    fwd, bwd, end = exposed(plan, graph, group, sharded.sdp, plain.forward_s, plain.backward_s)
+    assert sharded.forward_s == pytest.approx([f + g for f, g in zip(plain.forward_s, fwd)])
+    assert sharded.sdp_gather_s == pytest.approx([f + b for f, b in zip(fwd, bwd)])
+    # prefetched: no more than the gathers' own seconds, no less than the first unit's
+    assert all(0 < g <= r.gather_forward_s + 1e-12 for g, r in zip(fwd, sharded.sdp))
+    assert sharded.sdp_end_s == pytest.approx(end)
     assert simulate_costs("1f1b", sharded, 4, 2, 8, INTER).step_s > simulate_costs("1f1b", plain, 4, 2, 8, INTER).step_s
     assert pipeline_costs(graph, OPTIONS, 2, sdp=ShardingGroup(1)).sdp == []  # degree 1: nothing sharded

@@ -39,6 +39,7 @@ from smp.cli.options import (
     positive_int,
     times_ops,
 )
+from smp.cli.sharded_dp import whole_line
 from smp.cli.target import load_target, pricing_threads
 from smp.cli.text import Progress, table
 
@@ -359,6 +360,10 @@ def _print(ns: argparse.Namespace, spec: str, costs: Any, scorer: Any, result: A
     best = result.proposals[0]
     cfg = _config_or_none(best.layout, ns.dtype, ns.sdp_threshold)
     print(f"best: {best.layout.describe()}; {_step_terms(best)}")
+    lay = best.layout
+    if lay.sdp > 1 and (whole := whole_line(scorer.costs.graph(lay.tp, lay.microbatch_size), scorer.plan(lay),
+                                            lay.sdp, scorer.pricing.sdp_threshold)):
+        print(whole)
     if cfg is not None:
         print(f"smp config: {json.dumps(cfg)}")
 

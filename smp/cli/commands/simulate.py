@@ -331,8 +331,9 @@ def _sharded(opts: Options, costs: PipelineCosts, group: Any) -> dict[str, Any]:
     print()
     if not costs.sdp:  # the model spread evenly over the stages
         print(f"sharded data parallelism: degree {opts.sdp} on {link.link}; per stage (the model's total / "
-              f"{len(costs.forward_s)}): all-gathers {format_seconds(costs.sdp_gather_s[0])} per microbatch (inside "
-              f"the stage costs), reduce-scatter and all-reduce {format_seconds(costs.sdp_end_s[0])} once per step")
+              f"{len(costs.forward_s)}): all-gathers expose {format_seconds(costs.sdp_gather_s[0])} per microbatch "
+              f"(inside the stage costs; the rest hides behind the compute), all-reduce and reduce-scatters "
+              f"{format_seconds(costs.sdp_end_s[0])} once per step")
         return {"degree": opts.sdp, "threshold": threshold, "gather_s": costs.sdp_gather_s, "end_s": costs.sdp_end_s}
     rec = sharded_dp_record(costs.sdp, threshold, link, opts.partition.budget(DeviceRates.from_dict(costs.rates)))
     print("\n".join(sdp_lines(rec, M)))

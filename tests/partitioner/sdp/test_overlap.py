@@ -1,5 +1,5 @@
-"""``partitioner.sdp.overlap``: FSDP-style overlapped collectives expose only what compute cannot hide; our runtime's
-pricing (no overlap) is unchanged by it."""
+"""``partitioner.sdp.overlap``: prefetched collectives (our runtime's and FSDP's) expose only what compute cannot hide,
+one per unit (``partitioner.sdp.units``); pricing them exposed (``Pricing(overlap=False)``) costs more."""
 from __future__ import annotations
 
 import numpy as np
@@ -9,8 +9,9 @@ from partitioner.cut.options import PartitionOptions
 from partitioner.layout.costs import layout_costs
 from partitioner.layout.layout import Layout
 from partitioner.layout.score import LayoutScorer, Pricing
-from partitioner.sdp.overlap import StageCollectives, exposed_s, fsdp_unit, overlapped, stage_collectives
+from partitioner.sdp.overlap import StageCollectives, exposed_s, overlapped, stage_collectives
 from partitioner.sdp.shards import sharded_params
+from partitioner.sdp.units import fsdp_unit, group_units
 from pipeline.stage_simulation import pipeline_simulator
 from smp import zoo
 
@@ -36,6 +37,15 @@ def test_fsdp_units_are_the_blocks_of_a_layer_list_and_the_root() -> None:
     assert fsdp_unit("lm_head.weight") == "" and fsdp_unit("model.norm.weight") == ""
 
 
+def test_units_are_blocks_and_runs_outside_them_cut_at_a_blocks_bytes() -> None:
+    names = ["wte", "wpe", "h.0.a", "h.0.b", "h.1.a", "h.1.b", "ln_f.weight", "ln_f.bias", "head"]
+    nbytes = [8.0, 1.0, 2.0, 2.0, 2.0, 2.0, 1.0, 1.0, 3.0]
+    # the embedding alone reaches a block's 4 bytes: the position embedding starts a unit of its own
+    assert group_units(names, nbytes) == [[0], [1], [2, 3], [4, 5], [6, 7, 8]]
+    assert group_units(names[:2], nbytes[:2]) == [[0, 1]]  # no block: one unit
+    assert group_units(names[2:6], nbytes[2:6], keys=["a", "b", "b", "b"]) == [[0], [1], [2, 3]]  # dtype, mesh
+
+
 def test_overlapped_passes_and_the_reduce_scatter_tail() -> None:
     c = StageCollectives(gathers_s=(1.0, 2.0, 3.0), scatters_s=(0.5, 1.0, 1.0))
     fwd, bwd, tail = overlapped([c, StageCollectives((), ())], [10.0, 1.0], [1.0, 1.0])
@@ -55,6 +65,6 @@ def test_overlap_prices_no_more_than_our_runtime_and_no_less_than_compute(costs)
     plan, graph = fsdp.plan(layout), costs.graph(1, 2)
     units = stage_collectives(plan, graph, 4, 1000, fsdp.inter)
     sharded = [n for n, on in zip(graph.param_names, sharded_params(graph, plan.stage_of_ops(graph), 1, 4, 1000)) if on]
-    blocks = {fsdp_unit(n) for n in sharded}
-    assert len(units) == 1 and len(units[0].gathers_s) == len(blocks) < len(sharded)  # per unit, not per parameter
+    blocks = {fsdp_unit(n) for n in sharded} - {""}
+    assert len(units) == 1 and len(blocks) < len(units[0].gathers_s) < len(sharded)  # per unit, not per parameter
     assert np.isclose(sum(units[0].gathers_s), sum(units[0].scatters_s))  # bf16 weights and gradients alike

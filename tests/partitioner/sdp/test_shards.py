@@ -11,6 +11,7 @@ from torch import nn
 import partitioner
 from partitioner import DeviceRates, stage_memory
 from partitioner.sdp.shards import PERSISTENCE_THRESHOLD, sharded_dp
+from partitioner.sdp.units import fsdp_unit
 from smp import zoo
 
 LINK = DeviceRates(link_bytes_per_s=1e9, link_latency_s=1e-6)
@@ -40,20 +41,36 @@ def test_parameters_over_the_threshold_are_divided_by_d(gpt2, dtype, weight, sta
         assert r.sharded == len(shard) > 0 and r.params == len(held)  # a block's 4 matmuls
         assert r.weights_bytes == r.gradient_bytes == pytest.approx(weight * whole, abs=1)
         assert r.optimizer_bytes + r.master_bytes == pytest.approx(state * whole, abs=2)  # Adam's moments (+ fp32)
-        assert r.gradient_peak_bytes == weight * sum(numel[n] for n in held)  # whole during the step
-        assert r.gathered_bytes == weight * max(numel[n] for n in shard)  # GPT-2 reads each weight once
+        units = _units(shard, numel)
+        # whole during the step, one unit laid out again for its reduce-scatter, and the reduced shards
+        assert r.gradient_peak_bytes == pytest.approx(weight * (sum(numel[n] for n in held) + max(units)
+                                                                + sum(units) / 2), abs=1)
+        # GPT-2 reads each weight once: one unit whole beside its own all-gather buffers or a neighbour's
+        near = [max(units[max(i - 1, 0):i + 2]) for i in range(len(units))]
+        assert r.gathered_bytes == pytest.approx(weight * max(u + 1.5 * b for u, b in zip(units, near)), abs=1)
         assert r.peak_bytes == (r.weights_bytes + r.gradient_peak_bytes + r.optimizer_bytes + r.master_bytes
                                 + r.gathered_bytes + r.activation_bytes)
 
 
-def test_one_microbatch_holds_the_shards_and_one_whole_gradient_during_the_step(gpt2) -> None:
+def _units(shard: set[str], numel: dict[str, int]) -> list[int]:
+    """Elements of each unit of the sharded parameters ``shard`` (a GPT-2 block each; the position embedding alone),
+    in the order GPT-2 reads them."""
+    sizes: dict[str, int] = {}
+    for n in sorted(shard, key=lambda n: (fsdp_unit(n) != "", int(fsdp_unit(n).split(".")[-1] or 0))):
+        sizes[fsdp_unit(n)] = sizes.get(fsdp_unit(n), 0) + numel[n]
+    return list(sizes.values())
+
+
+def test_one_microbatch_holds_the_shards_and_the_reduce_scatters_in_flight(gpt2) -> None:
     model, graph = gpt2
     numel = {n: p.numel() for n, p in model.named_parameters()}
     plan = partitioner.partition(graph, 2, rates=LINK, microbatches=1)
     for r in sharded_dp(plan, graph, 2, threshold=10_000):  # each gradient reduced in the one backward as it comes
         held = plan.stage_tensors([r.rank], graph) & set(numel)
         shard = {n for n in held if numel[n] >= 10_000 and n not in plan.shared_params}
-        expected = sum(numel[n] for n in held - shard) + sum(numel[n] for n in shard) / 2 + max(numel[n] for n in shard)
+        units = _units(shard, numel)  # the unit launched, whole and laid out, and the one in flight after it
+        launched = max(2 * u + (units[i + 1] if i + 1 < len(units) else 0) for i, u in enumerate(units))
+        expected = sum(numel[n] for n in held - shard) + sum(numel[n] for n in shard) / 2 + launched
         assert r.gradient_peak_bytes == pytest.approx(4 * expected, abs=1)
 
 
@@ -88,12 +105,13 @@ class Reuse(nn.Module):
         return (x @ self.a) @ self.c
 
 
-def test_gathered_bytes_are_the_largest_window_of_first_to_last_reads() -> None:
+def test_gathered_bytes_are_a_unit_whole_from_its_first_read_with_its_buffers() -> None:
     graph = partitioner.trace(Reuse(), (torch.randn(4, 32),))
     plan = _plan(graph, 1)
     (r,) = sharded_dp(plan, graph, 2, threshold=1)
-    assert r.gathered_bytes == 4 * (32 * 32 + 32 * 32)  # a's window holds b; c (32 x 48) comes after a's last read
-    assert set(r.gathered) == {"a", "b"}
+    # no block: one unit, gathered whole at its first read beside its all-gather's output and input
+    assert r.gathered_bytes == 4 * (32 * 32 * 2 + 32 * 48) * (1 + 1 + 1 / 2)
+    assert set(r.gathered) == {"a", "b", "c"}
     assert r.weights_bytes == 4 * (32 * 32 * 2 + 32 * 48) / 2
     (whole,) = sharded_dp(plan, graph, 2, threshold=32 * 48 + 1)  # only c is big enough: none is
     assert whole.gathered_bytes == 0 and whole.weights_bytes == 4 * (32 * 32 * 2 + 32 * 48)
@@ -127,7 +145,8 @@ def test_collectives_are_ring_all_gathers_reduce_scatters_and_all_reduces() -> N
     assert r.sharded == 1 and PERSISTENCE_THRESHOLD == 1_000_000  # "fewer than" the threshold stays whole
     assert r.gather_forward_s == r.gather_backward_s == r.reduce_scatter_s == pytest.approx(ring)
     assert r.all_gather_s == pytest.approx(4 * 2 * ring) and r.end_of_step_s == pytest.approx(ring)
-    assert r.gathered_bytes == S and r.weights_bytes == S / 4 and r.gradient_peak_bytes == S
+    assert r.gathered_bytes == S * (1 + 1 + 1 / 4) and r.weights_bytes == S / 4  # whole, and its all-gather's buffers
+    assert r.gradient_peak_bytes == S * (1 + 1 + 1 / 4)  # whole, laid out for the reduce-scatter, and the shard
     (hybrid,) = sharded_dp(plan, graph, 4, replicas=8, link=LINK)  # then each shard over the 2 groups
     assert hybrid.all_reduce_s == pytest.approx(2 * 1 / 2 * (S / 4) / 1e9 + 2 * 1e-6)
     (whole,) = sharded_dp(plan, graph, 4, threshold=1_000_001, link=LINK)  # replicated: all-reduced over 4,
