@@ -107,8 +107,9 @@ def test_the_plans_leave_the_memory_headroom_free_and_say_so(tmp_path: Path, cap
 
 def test_on_this_cpu_no_mfu_and_no_negative_zero(tmp_path: Path, capsys) -> None:
     out = tmp_path / "plan.json"
-    assert main(["plan", "zoo:gpt2", "--devices", "2", "--global-batch", "8", "--dp", "1", "--estimate",
-                 "--json", str(out), "-q"]) == 0
+    # --tp 1: which of pp2 and tp2 wins depends on this machine's calibrated rates, not on what is tested here.
+    assert main(["plan", "zoo:gpt2", "--devices", "2", "--global-batch", "8", "--dp", "1", "--tp", "1",
+                 "--estimate", "--json", str(out), "-q"]) == 0
     printed = capsys.readouterr().out
     assert "MFU" not in printed and "-0.0" not in printed  # the cpu profile's rate is measured here: not a peak
     assert all(r["mfu"] is None and r["dp_comm_s"] == 0.0 for r in json.loads(out.read_text())["layouts"])
