@@ -7,18 +7,7 @@ step allocates its large tensors afresh: a GPT-2 with its 50,257-token vocabular
 microbatch, and its last pipeline stage took half a million page faults per step, about a fifth of the
 step (``benchmarks/end_to_end.py``; on this 2-core host the step went from 4.49 s to 3.52 s with it). PyTorch
 reads the variable once, at its first allocation, so it must be in the environment the process starts
-with.
-
-``MALLOC_MMAP_THRESHOLD_`` and ``MALLOC_TRIM_THRESHOLD_`` (glibc's, read at start-up): a freed large tensor's
-pages stay with the process for the next one, as the CUDA caching allocator keeps its blocks. glibc otherwise
-maps every block over its mmap threshold (at most 32 MiB, and GPT-2's logits are 51 MB) afresh and unmaps it
-when freed, and returns the top of its heap to the system past the trim threshold: every microbatch's large
-tensors were new pages, zeroed by the kernel and faulted in. On GPT-2's last pipeline stage that was 12,000-22,000
-page faults and 0.4 s of system time per 3-4 s step; with them kept, a few faults and 0.03 s
-(``benchmarks/end_to_end.py``'s model, 2 ranks, 8 microbatches). The price: the process's resident memory stays
-at its peak instead of shrinking after it (the tensors' memory per step does not change).
-
-A value the user set is kept. GPU memory is not affected.
+with. A value the user set is kept. GPU memory is not affected.
 
 A world of one that ``smp.init`` makes without torchrun, and :func:`smp.testing.run_ranks`, listen on a
 :func:`free_port` of localhost.
@@ -32,9 +21,7 @@ from typing import Iterator
 
 __all__ = ["RANK_ENV", "CONSOLE_RANK_ENV", "TRACEBACK_LOG", "rank_environment", "added_environment", "free_port"]
 
-# Blocks under 4 GiB from the heap, and the heap never trimmed: freed memory is reused, not faulted in again.
-RANK_ENV = {"THP_MEM_ALLOC_ENABLE": "1", "MALLOC_MMAP_THRESHOLD_": str(4 * 2**30),
-            "MALLOC_TRIM_THRESHOLD_": str(2**62)}
+RANK_ENV = {"THP_MEM_ALLOC_ENABLE": "1"}
 # Set by `smp launch`: the local rank whose stderr is the console (the others' goes to their log files), where
 # smp.cli.worker writes a failure's traceback to TRACEBACK_LOG in the rank's log folder, not to the console, because
 # the launch reports the cause itself and names that file.

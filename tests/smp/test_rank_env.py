@@ -33,23 +33,3 @@ def test_a_value_the_user_set_is_kept(monkeypatch):
     got = run_ranks(_faults_touching_64_mib, 2)
     assert [env for env, _ in got] == ["0", "0"]
     assert all(faults >= 16 * 2**20 * 4 // 4096 // 2 for _, faults in got), got
-
-
-def _faults_touching_64_mib_twice(rank: int, world: int) -> tuple[int, int]:
-    import resource
-
-    import torch
-
-    def faults() -> int:
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        torch.ones(16 * 2**20)  # 64 MiB, written once, then freed
-        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-
-    return faults(), faults()
-
-
-def test_a_freed_large_tensor_s_pages_serve_the_next_one():
-    # A microbatch's logits (51 MB on GPT-2) allocated again every microbatch: glibc's default unmaps a block that
-    # large when it is freed, and the next one is faulted in (and zeroed by the kernel) afresh.
-    got = run_ranks(_faults_touching_64_mib_twice, 2)
-    assert all(first > 16 and again < 16 for first, again in got), got
