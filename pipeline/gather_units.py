@@ -36,6 +36,10 @@ from partitioner.sdp.units import group_units
 
 __all__ = ["Unit", "Gathering", "Reducing", "units_of"]
 
+# Newer torch names them *_single (the old names warn); the oldest accepted, 2.9, has only the old names.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 @dataclass(frozen=True)
 class _Slot:
@@ -130,7 +134,7 @@ class Unit:
         for slot, p in zip(self.slots, self.params):
             flat[slot.offset:slot.offset + slot.local_rows * slot.row_numel].copy_(p.to_local().reshape(-1))
         out = torch.empty(self.ranks * self.numel, dtype=self.dtype, device=self.device)
-        return Gathering(out, flat, dist.all_gather_single(out, flat, group=self.group, async_op=True))
+        return Gathering(out, flat, _all_gather(out, flat, group=self.group, async_op=True))
 
     def finish_gather(self, g: Gathering) -> list[torch.Tensor]:
         """Wait for ``g`` and return each parameter whole, a tensor of its own."""
@@ -155,7 +159,7 @@ class Unit:
                 blocks[full, rem:].zero_()
                 blocks[full + 1:].zero_()
         out = torch.empty(self.numel, dtype=self.dtype, device=self.device)
-        work = dist.reduce_scatter_single(out, inp.view(-1), op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        work = _reduce_scatter(out, inp.view(-1), op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         return Reducing(self, inp, out, work)
 
     def finish_reduce(self, r: Reducing) -> None:
