@@ -4,7 +4,21 @@ from __future__ import annotations
 import os
 from typing import Any
 
-__all__ = ["load_average", "pin", "llama_on_meta"]
+import torch
+
+__all__ = ["load_average", "pin", "llama_on_meta", "LossOnly"]
+
+
+class LossOnly(torch.nn.Module):
+    """A Hugging Face causal LM that returns only its loss (its logits are not an output, so a tp rank never
+    gathers them)."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=ids, labels=labels, use_cache=False).loss
 
 
 def llama_on_meta(dims: tuple[int, int, int, int, int, int], seq: int) -> tuple[Any, tuple]:

@@ -42,7 +42,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import load_average, pin  # noqa: E402
+from benchmarks.common import LossOnly, load_average, pin  # noqa: E402
 from smp.testing import run_ranks  # noqa: E402
 
 CONFIGS = {  # name -> (ranks, pipeline degree, overlap)
@@ -53,16 +53,6 @@ CONFIGS = {  # name -> (ranks, pipeline degree, overlap)
     "pp2 x dp2 blocking": (4, 2, False),
 }
 
-
-class LossOnly(torch.nn.Module):
-    """A Hugging Face causal LM that returns only its loss."""
-
-    def __init__(self, model: torch.nn.Module):
-        super().__init__()
-        self.model = model
-
-    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=ids, labels=labels, use_cache=False).loss
 
 
 def build(cfg: dict) -> tuple[torch.nn.Module, torch.Tensor]:

@@ -59,23 +59,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import load_average, pin  # noqa: E402
+from benchmarks.common import LossOnly, load_average, pin  # noqa: E402
 from smp.testing import run_ranks  # noqa: E402
 
 LAYOUTS = ("pp2", "tp2", "dp2")
 MiB = 2 ** 20
 
-
-class LossOnly(torch.nn.Module):
-    """A Hugging Face causal LM that returns only its loss (its logits are not an output, so a tp rank never
-    gathers them)."""
-
-    def __init__(self, model: torch.nn.Module):
-        super().__init__()
-        self.model = model
-
-    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=ids, labels=labels, use_cache=False).loss
 
 
 def build(cfg: dict) -> tuple[torch.nn.Module, torch.Tensor]:
