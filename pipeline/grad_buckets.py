@@ -47,12 +47,14 @@ _MB = 1024 * 1024
 @dataclass(frozen=True)
 class ReduceGroup:
     """Parameters whose gradients are averaged over one process group: ``kind`` names the group in errors
-    ("data-parallel"), ``peers`` are its other global ranks, ``params`` its parameters by name."""
+    ("data-parallel"), ``peers`` are its other global ranks, ``params`` its parameters by name, ``divisor`` what the
+    sum is divided by when it is not the group's size (an expert's gradient already sums its ep group's tokens)."""
 
     kind: str
     group: Any
     peers: list[int]
     params: list[tuple[str, torch.nn.Parameter]]
+    divisor: int = 0  # what the sums are divided by (0: the group's size); experts' sums cover more replicas
 
 
 class ReduceCount(NamedTuple):
@@ -147,7 +149,7 @@ class GradBuckets:
                 with self._named(c, "averaging gradients over the {kind} replicas"):
                     b.work.wait(datetime.timedelta(seconds=self.timeout_s))
                 assert b.flat is not None
-                b.flat /= len(c.group.peers) + 1
+                b.flat /= c.group.divisor or len(c.group.peers) + 1
                 for g, avg in zip(b.grads, _unflatten_dense_tensors(b.flat, b.grads)):
                     g.copy_(avg)
             self.last = ReduceCount(len(every), sum(b.flat.numel() * b.flat.element_size()

@@ -20,7 +20,6 @@ import torch.distributed as dist
 from partitioner import PartitionOptions, PartitionPlan, trace
 from partitioner.cut.plan import PlanMismatchError
 from partitioner.cut.portfolio import fixed_plan
-from partitioner.tp.shard_program import tensor_parallel_graph
 from pipeline import PipelineRunner
 from pipeline.grad_buckets import DEFAULT_BUCKET_CAP_MB
 from smp.checkpoint.commit import CheckpointError
@@ -31,8 +30,8 @@ from smp.engine import mixed_precision as precision
 from smp.engine import step_run
 from smp.engine.grad_averaging import GradAveraging
 from smp.engine.materialize import tensor_ids
-from smp.engine.planning import bind_to, own_tensors, plan_ranks, shared_plan, smp_runner
-from smp.engine.tp_shards import shard_specs
+from smp.engine.planning import bind_to, own_tensors, plan_ranks, rank_graph, shared_plan, smp_runner
+from smp.engine.tp_shards import expert_specs, shard_specs
 from smp.engine.weights import load_local, weight_cuts
 from smp.model_hooks import ModelHooks
 from smp.module_view import module_view
@@ -136,7 +135,7 @@ class DistributedModel(ModelHooks, torch.nn.Module):
                                PartitionOptions.of(options, measure=self.trace_execution_times),
                                st.world_group, cfg.timeout_s, tp=(st.topology.tp, st.topology.tp_rank(st.rank)),
                                shardable=self.shardable, step=True, ranks=pp,
-                               sequence_parallel=cfg.sequence_parallel)
+                               sequence_parallel=cfg.sequence_parallel, ep=st.ep_coordinates())
         else:
             graph = self._trace(call)
             plan = fixed_plan(graph, pp, manual_stages(self.module, graph), options)
@@ -146,8 +145,8 @@ class DistributedModel(ModelHooks, torch.nn.Module):
     def _trace(self, call: step_run.MicrobatchCall) -> Any:
         """The model traced on ``call``, as this rank's tp rank runs it (:mod:`partitioner.tp.sharding`)."""
         st = state.get()
-        return tensor_parallel_graph(trace(self.module, call.args, call.kwargs), st.topology.tp,
-                                     st.topology.tp_rank(st.rank), self.shardable, st.config.sequence_parallel)
+        return rank_graph(trace(self.module, call.args, call.kwargs), (st.topology.tp, st.topology.tp_rank(st.rank)),
+                          self.shardable, st.config.sequence_parallel, st.ep_coordinates())
 
     def _saved_plan(self, call: step_run.MicrobatchCall, pp: int) -> PartitionPlan | None:
         """The partition of a loaded checkpoint: required for partial state (its tensors are cut that way), a
@@ -179,6 +178,11 @@ class DistributedModel(ModelHooks, torch.nn.Module):
             return tensor_ids(self.module)
         st = state.get()
         return tensor_ids(self.module, own_tensors(self._pipeline().plan, st.topology.pp_rank(st.rank), st.topology.pp))
+
+    def expert_shards(self) -> dict[str, tuple[int, int, int]]:
+        """Under expert parallelism, each stacked expert weight this rank holds a slice of -> the experts it holds
+        ``(start, stop, whole)``; empty without it (or before partitioning)."""
+        return expert_specs(self._pipeline().plan.traced_graph()) if self.partitioned else {}
 
     def local_named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
         """(name, parameter) pairs of the parameters this rank's stages own."""
@@ -248,6 +252,7 @@ class DistributedModel(ModelHooks, torch.nn.Module):
         if not self.partitioned:
             return self.module.state_dict(*args, **kwargs)
         st = state.get()
+        _no_full_state_under_experts(st, "state_dict()")
         pg = st.enter("model-parallel", "model.state_dict()")  # collective: every rank of the replica calls it
         layout = self.tensor_parallel_layout()
         parts: list[Any] = [None] * st.topology.mp
@@ -291,6 +296,7 @@ class DistributedModel(ModelHooks, torch.nn.Module):
         sd, partial = unmarked(state_dict, translate_function, st.translate_functions)
         plan, saved_tp, saved_sdp = (sd.pop(k, None) for k in (PLAN_KEY, TP_KEY, SDP_KEY))
         if not partial or plan is None:  # full, or partial but saved before partitioning: the whole model
+            _no_full_state_under_experts(st, "load_state_dict() of a full state dict")
             if self.partitioned:
                 return self._load_held(sd, strict, part=False, whole=True)
             if st.topology.tp == 1 and not any(p.is_meta for p in self.module.parameters()):  # delayed init: later
@@ -373,3 +379,11 @@ class DistributedModel(ModelHooks, torch.nn.Module):
         if not self.partitioned and self._resume_plan is None:
             self._resume_plan = (plan_json, False)
 
+
+def _no_full_state_under_experts(st: Any, what: str) -> None:
+    """Full state dicts gather over the pipeline only, and an ep rank's experts are a slice: refuse rather than
+    save or load a dict whose expert weights are one rank's."""
+    if st.ep_ranks:
+        raise CheckpointError(f"{what} under expert_parallel_degree={len(st.ep_ranks)}: full state dicts of "
+                              "experts split over data-parallel ranks are not supported yet; save and load partial "
+                              "ones (model.local_state_dict(), smp.save(..., partial=True)) under the same layout")

@@ -43,6 +43,7 @@ __all__ = ["Saved", "saved_bytes", "SAVES", "SAVES_NOTHING"]
 SAVES: dict[str, tuple[str, ...]] = {
     **{k: ("self if mat2", "mat2 if self") for k in ("mm", "bmm")},
     "addmm": ("mat1 if mat2", "mat2 if mat1"),
+    "_grouped_mm": ("self if mat2", "mat2 if self"), "grouped_mm_fallback": ("input", "weight"),
     **{k: ("batch1 if batch2", "batch2 if batch1") for k in ("baddbmm", "addbmm")},
     "linear": ("input if weight", "weight if input"),
     "mul": ("self if other", "other if self"),
@@ -64,8 +65,7 @@ SAVES: dict[str, tuple[str, ...]] = {
     **{k: ("input", "weight", "out1", "out2") for k in ("native_batch_norm", "_native_batch_norm_legit",
                                                         "_native_batch_norm_legit_no_training")},
     "native_dropout": ("out1",),
-    "embedding": ("indices if weight",),
-    "vocab_embedding": ("ids if weight",),
+    "embedding": ("indices if weight",), "vocab_embedding": ("ids if weight",),
     "index": ("indices if self",),
     **{k: ("index if self",) for k in ("index_select", "gather", "scatter", "scatter_add")},
     "where": ("condition",),
@@ -220,6 +220,8 @@ class _Walker:
             at = 1 if name == "wrap_with_set_grad_enabled" else 4
             body = args[0][at]
             return self.region(body, node, args[0][at + 1:], grad_on and enabled, owner)
+        if (at := getattr(target, "smp_region", None)) is not None:  # an axis's op standing for a region (ep)
+            return self.region(args[0][at], node, args[0][at + 1:], grad_on, owner)
         if name in _DROPOUTS and not (_nth(_bind(target, *args), 1) and _nth(_bind(target, *args), 2)):
             return args[0][0]  # dropout that is off returns its input itself (the fake kernel copies it)
         inputs = [v for v in _flat(args) if isinstance(v, _Value)]

@@ -16,9 +16,12 @@ from typing import Any
 import torch
 import torch.fx
 
-__all__ = ["op_flops_and_bytes", "is_matmul_class", "tensor_bytes", "float_bytes", "op_name", "VIEW_OPS", "NORM_OPS",
-           "TP_EQUIVALENT"]
+__all__ = ["op_flops_and_bytes", "REGION_COST", "is_matmul_class", "tensor_bytes", "float_bytes", "op_name",
+           "VIEW_OPS", "NORM_OPS", "TP_EQUIVALENT"]
 
+# node.meta key: the (FLOPs, bytes, float bytes) of an op that stands for a region of ops (a parallel axis's, such
+# as an expert layer run where its experts live), recorded by the axis that wrote it
+REGION_COST = "smp_region_cost"
 # Ops that return a view (or nothing at all) and cost no memory traffic of their own.
 VIEW_OPS = frozenset({
     "view", "_unsafe_view", "reshape", "transpose", "permute", "t", "expand", "unsqueeze", "squeeze",
@@ -34,7 +37,8 @@ NORM_OPS = frozenset({"layer_norm", "native_layer_norm", "batch_norm", "native_b
 LOSS_OPS = frozenset({"cross_entropy_loss", "nll_loss", "nll_loss_nd", "nll_loss2d", "mse_loss", "l1_loss",
                       "smooth_l1_loss", "huber_loss", "binary_cross_entropy", "binary_cross_entropy_with_logits",
                       "kl_div"})
-_MATMULS = frozenset({"addmm", "mm", "bmm", "baddbmm", "matmul", "linear"})
+_MATMULS = frozenset({"addmm", "mm", "bmm", "baddbmm", "matmul", "linear",
+                      "_grouped_mm", "grouped_mm", "grouped_mm_fallback"})  # a grouped matmul: each row by one matrix
 _CONVS = frozenset({"conv1d", "conv2d", "conv3d", "convolution", "_convolution", "conv_transpose1d",
                     "conv_transpose2d", "conv_transpose3d"})
 # The ops of a tensor-parallel rank's graph (partitioner.tp.collectives) cost what the ATen op they replace costs on
@@ -90,6 +94,8 @@ def _is_attention(name: str) -> bool:
 def op_flops_and_bytes(node: torch.fx.Node) -> tuple[float, int, int]:
     """Forward FLOPs, bytes moved and the floating-point part of those bytes, from the traced shapes (a free
     view: none)."""
+    if REGION_COST in node.meta:
+        return node.meta[REGION_COST]
     name = TP_EQUIVALENT.get(op_name(node), op_name(node))
     if name in VIEW_OPS:
         return 0.0, 0, 0

@@ -38,6 +38,8 @@ class TracedProgram:
     loss: tuple[Any, Any] | None = None    # (loss_fn, one microbatch's target) priced on the output op, if traced
     tp_comm: Any = None                    # a tensor-parallel rank's program: its TPComm (partitioner.tp.shard_program)
     sharding: Any = None                   # ... and the Sharding it was written from (partitioner.tp.sharding)
+    ep_comm: Any = None                    # an expert-parallel rank's program: its EPComm (partitioner.ep.dispatch)
+    experts: Any = None                    # ... and what it shards (partitioner.ep.expert_program.ExpertSharding)
     # A parallel axis's collectives that join the op whose result they carry (tp: no cut between a row-parallel
     # matmul and its all-reduce), set by the axis that rewrote the program, so capture needs no axis.
     folded: frozenset = frozenset()

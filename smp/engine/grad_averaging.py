@@ -4,7 +4,8 @@ SMP v1 averaged them as torch's DDP does, in buckets all-reduced while the backw
 ``bucket_cap_mb``: its ``smp.DistributedModel`` arguments, and the config key); so does this engine, with
 :class:`pipeline.grad_buckets.GradBuckets` (DDP's Reducer; Li et al. 2020, "PyTorch Distributed: Experiences on
 Accelerating Data Parallel Training", VLDB, arXiv:2006.15704). Whole parameters average over the "data-parallel"
-group, a tensor-parallel rank's shards over the "reduced-data-parallel" group (the replicas of that shard); sharded
+group, a tensor-parallel rank's shards over the "reduced-data-parallel" group (the replicas of that shard), an
+expert-parallel rank's experts over the ranks holding the same experts, divided by every replica; sharded
 data parallelism's DTensor shards are reduce-scattered by :mod:`pipeline.param_gather` instead. With
 ``overlapping_allreduce`` False every group's gradients go in one all-reduce per dtype after the backward.
 """
@@ -75,10 +76,16 @@ class GradAveraging:
                  shards: set[int]) -> GradBuckets:
         """The buckets of ``params`` but DTensor shards: a tensor-parallel rank's ``shards`` over the replicas of the
         shard, whole parameters over every replica of the stage."""
+        sharding = runner.plan.traced_graph().fx.experts  # expert parallelism's ExpertSharding, or None
+        experts = set(sharding.params) if sharding is not None else set()
         whole = [(n, p) for n, p in params if not is_sharded(p)]
         groups = [ReduceGroup(kind, st.group(kind), [r for r in st.ranks(kind) if r != st.rank],
-                              [(n, p) for n, p in whole if (id(p) in shards) == (kind == "reduced-data-parallel")])
+                              [(n, p) for n, p in whole if n not in experts
+                               and (id(p) in shards) == (kind == "reduced-data-parallel")])
                   for kind in self._kinds(st)]
+        if experts:  # an ep rank's experts: their gradients sum its ep group's tokens, then the other ep groups'
+            groups.append(ReduceGroup("expert-data-parallel", st.edp_group, [r for r in st.edp_ranks if r != st.rank],
+                                      [(n, p) for n, p in whole if n in experts], divisor=st.topology.dp))
         overlap = self.overlap and st.config.overlapping_allreduce
         return GradBuckets(groups, runner.local_stages, _summed_across_ranks(runner), st.rank, st.config.timeout_s,
                            self.bucket_cap_mb, overlap)

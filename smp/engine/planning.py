@@ -24,6 +24,7 @@ from partitioner import PartitionOptions, PartitionPlan, partition, trace
 from partitioner.capture.graph import OpGraph
 from partitioner.capture.split_points import RANKS_KEY, stages_note, stages_on_ranks
 from partitioner.capture.tracing import price_loss
+from partitioner.ep.expert_program import expert_parallel_graph
 from partitioner.sdp.shards import warn_if_nothing_sharded
 from partitioner.tp.shard_program import tensor_parallel_graph
 from pipeline import PipelineRunner
@@ -39,15 +40,24 @@ from smp.engine.tp_shards import install_shards, shard_owners, shard_specs
 from smp.engine.weights import load_local, weight_cuts
 from smp.runtime.state import State
 
-__all__ = ["shared_plan", "pipeline_runner", "smp_runner", "own_tensors", "stages_per_rank", "on_ranks", "plan_ranks",
-           "bind_to"]
+__all__ = ["rank_graph", "shared_plan", "pipeline_runner", "smp_runner", "own_tensors", "stages_per_rank", "on_ranks",
+           "plan_ranks", "bind_to"]
+
+
+def rank_graph(graph: OpGraph, tp: tuple[int, int] = (1, 0), shardable: Collection[str] | None = None,
+               sequence_parallel: bool = False, ep: tuple[int, int] = (1, 0)) -> OpGraph:
+    """The traced ``graph`` as this rank runs it: sharded for its tp rank (``tp``: degree, rank; ``shardable``,
+    ``sequence_parallel``: :func:`partitioner.tensor_parallel_graph`), then its experts for its ep rank (``ep``:
+    degree, rank; :func:`partitioner.ep.expert_program.expert_parallel_graph`)."""
+    return expert_parallel_graph(tensor_parallel_graph(graph, *tp, shardable, sequence_parallel), *ep)
 
 
 def shared_plan(model: torch.nn.Module, args: tuple, kwargs: dict, num_stages: int,
                 options: PartitionOptions | None = None, group: Any = None,
                 timeout_s: float | None = None, loss: tuple[Any, Any] | None = None,
                 tp: tuple[int, int] = (1, 0), shardable: Collection[str] | None = None,
-                step: bool = False, ranks: int | None = None, sequence_parallel: bool = False) -> PartitionPlan:
+                step: bool = False, ranks: int | None = None, sequence_parallel: bool = False,
+                ep: tuple[int, int] = (1, 0)) -> PartitionPlan:
     """Every rank traces ``model`` on one microbatch; global rank 0 partitions and sends the plan to all, over
     ``group`` (every rank; default: the default group), whose timeout bounds the other ranks' wait
     (``timeout_s`` names it in the error: raise it when partitioning takes longer). ``loss``: ``(loss_fn, one
@@ -55,13 +65,13 @@ def shared_plan(model: torch.nn.Module, args: tuple, kwargs: dict, num_stages: i
     (tensor-parallel degree, this rank's tp rank): every rank binds the plan to its own tp rank's graph (global
     rank 0, tp rank 0, partitions its own); ``shardable``: the parameters tensor parallelism may split (None: all);
     ``sequence_parallel``: the regions between tp regions run on a slice of the sequence
-    (:mod:`partitioner.tp.sequence`).
+    (:mod:`partitioner.tp.sequence`); ``ep``: (expert-parallel degree, this rank's ep rank), likewise.
     ``step``: the model runs in an ``@smp.step`` function, whose loss the plan prices (:mod:`smp.engine.step_loss`).
     ``ranks``: the pipeline's ranks, when a model with ``pipe_split()`` markers is to be cut into the markers' stages
     instead of ``num_stages`` (a multiple of ``ranks``, else an error on every rank: :func:`stages_on_ranks`)."""
     loss_fn, target = loss if loss is not None else (None, None)
-    graph = tensor_parallel_graph(trace(model, args, kwargs, loss_fn=loss_fn, target=target), *tp, shardable,
-                                  sequence_parallel)
+    graph = rank_graph(trace(model, args, kwargs, loss_fn=loss_fn, target=target), tp, shardable, sequence_parallel,
+                       ep)
     if ranks is not None:
         num_stages = stages_on_ranks(graph, ranks) or num_stages
     outside = step_loss(graph) if step and loss is None else None
@@ -211,7 +221,7 @@ def smp_runner(st: State, model: PipelineModel, plan: PartitionPlan, checkpoint_
         gather = GatheredParams()
     else:
         keep_own_share(model.module, local, st.device, initialise, shard_of=shard_of)
-    return PipelineRunner(plan, schedule=schedule, microbatches=cfg.microbatches, virtual_stages=v,
+    runner = PipelineRunner(plan, schedule=schedule, microbatches=cfg.microbatches, virtual_stages=v,
                           max_in_flight=cfg.active_microbatches if schedule == "1f1b" else None,
                           pipelines=st.topology.pipelines(), device=st.device, timeout_s=cfg.timeout_s,
                           checkpoint_modules=checkpoint_modules, autocast=model.traced_autocast,
@@ -219,3 +229,6 @@ def smp_runner(st: State, model: PipelineModel, plan: PartitionPlan, checkpoint_
                           model=model.module, shape_cache_size=cfg.shape_cache_size,
                           tensorboard=cfg.tensorboard, offload_activations=cfg.offload_activations,
                           activation_loading_horizon=cfg.activation_loading_horizon, gather=gather)
+    if runner.split_model.program.ep_comm is not None:  # the experts' all-to-alls run on this rank's ep group
+        runner.split_model.program.ep_comm.bind(st.ep_group)
+    return runner

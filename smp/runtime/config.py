@@ -72,6 +72,7 @@ class Config:
     timeout_s: float = DEFAULT_TIMEOUT_S  # per wait/collective; from SMP_TIMEOUT_S when the config has none
     prescaled_batch: bool = False     # with tp > 1: a tp group reads one batch (True) or one each (smp.engine.tp_batch)
     sequence_parallel: bool = False   # ours: with tp > 1, Megatron's sequence parallelism (partitioner.tp.sequence)
+    expert_parallel_degree: int = 1   # ours: experts sharded over as many data-parallel ranks (partitioner.ep)
     activation_loading_horizon: int = DEFAULT_HORIZON  # offloaded activations load this many backwards ahead
     overlapping_allreduce: bool = True  # replicas average in buckets during the backward (smp.engine.grad_averaging)
     # SMP v1 keys accepted for compatibility; they have no effect here (see _NO_EFFECT).
@@ -293,6 +294,13 @@ def _validate(c: Config) -> None:
     _check(isinstance(c.timeout_s, (int, float)) and not isinstance(c.timeout_s, bool) and 0 < c.timeout_s < 1e9,
            "timeout_s", c.timeout_s, "a positive number of seconds: how long any one wait or collective of smp "
            "may take before the job stops with an error")
+    _check(_is_int(c.expert_parallel_degree) and c.expert_parallel_degree >= 1, "expert_parallel_degree",
+           c.expert_parallel_degree, "a positive integer")
+    _check(c.expert_parallel_degree == 1 or c.ddp is True, "expert_parallel_degree", c.expert_parallel_degree,
+           "a degree above 1 shards the experts over data-parallel ranks and needs 'ddp': True")
+    _check(c.expert_parallel_degree == 1 or (c.tensor_parallel_degree == 1 and c.sharded_data_parallel_degree == 1),
+           "expert_parallel_degree", c.expert_parallel_degree, "1 with tensor_parallel_degree or "
+           "sharded_data_parallel_degree above 1 (experts are sharded over plain data-parallel ranks for now)")
     _check(_is_int(c.tensor_parallel_degree) and c.tensor_parallel_degree >= 1, "tensor_parallel_degree",
            c.tensor_parallel_degree, "a positive integer")
     _check(c.tensor_parallel_degree == 1 or c.ddp is True, "tensor_parallel_degree", c.tensor_parallel_degree,

@@ -87,6 +87,12 @@ class State:
     # rows x) sharding group, and its process groups (smp.runtime.topology.Topology.sdp_grid).
     sdp_mesh: Any = None
     sdp_groups: tuple = ()
+    # Expert parallelism (expert_parallel_degree > 1): this rank's ep group (its stage's replicas that split the
+    # experts), the ranks holding the same experts (which average their gradients), and this rank's place in each.
+    ep_group: Any = None
+    edp_group: Any = None
+    ep_ranks: tuple = ()
+    edp_ranks: tuple = ()
 
     def __post_init__(self) -> None:
         if not self.aliases:
@@ -111,6 +117,10 @@ class State:
                                 use_local_synchronization=True)
             setattr(self, _FIELDS[kind], pg)
         return pg
+
+    def ep_coordinates(self) -> tuple[int, int]:
+        """(expert-parallel degree, this rank's index in its ep group): (1, 0) without expert parallelism."""
+        return (len(self.ep_ranks), self.ep_ranks.index(self.rank)) if self.ep_ranks else (1, 0)
 
     def _groups(self) -> dict[str, Any]:
         return {"world": self.world_group, "pipeline": self.mp_group, "data-parallel": self.dp_group,
@@ -250,6 +260,13 @@ def init(config: dict | str | None = None) -> State:
             setattr(st, _FIELDS[kind], pg)
     if cfg.sharded_data_parallel_degree > 1:
         st.sdp_mesh, st.sdp_groups = _sdp_mesh(topo, cfg.sharded_data_parallel_degree, st.rank, timeout, device)
+    if cfg.expert_parallel_degree > 1:
+        grids = topo.ep_grid(cfg.expert_parallel_degree)
+        columns = [[row[i] for row in grid] for grid in grids for i in range(cfg.expert_parallel_degree)]
+        st.ep_group, _ = dist.new_subgroups_by_enumeration([row for grid in grids for row in grid], timeout=timeout)
+        st.edp_group, _ = dist.new_subgroups_by_enumeration(columns, timeout=timeout)
+        st.ep_ranks = tuple(next(r for grid in grids for r in grid if st.rank in r))
+        st.edp_ranks = tuple(next(c for c in columns if st.rank in c))
     _state = st
     atexit.register(st.close, made_default)
     return st

@@ -180,6 +180,16 @@ class Topology:
                              "launch a multiple of the degrees' product or choose a divisor")
         return [[g[i:i + sdp] for i in range(0, len(g), sdp)] for g in self.rdp_groups()]
 
+    def ep_grid(self, ep: int) -> list[list[list[int]]]:
+        """Expert parallelism of degree ``ep``: each reduced-data-parallel group as rows of ``ep`` consecutive
+        ``rdp_rank`` (an ep group: its ranks split every expert layer's experts) over ``rdp / ep`` rows (each column:
+        the ranks holding the same experts, which average their gradients)."""
+        if ep < 1 or self.rdp % ep:
+            raise ValueError(f"expert_parallel_degree={ep} must divide the {self.rdp} data-parallel replicas of each "
+                             f"stage (world {self.world} / pipeline_parallel_degree={self.pp}): launch a multiple "
+                             "of the degrees' product or choose a divisor")
+        return [[g[i:i + ep] for i in range(0, len(g), ep)] for g in self.rdp_groups()]
+
     def pp_rank(self, rank: int) -> int:
         """The pipeline stage of global ``rank`` (its index in its pipeline)."""
         return self.coordinate(rank, "P")

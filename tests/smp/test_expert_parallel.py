@@ -1,0 +1,114 @@
+"""Expert parallelism through the SMP surface (``expert_parallel_degree``): on spawned gloo ranks, each data-parallel
+rank holds ``experts / ep`` of every layer's experts (and their optimizer state), tokens reach their experts by
+all-to-all, and training matches one process: losses, auxiliary load-balancing losses, every gradient and the
+parameters after the optimizer's steps, for Mixtral and a DeepSeek-V3-style model (shared experts, grouped sigmoid
+routing, a dense first layer), and under a pipeline (slow)."""
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+from smp.testing import run_ranks
+
+EP2 = {"pipeline_parallel_degree": 1, "ddp": True, "microbatches": 2, "expert_parallel_degree": 2}
+
+
+def moe_model(kind: str) -> torch.nn.Module:
+    """A small ``transformers`` mixture of experts with random weights (seed 0): "mixtral" or "deepseek_v3"."""
+    import transformers as T
+
+    warnings.filterwarnings("ignore", message=".*RoPE scaling factor.*")
+    torch.manual_seed(0)
+    if kind == "mixtral":
+        return T.MixtralForCausalLM(T.MixtralConfig(
+            vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
+            output_router_logits=True, router_aux_loss_coef=0.02))
+    return T.DeepseekV3ForCausalLM(T.DeepseekV3Config(
+        vocab_size=128, hidden_size=32, intermediate_size=48, moe_intermediate_size=24, num_hidden_layers=3,
+        first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
+        n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1, q_lora_rank=16, kv_lora_rank=16,
+        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, max_position_embeddings=64))
+
+
+def _batch(step: int) -> torch.Tensor:
+    return torch.randint(0, 128, (8, 16), generator=torch.Generator().manual_seed(100 + step))
+
+
+def _train(rank: int, world: int, config: dict, kind: str, steps: int) -> dict:
+    import smp
+
+    smp.init(config)
+    net = moe_model(kind)
+    reference = copy.deepcopy(net)
+    model = smp.DistributedModel(net)
+    opt = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+
+    @smp.step
+    def train_step(model, ids):
+        out = model(ids, labels=ids)
+        model.backward(out.loss)
+        return out.loss, out.aux_loss if out.aux_loss is not None else out.loss.detach() * 0
+
+    worst: dict = {"loss": 0.0, "aux": 0.0, "grad": 0.0, "param": 0.0}
+    shapes: dict = {}
+    for k in range(steps):
+        ids = _batch(k)
+        d, n = smp.dp_rank(), smp.dp_size()
+        loss, aux = train_step(model, ids.chunk(n)[d])
+        # one process, microbatch by microbatch (the router's auxiliary loss is not linear in the batch)
+        m = config["microbatches"]
+        outs = [[reference(mb, labels=mb) for mb in part.chunk(m)] for part in ids.chunk(n)]
+        ref_loss = sum(o.loss for part in outs for o in part) / (n * m)
+        ref_loss.backward()
+        mine = sum(float(o.loss) for o in outs[d]) / m
+        worst["loss"] = max(worst["loss"], abs(float(loss.reduce_mean()) - mine))
+        if outs[d][0].aux_loss is not None:
+            ref_aux = sum(float(o.aux_loss) for o in outs[d]) / m
+            worst["aux"] = max(worst["aux"], abs(float(aux.reduce_mean()) - ref_aux))
+        spec = model.expert_shards()
+        for name, p in model.local_named_parameters():
+            want = reference.get_parameter(name).grad
+            if name in spec:
+                want = want[spec[name][0]:spec[name][1]]
+                shapes[name] = (tuple(p.shape), tuple(reference.get_parameter(name).shape))
+            off = float((p.grad - want).abs().max())
+            if off > worst["grad"]:
+                worst["grad"], worst["grad_of"] = off, name
+        opt.step()
+        opt.zero_grad()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    for name, p in model.local_named_parameters():
+        want = reference.get_parameter(name).detach()
+        if name in spec:
+            want = want[spec[name][0]:spec[name][1]]
+        worst["param"] = max(worst["param"], float((p.detach() - want).abs().max()))
+    state_shapes = {tuple(s["exp_avg"].shape) for p, s in opt.state.items() if s and p.dim() == 3}
+    return {"worst": worst, "shapes": shapes, "state_shapes": state_shapes}
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "deepseek_v3"])
+def test_ep2_trains_as_one_process_with_half_the_experts_per_rank(kind):
+    for out in run_ranks(_train, 2, EP2, kind, 2, timeout=240):
+        w = out["worst"]
+        assert w["loss"] < 1e-5 and w["aux"] < 1e-5, w
+        # an expert's weight gradient sums both ranks' rows in one matmul (another order than one process's), and
+        # two AdamW steps at lr 1e-2 carry that rounding into the weights
+        assert w["grad"] < 2e-5 and w["param"] < 1e-4, w
+        assert out["shapes"], "no expert weight was sharded"
+        for mine, whole in out["shapes"].values():
+            assert mine[0] * 2 == whole[0] and mine[1:] == whole[1:], (mine, whole)
+        assert all(s[0] * 2 in {whole[0] for _, whole in out["shapes"].values()} for s in out["state_shapes"])
+
+
+@pytest.mark.slow
+def test_pp2_ep2_trains_as_one_process():
+    config = {**EP2, "pipeline_parallel_degree": 2, "microbatches": 4}
+    for out in run_ranks(_train, 4, config, "mixtral", 2, timeout=400):
+        w = out["worst"]
+        assert w["loss"] < 1e-5 and w["aux"] < 1e-5 and w["grad"] < 2e-5 and w["param"] < 1e-4, w
