@@ -22,7 +22,9 @@ from partitioner.cut.plan import PlanMismatchError
 from partitioner.cut.portfolio import fixed_plan
 from pipeline import PipelineRunner
 from pipeline.grad_buckets import DEFAULT_BUCKET_CAP_MB
+from pipeline.p2p import named_failures
 from smp.checkpoint.commit import CheckpointError
+from smp.checkpoint.expert_state import EP_KEY, check_experts, cut_rows, gather_rows
 from smp.checkpoint.sdp_state import check_shards, load_into, local_shards, marker, whole_values
 from smp.checkpoint.state_dicts import PARTIAL_KEY, PLAN_KEY, SDP_KEY, TP_KEY, key_error, on_cpu, unmarked
 from smp.checkpoint.tp_state import TPLayout, check_partial, cut_model_state, whole_model_state
@@ -234,6 +236,9 @@ class DistributedModel(ModelHooks, torch.nn.Module):
                 out[TP_KEY] = self.tensor_parallel_layout().marker()
             if state.get().sdp_mesh is not None:  # this rank's sdp shards: likewise
                 out[SDP_KEY] = marker(state.get().sdp_mesh)
+            if state.get().ep_ranks:  # this ep rank's experts: likewise
+                degree, rank = state.get().ep_coordinates()
+                out[EP_KEY] = {"degree": degree, "rank": rank}
         return out
 
     def tensor_parallel_layout(self) -> TPLayout:
@@ -248,15 +253,22 @@ class DistributedModel(ModelHooks, torch.nn.Module):
         tp rank's shards (whole tensors under the module's own keys): a collective over the model-parallel group
         (pp x tp ranks), so every mp rank calls it, and every one gets the whole dict (on the CPU). Before
         partitioning it is the module's own ``state_dict(*args, **kwargs)``. Tied parameters stay tied: their
-        keys share one tensor, as in ``nn.Module.state_dict``."""
+        keys share one tensor, as in ``nn.Module.state_dict``. Under expert parallelism an ep rank's experts are
+        gathered over its ep group first, so every rank of that group calls it too."""
         if not self.partitioned:
             return self.module.state_dict(*args, **kwargs)
         st = state.get()
-        _no_full_state_under_experts(st, "state_dict()")
         pg = st.enter("model-parallel", "model.state_dict()")  # collective: every rank of the replica calls it
         layout = self.tensor_parallel_layout()
         parts: list[Any] = [None] * st.topology.mp
-        dist.all_gather_object(parts, (layout.rank, on_cpu(whole_values(self._local_state()))), group=pg)
+        local = whole_values(self._local_state())
+        if st.ep_ranks:  # an ep rank's experts: gathered whole over its ep group, which calls this too
+            specs = self.expert_shards()
+            with named_failures("gathering the experts over the expert-parallel group for model.state_dict() (every "
+                                "rank of it calls state_dict())", [r for r in st.ep_ranks if r != st.rank], st.rank,
+                                st.config.timeout_s):
+                local = {k: gather_rows(v, specs[k], st.ep_group) if k in specs else v for k, v in local.items()}
+        dist.all_gather_object(parts, (layout.rank, on_cpu(local)), group=pg)
         gathered = whole_model_state(parts, layout)
         keys_of: dict[int, list[str]] = {}  # the module's tensors (by id) -> their keys, in state_dict order
         own = self.module.state_dict(keep_vars=True)
@@ -294,9 +306,8 @@ class DistributedModel(ModelHooks, torch.nn.Module):
         """
         st = state.get()
         sd, partial = unmarked(state_dict, translate_function, st.translate_functions)
-        plan, saved_tp, saved_sdp = (sd.pop(k, None) for k in (PLAN_KEY, TP_KEY, SDP_KEY))
+        plan, saved_tp, saved_sdp, saved_ep = (sd.pop(k, None) for k in (PLAN_KEY, TP_KEY, SDP_KEY, EP_KEY))
         if not partial or plan is None:  # full, or partial but saved before partitioning: the whole model
-            _no_full_state_under_experts(st, "load_state_dict() of a full state dict")
             if self.partitioned:
                 return self._load_held(sd, strict, part=False, whole=True)
             if st.topology.tp == 1 and not any(p.is_meta for p in self.module.parameters()):  # delayed init: later
@@ -307,6 +318,7 @@ class DistributedModel(ModelHooks, torch.nn.Module):
         check_partial(int(saved.tensor_parallel.get("degree", 1)), None if saved_tp is None else int(saved_tp["rank"]),
                       TPLayout(st.topology.tp, st.topology.tp_rank(st.rank)), "this partial state dict")
         check_shards(saved_sdp, st.sdp_mesh, "this partial state dict")
+        check_experts(saved_ep, *st.ep_coordinates(), "this partial state dict")
         pp = st.topology.pp
         if not self.partitioned:
             if (saved_pp := plan_ranks(saved)) != pp:
@@ -339,7 +351,10 @@ class DistributedModel(ModelHooks, torch.nn.Module):
         if strict and (missing or unexpected):
             raise CheckpointError(key_error(missing, unexpected, *self._where()))
         mine = {k: v for k, v in sd.items() if k in held}
-        mine = cut_model_state(mine, self.tensor_parallel_layout()) if whole else mine
+        if whole:  # this rank's tensor-parallel shards and expert-parallel experts of the whole tensors
+            specs = self.expert_shards()
+            mine = {k: cut_rows(v, specs[k]) if k in specs else v
+                    for k, v in cut_model_state(mine, self.tensor_parallel_layout()).items()}
         self.module.load_state_dict(load_into(self.module, mine, whole), strict=False)  # sdp shards, then the rest
         return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
 
@@ -378,12 +393,3 @@ class DistributedModel(ModelHooks, torch.nn.Module):
         ``smp.resume_from_checkpoint`` calls it before the first step."""
         if not self.partitioned and self._resume_plan is None:
             self._resume_plan = (plan_json, False)
-
-
-def _no_full_state_under_experts(st: Any, what: str) -> None:
-    """Full state dicts gather over the pipeline only, and an ep rank's experts are a slice: refuse rather than
-    save or load a dict whose expert weights are one rank's."""
-    if st.ep_ranks:
-        raise CheckpointError(f"{what} under expert_parallel_degree={len(st.ep_ranks)}: full state dicts of "
-                              "experts split over data-parallel ranks are not supported yet; save and load partial "
-                              "ones (model.local_state_dict(), smp.save(..., partial=True)) under the same layout")

@@ -25,7 +25,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pipeline.p2p import named_failures
 from smp.checkpoint.commit import CheckpointError
+from smp.checkpoint.expert_state import EP_KEY, check_experts, cut_rows, gather_rows
 from smp.checkpoint.sdp_state import check_shards, marker, optimizer_shards, optimizer_whole, shard_state
 from smp.checkpoint.state_dicts import SCALER_KEY, SDP_KEY, SHARD_KEY, TP_KEY, ZERO_KEY, on_cpu
 from smp.checkpoint.tp_state import ShardedParam, TPLayout, check_partial, cut_optimizer_state, whole_optimizer_state
@@ -173,6 +175,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         layout, _ = self._tensor_parallel()
         if layout.degree > 1:
             out[TP_KEY] = layout.marker()
+        if self._experts():  # this ep rank's experts' state
+            degree, rank = state.get().ep_coordinates()
+            out[EP_KEY] = {"degree": degree, "rank": rank}
         return self._with_scaler(out)
 
     def _with_scaler(self, state_dict: dict[str, Any]) -> dict[str, Any]:
@@ -191,6 +196,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         layout, params = self._tensor_parallel()
         group, size = (None, dist.get_world_size()) if self._zero is not None else \
             (st.group("model-parallel"), st.topology.mp)
+        experts = self._experts()
+        if experts:  # an ep rank's experts' state: gathered whole over its ep group, which calls this too
+            with named_failures("gathering the experts' optimizer state over the expert-parallel group (every rank of "
+                                "it calls the optimizer's state_dict())", [r for r in st.ep_ranks if r != st.rank],
+                                st.rank, st.config.timeout_s):
+                local["state"] = {i: {k: gather_rows(v, experts[i], st.ep_group) for k, v in entry.items()}
+                                  if i in experts else entry for i, entry in local["state"].items()}
         parts: list[Any] = [None] * size
         dist.all_gather_object(parts, (layout.rank, on_cpu(local["state"])), group=group)
         merged = whole_optimizer_state(parts, params, layout.degree)
@@ -210,6 +222,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if saved_tp is not None:
             check_partial(int(saved_tp["degree"]), int(saved_tp["rank"]),
                           TPLayout(st.topology.tp, st.topology.tp_rank(st.rank)), "this optimizer state")
+        if state_dict.get(EP_KEY) is not None:
+            check_experts(state_dict[EP_KEY], *st.ep_coordinates(), "this optimizer state")
         if state_dict.get(ZERO_KEY) and not self._sharded:
             raise CheckpointError("this optimizer state was saved with shard_optimizer_state=True over several "
                                   "reduced-data-parallel replicas; load it with the same config and degrees "
@@ -230,6 +244,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             model = state.get().model
             held = None if model is None else {index[id(p)] for p in model.local_parameters() if id(p) in index}
             mine = {k: v for k, v in state_dict["state"].items() if held is None or k in held}
+            experts = self._experts()  # an ep rank's experts: its rows of whole state (a partial dict has them)
+            mine = {i: {k: cut_rows(v, experts[i]) for k, v in entry.items()} if i in experts else entry
+                    for i, entry in mine.items()}
             self.optimizer.load_state_dict({"state": cut_optimizer_state(mine, sharded, layout),  # tp: this shard
                                             "param_groups": state_dict["param_groups"]})
             shard_state(self.optimizer, whole=SDP_KEY not in state_dict)  # sdp: the state laid out as its parameter
@@ -266,6 +283,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return layout, {index[id(p)]: ShardedParam(layout.shards[name], tuple(p.shape))
                         for name, p in model.module.named_parameters(remove_duplicate=False)
                         if name in layout.shards and id(p) in index}
+
+    def _experts(self) -> dict[int, tuple[int, int, int]]:
+        """Under expert parallelism, the wrapped optimizer's key of each stacked expert weight this rank holds rows
+        of -> its rows ``(start, stop, whole)``."""
+        model = state.get().model
+        specs = model.expert_shards() if model is not None else {}
+        index = self._index()
+        return {index[id(p)]: specs[name] for name, p in model.module.named_parameters()
+                if name in specs and id(p) in index} if specs else {}
 
     def _index(self) -> dict[int, int]:
         """Parameter (by id) -> its key in the wrapped optimizer's ``state_dict()``."""
