@@ -220,8 +220,8 @@ class _Walker:
             at = 1 if name == "wrap_with_set_grad_enabled" else 4
             body = args[0][at]
             return self.region(body, node, args[0][at + 1:], grad_on and enabled, owner)
-        if (at := getattr(target, "smp_region", None)) is not None:  # an axis's op standing for a region (ep)
-            return self.region(args[0][at], node, args[0][at + 1:], grad_on, owner)
+        if (slot := getattr(target, "smp_region", None)) is not None:  # an axis's op standing for a region (ep)
+            return self.region(args[0][slot], node, args[0][slot + 1:], grad_on, owner)
         if name in _DROPOUTS and not (_nth(_bind(target, *args), 1) and _nth(_bind(target, *args), 2)):
             return args[0][0]  # dropout that is off returns its input itself (the fake kernel copies it)
         inputs = [v for v in _flat(args) if isinstance(v, _Value)]
