@@ -188,6 +188,10 @@ def add_plan_args(p: argparse.ArgumentParser, *, microbatches_required: bool = F
                    help="with --tp: Megatron's sequence parallelism, the norms, residual adds and dropout between the "
                         "tp regions run on 1/T of the sequence (activations and their compute 1/T per rank; the "
                         "all-reduces become reduce-scatter/all-gather pairs); config key sequence_parallel")
+    p.add_argument("--ep", "--expert-parallel-degree", dest="ep", metavar="E", type=positive_int, default=1,
+                   help="expert-parallel degree: split every mixture-of-experts layer's experts over E data-parallel "
+                        "ranks (tokens routed to them by all-to-all), plan ep rank 0's experts and price the "
+                        "all-to-alls on --link (default 1); config key expert_parallel_degree")
     p.add_argument("--sdp", "--sharded-data-parallel-degree", dest="sdp", metavar="D", type=positive_int, default=1,
                    help="sharded data-parallel degree: each stage's parameters sharded over D replicas (ZeRO-3, "
                         "SMP's sharded_data_parallel_degree): memory per rank with weights, gradients at rest and "
@@ -228,7 +232,8 @@ class Options:
     """A plan request: ``partitions`` stages under ``partition``, the :class:`partitioner.PartitionOptions`
     (microbatches and schedule included), for the pipeline SMP calls ``pipeline``; ``measure_stages`` also
     times each stage for real; ``max_actions`` bounds the simulation; ``tp``: the tensor-parallel degree
-    (:mod:`smp.cli.tensor_parallel`); ``sdp``: the sharded data-parallel degree, ``sdp_threshold`` the elements
+    (:mod:`smp.cli.tensor_parallel`); ``ep``: the expert-parallel degree (:mod:`smp.cli.expert_parallel`); ``sdp``:
+    the sharded data-parallel degree, ``sdp_threshold`` the elements
     below which a parameter stays whole (None: :data:`partitioner.sdp.shards.PERSISTENCE_THRESHOLD`;
     :mod:`smp.cli.sharded_dp`, :meth:`sharding`).
 
@@ -242,17 +247,18 @@ class Options:
     tp: int
     sdp: int
     sdp_threshold: int | None
+    ep: int
 
     def __init__(self, partitions: int, pipeline: str = "interleaved", *, measure_stages: bool = False,
                  max_actions: int = DEFAULT_MAX_ACTIONS, tp: int = 1, sdp: int = 1, sdp_threshold: int | None = None,
-                 **partition: Any) -> None:
+                 ep: int = 1, **partition: Any) -> None:
         from partitioner.cut.options import PartitionOptions
 
-        for flag, degree, what in (("--tp", tp, "tensor"), ("--sdp", sdp, "sharded data")):
+        for flag, degree, what in (("--tp", tp, "tensor"), ("--sdp", sdp, "sharded data"), ("--ep", ep, "expert")):
             if isinstance(degree, bool) or not isinstance(degree, int) or degree < 1:
                 raise CLIError(f"{flag} {degree!r}: the {what}-parallel degree must be a positive integer (1: no "
                                f"{what} parallelism)")
-        for flag, degree in (("--tp", tp), ("--sdp", sdp)):
+        for flag, degree in (("--tp", tp), ("--sdp", sdp), ("--ep", ep)):
             if degree > 1 and measure_stages:
                 raise CLIError(f"--measure times the stages in this process, but {flag} {degree} stages run "
                                f"collectives between ranks; measure with {flag} 1, or run the job and use smp report")
@@ -265,7 +271,7 @@ class Options:
             raise CLIError(str(exc)) from None
         for name, value in (("partitions", partitions), ("partition", options), ("pipeline", pipeline),
                             ("measure_stages", measure_stages), ("max_actions", max_actions), ("tp", tp),
-                            ("sdp", sdp), ("sdp_threshold", sdp_threshold)):
+                            ("sdp", sdp), ("sdp_threshold", sdp_threshold), ("ep", ep)):
             object.__setattr__(self, name, value)
 
     @classmethod
@@ -277,10 +283,11 @@ class Options:
         # Timed only where one tensor- and sdp-rank's graph runs in this process.
         given.setdefault("measure", hasattr(ns, "estimate") and times_ops(given.get("device", "cpu"),
                                                                            given.get("dtype", "fp32"), ns.estimate)
-                         and getattr(ns, "tp", 1) == 1 and getattr(ns, "sdp", 1) == 1)
+                         and getattr(ns, "tp", 1) == 1 and getattr(ns, "sdp", 1) == 1 and getattr(ns, "ep", 1) == 1)
         return cls(ns.partitions, ns.smp_pipeline, measure_stages=getattr(ns, "measure_stages", False),
                    max_actions=getattr(ns, "max_actions", DEFAULT_MAX_ACTIONS), tp=getattr(ns, "tp", 1),
-                   sdp=getattr(ns, "sdp", 1), sdp_threshold=getattr(ns, "sdp_threshold", None), **given)
+                   sdp=getattr(ns, "sdp", 1), sdp_threshold=getattr(ns, "sdp_threshold", None),
+                   ep=getattr(ns, "ep", 1), **given)
 
     def with_partition(self, **changes: Any) -> "Options":
         """These options with ``changes`` to the partitioner's (:class:`partitioner.PartitionOptions` fields)."""

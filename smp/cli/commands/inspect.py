@@ -13,6 +13,7 @@ from typing import Any
 from partitioner.units import format_seconds
 from smp.cli.analysis import analyse
 from smp.cli.drawing import write_graph, write_timeline
+from smp.cli.expert_parallel import ep_lines, expert_target
 from smp.cli.limits import check_actions, schedule_actions
 from smp.cli.options import Options, add_plan_args, add_target_args, check_output
 from smp.cli.plan_table import format_report
@@ -60,7 +61,7 @@ def run(ns: argparse.Namespace) -> int:
     check_output(ns.timeline, "--timeline", (".png", ".json"))
     opts = Options.from_args(ns)
     check_work(opts)
-    with pricing_threads(opts.partition.device, opts.partitions * opts.tp * opts.sdp):
+    with pricing_threads(opts.partition.device, opts.partitions * opts.tp * opts.sdp * opts.ep):
         return _inspect(ns, opts)
 
 
@@ -72,6 +73,7 @@ def _inspect(ns: argparse.Namespace, opts: Options) -> int:
     graph, sharding = shard_target(whole, opts.tp, progress, getattr(ns, "sequence_parallel", False))
     if sharding is not None:
         warn(replicated_warnings(sharding))
+    graph = expert_target(graph, opts.ep, progress)
     plan, sim = analyse(graph, opts, target=target, progress=progress)
     if opts.sdp > 1:
         progress(f"pricing parameters sharded over {opts.sdp} replicas")
@@ -85,6 +87,13 @@ def _inspect(ns: argparse.Namespace, opts: Options) -> int:
         print("\n".join(tp_lines(plan.tensor_parallel, plan.rates, opts.microbatches,
                                  float(weight_bytes(whole, dtype).sum()), float(weight_bytes(graph, dtype).sum()),
                                  dtype, plan.extra["schedule"]["predicted_step_s"])))
+    if opts.ep > 1:
+        from partitioner.cost.precision import weight_bytes
+
+        dtype = opts.partition.dtype
+        whole_w, local_w = float(weight_bytes(whole, dtype).sum()), float(weight_bytes(graph, dtype).sum())
+        print("\n".join(ep_lines(graph, whole_w, local_w, opts.partition.resolve_rates(), dtype, opts.microbatches,
+                                 plan.extra["schedule"]["predicted_step_s"])))
     if opts.sdp > 1:
         print("\n".join(sdp_lines(plan.extra["sharded_data_parallel"], opts.microbatches,
                                    plan.extra["schedule"]["predicted_step_s"])))

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from partitioner.units import format_bytes, format_seconds
 from smp.cli.errors import CLIError
+from smp.cli.expert_parallel import expert_target
 from smp.cli.limits import check_actions, schedule_actions
 from smp.cli.options import (
     RANKS_PER_NODE,
@@ -124,7 +125,7 @@ def run(ns: argparse.Namespace) -> int:
     """Run ``smp simulate`` on parsed arguments."""
     check_output(ns.json, "--json", (".json",))
     opts = Options.from_args(ns)
-    with pricing_threads(opts.partition.device, opts.partitions * opts.tp * opts.sdp):
+    with pricing_threads(opts.partition.device, opts.partitions * opts.tp * opts.sdp * opts.ep):
         return _simulate(ns, opts)
 
 
@@ -146,6 +147,7 @@ def _simulate(ns: argparse.Namespace, opts: Options) -> int:
     graph, sharding = shard_target(whole, opts.tp, progress, getattr(ns, "sequence_parallel", False))
     if sharding is not None:
         warn(replicated_warnings(sharding))
+    graph = expert_target(graph, opts.ep, progress)
     rpn //= opts.tp  # pipeline stages per node: each stage's tp group fills tp ranks of it
     progress(f"pricing {P} stages")
     rates = opts.partition.resolve_rates()
