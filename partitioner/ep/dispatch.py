@@ -73,10 +73,13 @@ def expert_parallel(comm: EPComm, body: torch.nn.Module, rows: torch.Tensor, off
                     *weights: torch.Tensor) -> torch.Tensor:
     """The experts' results for ``rows`` (sorted by expert; ``offsets``: cumulative rows per expert, over every
     expert of the layer), computed by the ranks holding the experts: ``body(rows, offsets, *weights)`` runs on each
-    rank over the rows of its experts, ``weights`` being its slices of the stacked weights."""
+    rank over the rows of its experts, ``weights`` being its slices of the stacked weights (and, when the body reads
+    them, each row's expert among this rank's)."""
     experts = offsets.shape[0]
+    ids = _takes_ids(body, len(weights))
     if isinstance(rows, FakeTensor):  # shapes only (which values carry gradients): what this rank's experts make
-        return body(rows, offsets[:experts // comm.size], *weights)
+        local_ids = (torch.zeros(rows.shape[0], dtype=torch.long, device=rows.device),) if ids else ()
+        return body(rows, offsets[:experts // comm.size], *weights, *local_ids)
     group = comm.bound_group()
     counts = torch.diff(offsets.to(torch.int64), prepend=offsets.new_zeros(1, dtype=torch.int64))
     send = counts.reshape(comm.size, experts // comm.size).contiguous()
@@ -91,12 +94,19 @@ def expert_parallel(comm: EPComm, body: torch.nn.Module, rows: torch.Tensor, off
     source_of = torch.repeat_interleave(torch.arange(comm.size, device=recv.device), recv.sum(1))
     order = torch.argsort(expert_of * comm.size + source_of, stable=True).to(rows.device)
     local_offsets = torch.cumsum(recv.sum(0), 0).to(offsets.dtype)
-    done = body(arrived.index_select(0, order), local_offsets, *weights)
+    extra = (expert_of.index_select(0, order.to(expert_of.device)).to(rows.device),) if ids else ()
+    done = body(arrived.index_select(0, order), local_offsets, *weights, *extra)
     back = done.index_select(0, torch.argsort(order))
     home = _all_to_all(back, in_splits, out_splits, group)
     if routed == rows.shape[0]:
         return home
     return torch.cat([home, home.new_zeros((rows.shape[0] - routed, *home.shape[1:]))])
+
+
+def _takes_ids(body: torch.nn.Module, weights: int) -> bool:
+    """Whether the region's body reads the rows' expert ids (a placeholder after rows, offsets and the weights)."""
+    graph = getattr(body, "graph", None)
+    return graph is not None and sum(n.op == "placeholder" for n in graph.nodes) > weights + 2
 
 
 expert_parallel.smp_region = 1  # type: ignore[attr-defined]  # args[1] is a region's body (capture.autograd_saves)

@@ -57,12 +57,15 @@ def ep_degree(graph: OpGraph) -> int:
 
 
 def _body(layer: ExpertLayer, nodes: dict[str, torch.fx.Node]) -> torch.fx.GraphModule:
-    """The layer's region as a graph of its own: placeholders rows, offsets and one per stacked weight."""
+    """The layer's region as a graph of its own: placeholders rows, offsets, one per stacked weight and, when the
+    region reads them, the rows' expert ids."""
     g = torch.fx.Graph()
     env: dict[str, torch.fx.Node] = {layer.rows: g.placeholder("rows"), layer.offsets: g.placeholder("offsets")}
     for i, p in enumerate(layer.params):
         slot = g.placeholder(f"weight_{i}")
         env.update({n.name: slot for n in nodes.values() if n.op == "get_attr" and n.target == p})
+    if layer.ids is not None:  # each row's expert, numbered among this rank's experts
+        env[layer.ids] = g.placeholder("expert_ids")
     for name in layer.region:
         env[name] = g.node_copy(nodes[name], lambda n: env[n.name])
     g.output(env[layer.output])

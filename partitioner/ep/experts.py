@@ -11,8 +11,8 @@ them as grouped matmuls over the rows sorted by expert, with the cumulative row 
 ``transformers``' fallback op) whose weights are parameters with one row per expert and whose offsets come from a
 ``topk`` over a router's scores make one *expert layer*; its *region* is every op between the rows sorted by
 expert and the last grouped matmul's output (the experts' MLPs), which must read nothing but those rows, the
-offsets and the stacked weights, and must not depend on how many rows there are (no size baked into it), so that
-it runs unchanged on the rows another rank sends. Expert parallelism (Lepikhin et al. 2020, GShard,
+offsets, the stacked weights and per-expert tensors gathered by the rows' expert ids (gpt-oss's biases), and must not
+depend on how many rows there are (no size baked into it), so that it runs unchanged on the rows another rank sends. Expert parallelism (Lepikhin et al. 2020, GShard,
 arXiv:2006.16668) gives each rank of an ep group ``experts / ep`` of them: :mod:`partitioner.ep.expert_program`
 writes that program. Layers that do not match are reported with the reason (:attr:`ExpertLayers.skipped`).
 """
@@ -39,7 +39,8 @@ class ExpertLayer:
     """One mixture-of-experts layer of a traced graph: its module ``name``, ``experts`` stacked in ``params`` (the
     get_attr targets of the stacked weights, one row per expert), the fx nodes of the ``rows`` sorted by expert,
     the ``offsets`` (cumulative rows per expert) and the ``output`` (the experts' results, in the rows' order), the
-    nodes of the ``region`` between them (graph order), ``top_k`` experts per token and the ``router`` weight."""
+    nodes of the ``region`` between them (graph order), ``top_k`` experts per token, the ``router`` weight, and the
+    node of the rows' expert ids when the region reads them (a bias per expert, gathered by each row's expert)."""
 
     name: str
     experts: int
@@ -50,6 +51,7 @@ class ExpertLayer:
     region: tuple[str, ...]
     top_k: int
     router: str
+    ids: str | None = None
 
 
 @dataclass
@@ -140,6 +142,19 @@ def _router(topk: torch.fx.Node) -> str | None:
     return None
 
 
+def _stacked(node: torch.fx.Node, gm: torch.fx.GraphModule, experts: int) -> bool:
+    """Whether ``node`` is a parameter with one row per expert."""
+    value = _attr(gm, str(node.target)) if node.op == "get_attr" else None
+    return isinstance(value, torch.nn.Parameter) and value.dim() >= 1 and value.shape[0] == experts
+
+
+def _is_ids(node: torch.fx.Node, offsets: torch.fx.Node, rows: int) -> bool:
+    """Whether ``node`` is the rows' expert ids the offsets are counted from (integers, one per row)."""
+    v = node.meta.get("val")
+    return (isinstance(v, torch.Tensor) and not v.is_floating_point() and tuple(v.shape) == (rows,)
+            and node in _ancestors(offsets))
+
+
 def _rows_count(node: torch.fx.Node) -> int | None:
     v = node.meta.get("val")
     return int(v.shape[0]) if isinstance(v, torch.Tensor) and v.dim() >= 1 else None
@@ -162,7 +177,7 @@ def _layer(gm: torch.fx.GraphModule, mms: list[torch.fx.Node]) -> ExpertLayer | 
     routing = _routing(offsets) if isinstance(offsets, torch.fx.Node) else None
     if routing is None or not isinstance(offsets, torch.fx.Node):
         return "its offsets do not come from a top-k routing over a router's scores"
-    params = [_param_of(mm.args[1], gm) for mm in mms]
+    params: list[Any] = [_param_of(mm.args[1], gm) for mm in mms]
     if any(p is None for p in params):
         return "a grouped matmul's weight is not a parameter"
     sizes = {int(_attr(gm, p).shape[0]) for p in params if p is not None}
@@ -183,17 +198,29 @@ def _layer(gm: torch.fx.GraphModule, mms: list[torch.fx.Node]) -> ExpertLayer | 
     region = [n for n in gm.graph.nodes if n in inside or (n.op == "call_function" and not n.users and n.all_input_nodes
               and all(i in inside for i in n.all_input_nodes))]
     inside = set(region)
+    experts = sizes.pop()
+    ids = None
     for n in region:
-        outside = [i for i in n.all_input_nodes if i not in inside and i not in allowed]
-        if outside:
-            return f"{n.name} inside its experts reads {outside[0].name}, which is neither the rows nor the weights"
+        for i in n.all_input_nodes:
+            if i in inside or i in allowed:
+                continue
+            if _stacked(i, gm, experts):  # a per-expert tensor (a bias) read by each row's expert: split likewise
+                params.append(str(i.target))
+                allowed.add(i)
+            elif _is_ids(i, offsets, count) and ids in (None, i):  # each row's expert id, as its rows are sorted
+                ids = i
+            else:
+                return (f"{n.name} inside its experts reads {i.name}, which is neither the rows, the experts' "
+                        "weights nor their ids")
+    for n in region:
         if n is not output and any(u not in inside for u in n.users):
             return f"{n.name} inside its experts is read outside them"
         if n not in mms and _bakes(n, count):
             return f"{n.name} inside its experts has the row count {count} as a constant"
     k, router = routing
-    return ExpertLayer(_module(mms[0]) or mms[0].name, sizes.pop(), tuple(p for p in params if p), rows.name,
-                       offsets.name, output.name, tuple(n.name for n in region), k, router)
+    return ExpertLayer(_module(mms[0]) or mms[0].name, experts, tuple(dict.fromkeys(p for p in params if p)),
+                       rows.name, offsets.name, output.name, tuple(n.name for n in region), k, router,
+                       ids.name if ids is not None else None)
 
 
 def find_experts(gm: torch.fx.GraphModule) -> ExpertLayers:

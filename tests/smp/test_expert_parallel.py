@@ -1,8 +1,9 @@
 """Expert parallelism through the SMP surface (``expert_parallel_degree``): on spawned gloo ranks, each data-parallel
 rank holds ``experts / ep`` of every layer's experts (and their optimizer state), tokens reach their experts by
 all-to-all, and training matches one process: losses, auxiliary load-balancing losses, every gradient and the
-parameters after the optimizer's steps, for Mixtral and a DeepSeek-V3-style model (shared experts, grouped sigmoid
-routing, a dense first layer), and under a pipeline (slow)."""
+parameters after the optimizer's steps, for Mixtral, a DeepSeek-V3-style model (shared experts, grouped sigmoid
+routing, a dense first layer) and gpt-oss (a bias per expert), under a pipeline (slow), and checkpoints across
+degrees."""
 from __future__ import annotations
 
 import copy
@@ -17,7 +18,8 @@ EP2 = {"pipeline_parallel_degree": 1, "ddp": True, "microbatches": 2, "expert_pa
 
 
 def moe_model(kind: str) -> torch.nn.Module:
-    """A small ``transformers`` mixture of experts with random weights (seed 0): "mixtral" or "deepseek_v3"."""
+    """A small ``transformers`` mixture of experts with random weights (seed 0): "mixtral", "deepseek_v3" or
+    "gpt_oss" (a bias per expert, its own gating)."""
     import transformers as T
 
     warnings.filterwarnings("ignore", message=".*RoPE scaling factor.*")
@@ -27,6 +29,11 @@ def moe_model(kind: str) -> torch.nn.Module:
             vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
             output_router_logits=True, router_aux_loss_coef=0.02))
+    if kind == "gpt_oss":
+        return T.GptOssForCausalLM(T.GptOssConfig(
+            vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
+            layer_types=["full_attention", "full_attention"], output_router_logits=True))
     return T.DeepseekV3ForCausalLM(T.DeepseekV3Config(
         vocab_size=128, hidden_size=32, intermediate_size=48, moe_intermediate_size=24, num_hidden_layers=3,
         first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
@@ -92,7 +99,7 @@ def _train(rank: int, world: int, config: dict, kind: str, steps: int) -> dict:
     return {"worst": worst, "shapes": shapes, "state_shapes": state_shapes}
 
 
-@pytest.mark.parametrize("kind", ["mixtral", "deepseek_v3"])
+@pytest.mark.parametrize("kind", ["mixtral", "deepseek_v3", "gpt_oss"])
 def test_ep2_trains_as_one_process_with_half_the_experts_per_rank(kind):
     for out in run_ranks(_train, 2, EP2, kind, 2, timeout=240):
         w = out["worst"]

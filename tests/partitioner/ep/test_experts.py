@@ -63,17 +63,27 @@ def test_a_plain_module_moe_is_found():
     assert [(x.experts, x.top_k, x.router, x.params) for x in found.layers] == [(4, 2, "router.weight", ("w1", "w2"))]
 
 
-def test_experts_that_read_more_than_rows_and_weights_are_left_whole_and_say_why():
-    import transformers as T
+def test_gpt_oss_biases_per_expert_are_split_with_the_weights():
+    found = find_experts(trace(moe_model("gpt_oss"), (torch.randint(0, 128, (2, 8)),)).fx.module)
+    layer = found.layers[0]
+    assert "model.layers.0.mlp.experts.gate_up_proj_bias" in layer.params and layer.ids is not None
+    assert "model.layers.0.mlp.experts.down_proj_bias" not in layer.params  # added after the experts, by every rank
 
-    torch.manual_seed(0)
-    model = T.GptOssForCausalLM(T.GptOssConfig(
-        vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
-        layer_types=["full_attention"]))
-    found = find_experts(trace(model, (torch.randint(0, 128, (2, 8)),)).fx.module)
-    assert found.layers == []  # gpt-oss adds a bias per expert, indexed by each row's expert id
-    assert "gate_up_proj_bias, which is neither the rows nor the weights" in found.skipped["model.layers.0.mlp.experts"]
+
+def test_experts_that_read_more_than_rows_and_weights_are_left_whole_and_say_why():
+    class Scaled(PlainMoE):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            weights, ids = self.router(x).softmax(-1).topk(self.k, dim=-1)
+            sorted_ids, perm = ids.reshape(-1).sort()
+            offsets = torch.histc(sorted_ids.float(), bins=self.experts, min=0, max=self.experts - 1).cumsum(0).int()
+            h = torch._grouped_mm(x[perm // self.k].bfloat16(), self.w1.transpose(-2, -1), offs=offsets)
+            h = h.float() * x.mean()  # inside the experts, a value of every token: not the rows' own
+            y = torch._grouped_mm(h.bfloat16(), self.w2.transpose(-2, -1), offs=offsets)
+            return self.head(y.float().view(-1, self.k, x.shape[-1]).sum(1))
+
+    found = find_experts(trace(Scaled(), (_tokens(0),)).fx.module)
+    assert found.layers == []
+    assert "which is neither the rows, the experts' weights nor their ids" in str(found.skipped), found.skipped
 
 
 def test_a_degree_that_does_not_divide_the_experts_or_a_dense_model_is_refused():
