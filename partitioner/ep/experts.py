@@ -14,7 +14,8 @@ expert and the last grouped matmul's output (the experts' MLPs), which must read
 offsets, the stacked weights and per-expert tensors gathered by the rows' expert ids (gpt-oss's biases), and must not
 depend on how many rows there are (no size baked into it), so that it runs unchanged on the rows another rank sends.
 Expert parallelism (Lepikhin et al. 2020, GShard, arXiv:2006.16668) gives each rank of an ep group ``experts / ep``
-of them: :mod:`partitioner.ep.expert_program` writes that program. Layers that do not match are reported with the reason (:attr:`ExpertLayers.skipped`).
+of them: :mod:`partitioner.ep.expert_program` writes that program. Layers that do not match are reported with the
+reason (:attr:`ExpertLayers.skipped`).
 """
 from __future__ import annotations
 
