@@ -85,7 +85,7 @@ class GradAveraging:
                   for kind in self._kinds(st)]
         if experts:  # an ep rank's experts: their gradients sum its ep group's tokens, then the other ep groups'
             groups.append(ReduceGroup("expert-data-parallel", st.edp_group, [r for r in st.edp_ranks if r != st.rank],
-                                      [(n, p) for n, p in whole if n in experts], divisor=st.topology.dp))
+                                      [(n, p) for n, p in whole if n in experts], divisor=st.topology.rdp))
         overlap = self.overlap and st.config.overlapping_allreduce
         return GradBuckets(groups, runner.local_stages, _summed_across_ranks(runner), st.rank, st.config.timeout_s,
                            self.bucket_cap_mb, overlap)

@@ -298,9 +298,9 @@ def _validate(c: Config) -> None:
            c.expert_parallel_degree, "a positive integer")
     _check(c.expert_parallel_degree == 1 or c.ddp is True, "expert_parallel_degree", c.expert_parallel_degree,
            "a degree above 1 shards the experts over data-parallel ranks and needs 'ddp': True")
-    _check(c.expert_parallel_degree == 1 or (c.tensor_parallel_degree == 1 and c.sharded_data_parallel_degree == 1),
-           "expert_parallel_degree", c.expert_parallel_degree, "1 with tensor_parallel_degree or "
-           "sharded_data_parallel_degree above 1 (experts are sharded over plain data-parallel ranks for now)")
+    _check(c.expert_parallel_degree == 1 or c.sharded_data_parallel_degree == 1,
+           "expert_parallel_degree", c.expert_parallel_degree, "1 with sharded_data_parallel_degree above 1 (experts "
+           "are split over replicas that hold their parameters whole, for now)")
     _check(_is_int(c.tensor_parallel_degree) and c.tensor_parallel_degree >= 1, "tensor_parallel_degree",
            c.tensor_parallel_degree, "a positive integer")
     _check(c.tensor_parallel_degree == 1 or c.ddp is True, "tensor_parallel_degree", c.tensor_parallel_degree,

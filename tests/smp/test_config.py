@@ -82,6 +82,11 @@ def test_smp_gpt2_example_config_loads():
     ({**BASE, "offload_activations": "yes"}, "'offload_activations'='yes' is not valid: True or False"),
     ({**BASE, "fast_mod": True}, "unknown smp config key(s) ['fast_mod'] ('fast_mod': did you mean 'fast_mode'?)"),
     ({**BASE, "zero_stage": 3}, "unknown smp config key(s) ['zero_stage']"),
+    ({**BASE, "expert_parallel_degree": 2}, "a degree above 1 shards the experts over data-parallel ranks and needs "
+                                            "'ddp': True"),
+    ({**BASE, "ddp": True, "expert_parallel_degree": 0}, "'expert_parallel_degree'=0 is not valid: a positive"),
+    ({**BASE, "ddp": True, "expert_parallel_degree": 2, "sharded_data_parallel_degree": 2},
+     "1 with sharded_data_parallel_degree above 1"),
 ])
 def test_bad_values_and_unknown_keys_are_errors(config, needle):
     with pytest.raises(ConfigError) as err:

@@ -197,3 +197,41 @@ def test_checkpoints_resume_under_ep2_and_partial_ones_load_into_their_own_ep_ra
         assert out["resumed"] < 1e-6, out
         assert out["partial"] == 0.0, out
         assert "ep rank" in out["refused"] and "expert_parallel_degree=2" in out["refused"], out
+
+
+def _tp_ep(rank: int, world: int) -> dict:
+    """One step of Mixtral under tp 2 x ep 2 (4 ranks, each tp group reading one batch): the loss and the gradients
+    of every weight tensor parallelism leaves whole (the experts among them) against one process."""
+    import smp
+
+    smp.init({"pipeline_parallel_degree": 1, "ddp": True, "microbatches": 2, "tensor_parallel_degree": 2,
+              "expert_parallel_degree": 2, "prescaled_batch": True})
+    net = moe_model("mixtral")
+    reference = copy.deepcopy(net)
+    model = smp.DistributedModel(net)
+
+    @smp.step
+    def train_step(model, ids):
+        out = model(ids, labels=ids)
+        model.backward(out.loss)
+        return out.loss
+
+    r, n, m = smp.rdp_rank(), smp.rdp_size(), 2
+    loss = float(train_step(model, _batch(0).chunk(n)[r]).reduce_mean())
+    outs = [[reference(mb, labels=mb) for mb in part.chunk(m)] for part in _batch(0).chunk(n)]
+    (sum(o.loss for part in outs for o in part) / (n * m)).backward()
+    spec = model.expert_shards()
+    worst, compared = 0.0, 0
+    for name, p in model.local_named_parameters():
+        want = reference.get_parameter(name).grad
+        want = want[spec[name][0]:spec[name][1]] if name in spec else want
+        if p.grad.shape == want.shape:  # tp's shards are checked by tests/smp/test_tp_training.py
+            worst, compared = max(worst, float((p.grad - want).abs().max())), compared + 1
+    return {"loss": abs(loss - sum(float(o.loss) for o in outs[r]) / m), "grad": worst, "experts": len(spec),
+            "compared": compared}
+
+
+@pytest.mark.slow
+def test_tp2_ep2_trains_as_one_process():
+    for out in run_ranks(_tp_ep, 4, timeout=400):
+        assert out["loss"] < 1e-5 and out["grad"] < 2e-5 and out["experts"] == 4 and out["compared"] > 8, out

@@ -236,6 +236,13 @@ def test_init_without_enough_processes_names_both_degrees(monkeypatch):
     assert not dist.is_initialized() and not state.is_initialized()
 
 
+def test_ep_groups_are_consecutive_replicas_of_a_stage():
+    t = Topology(8, 2)  # 4 replicas of each of 2 stages
+    assert t.ep_grid(2) == [[g[:2], g[2:]] for g in t.rdp_groups()]  # two ep groups per stage, experts split in each
+    with pytest.raises(ValueError, match=r"expert_parallel_degree=3 must divide the 4 data-parallel replicas"):
+        t.ep_grid(3)
+
+
 def test_sdp_grid_rows_replicate_and_columns_shard():
     t = Topology(8, 2)  # 4 replicas of each of 2 stages
     assert t.sdp_grid(4) == [[g] for g in t.rdp_groups()] and len(t.rdp_groups()[0]) == 4  # one sharding group
