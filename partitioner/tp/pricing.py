@@ -20,7 +20,8 @@ Under sequence parallelism (:mod:`partitioner.tp.sequence`) ``g`` and the embedd
 and all-gathers backward, ``f`` an all-gather forward and a reduce-scatter backward: a ring reduce-scatter moves what
 an all-gather of the same whole tensor moves, so each pair costs an all-reduce's bytes (in twice the latency steps).
 A whole value sliced along the sequence gathers its gradient backward, a sliced output is gathered forward; the
-weights the sliced regions read whole sum their gradients through ``f`` (an all-reduce backward, each microbatch).
+weights the sliced regions read whole sum their gradients once per step with the data-parallel average (small: norm
+weights and biases; not priced here), or through ``f`` (an all-reduce backward, each microbatch) where they cannot.
 """
 from __future__ import annotations
 

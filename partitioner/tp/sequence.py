@@ -16,8 +16,10 @@ along the first dimension where its leading sizes multiply to batch x sequence (
 embedding, the slice is followed op by op through what works per token (elementwise ops, norms and reductions over
 other dimensions, matmuls by weights, views that keep the tokens on one dimension, dropout, which then draws each
 rank's own mask from the engine's ``sharded`` stream). A whole value such an op reads is sliced alike where it runs
-along the tokens (position embeddings), and otherwise (a norm's weight, a bias) passes through ``f``, whose backward
-sums the ranks' partial gradients, so every rank ends with the whole gradient of a weight it holds whole. An op that
+along the tokens (position embeddings), and otherwise (a norm's weight, a bias) leaves each rank a partial gradient,
+which the runtime sums over the tp group once per step with the data-parallel average (Megatron's
+``allreduce_layernorm_grads``; or, ``defer_weights=False``, ``f`` sums it in every backward), so every rank ends
+with the whole gradient of a weight it holds whole. An op that
 mixes positions (a cumsum over the sequence, attention left whole), and a graph output, get the whole sequence
 gathered first, with a one-line note; a sequence that does not divide by the degree leaves the program unchanged.
 """
@@ -26,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 import torch
 import torch.fx
@@ -57,11 +59,14 @@ class SequenceParallelWarning(UserWarning):
 
 @dataclass
 class SequenceRewrite:
-    """What :func:`sequence_parallel` did: ``applied`` (some region runs on a slice of the sequence) and ``notes``,
-    one line each: why it did not apply, or which op reads the sequence whole."""
+    """What :func:`sequence_parallel` did: ``applied`` (some region runs on a slice of the sequence), ``notes``,
+    one line each: why it did not apply, or which op reads the sequence whole, and ``deferred``: the parameters read
+    whole by sliced ops whose gradients, partial sums on each rank, the runtime sums over the tp group once per step
+    (with the data-parallel average) instead of through ``f`` in every microbatch's backward."""
 
     applied: bool = False
     notes: list[str] = field(default_factory=list)
+    deferred: list[str] = field(default_factory=list)  # weights read whole whose partial gradients sum once per step
 
 
 def token_layout(shape: Any, batch: int, seq: int) -> Tokens | None:
@@ -115,8 +120,12 @@ def _ids(graph: torch.fx.Graph) -> tuple[int, int] | None:
 class _Rewrite:
     """One pass over a tp rank's graph (see the module docstring)."""
 
-    def __init__(self, graph: torch.fx.Graph, comm: torch.fx.Node, tp: int, batch: int, seq: int):
+    def __init__(self, graph: torch.fx.Graph, comm: torch.fx.Node, tp: int, batch: int, seq: int,
+                 defer_weights: bool = True, keep_whole: Collection[str] = ()):
         self.g, self.comm, self.tp, self.batch, self.seq = graph, comm, tp, batch, seq
+        self.defer_weights = defer_weights
+        self.keep_whole: set[str] = set(keep_whole)  # weights read under another name too (tied): always through f
+        self.deferred: list[tuple[torch.fx.Node, torch.fx.Node, list[str]]] = []  # (op, its input, weights)
         self.tokens: dict[str, Tokens] = {}       # node -> where its slice of the sequence is
         self.whole: dict[str, Any] = {}           # node -> its whole value (meta['val'] before the slice)
         self.made: dict[tuple[str, Any], torch.fx.Node] = {}  # (value, how) -> the node that made it so
@@ -149,8 +158,26 @@ class _Rewrite:
                         node.replace_input_with(n, self.gathered(n))
             elif node.op == "call_function":
                 self.visit(node)
+        self.settle_deferred()
         self.out.applied = bool(self.tokens)
         return self.out
+
+    def settle_deferred(self) -> None:
+        """Weights whose every use is a sliced op's leave their gradients partial (:attr:`SequenceRewrite.deferred`);
+        one also read elsewhere (whole there, so its gradient there is already whole) goes through ``f`` after all."""
+        skipped = {(node, n) for node, n, _ in self.deferred}
+        mixed = set()
+        for _, _, weights in self.deferred:
+            for attr in (a for a in self.g.nodes if a.op == "get_attr" and str(a.target) in weights):
+                if any((user, v) not in skipped for v, user in _uses(attr)):
+                    mixed.update(weights)
+        for node, n, weights in self.deferred:
+            if set(weights) & mixed:
+                made = self.insert(copy_to, (n, self.comm), lambda: self.g.inserting_before(node),  # noqa: B023
+                                   f"{n.name}_sp_copy", value_of(n), n, "f")
+                node.replace_input_with(n, made)
+            else:
+                self.out.deferred.extend(w for w in weights if w not in self.out.deferred)
 
     def gathered(self, n: torch.fx.Node) -> torch.fx.Node:
         """The whole sequence of the sliced value ``n``, for ops every rank runs whole."""
@@ -247,6 +274,10 @@ class _Rewrite:
                 return None
         for n, how in plan:
             before = lambda: self.g.inserting_before(node)  # noqa: E731
+            weights = _weights_of(n) if how == "f" and self.defer_weights else None
+            if weights and not set(weights) & self.keep_whole:  # its partial gradients sum once per step
+                self.deferred.append((node, n, weights))
+                continue
             if how == "f":
                 made = self.insert(copy_to, (n, self.comm), before, f"{n.name}_sp_copy", value_of(n), n, "f")
             else:
@@ -259,9 +290,44 @@ class _Rewrite:
         return tokens
 
 
-def sequence_parallel(graph: torch.fx.Graph, comm: torch.fx.Node, tp: int) -> SequenceRewrite:
+def _uses(attr: torch.fx.Node) -> list[tuple[torch.fx.Node, torch.fx.Node]]:
+    """(value, op) for every op that reads ``attr`` itself or a cast or view of it (a value made from it alone)."""
+    out, todo = [], [attr]
+    while todo:
+        v = todo.pop()
+        for user in v.users:
+            if user.op == "call_function" and _weights_of(user) is not None:
+                todo.append(user)  # a view or cast of the weight alone: its users read the weight
+            out.append((v, user))
+    return out
+
+
+def _weights_of(node: torch.fx.Node) -> list[str] | None:
+    """The parameters (get_attr targets) ``node`` is computed from alone, through casts and views; None when it
+    reads anything else."""
+    seen, todo, found = set(), [node], []
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "get_attr":
+            found.append(str(n.target))
+        elif n.op == "call_function" and n.all_input_nodes:
+            todo.extend(n.all_input_nodes)
+        else:
+            return None
+    return found or None
+
+
+def sequence_parallel(graph: torch.fx.Graph, comm: torch.fx.Node, tp: int, defer_weights: bool = True,
+                      keep_whole: Collection[str] = ()) -> SequenceRewrite:
     """Rewrite ``graph``, tp rank's program whose collectives read ``comm``, so that its whole regions run on
-    this rank's slice of the sequence (see the module docstring); the graph is unchanged where it cannot."""
+    this rank's slice of the sequence (see the module docstring); the graph is unchanged where it cannot.
+    ``defer_weights``: weights read whole leave their gradients partial, for the runtime to sum once per step
+    (:attr:`SequenceRewrite.deferred`); False: through ``f`` in every backward (where the runtime cannot sum them,
+    sharded data parallelism's shards). ``keep_whole``: weights that go through ``f`` anyway (a tied weight, read
+    under another name where its gradient is whole)."""
     ids = _ids(graph)
     if ids is None:
         return SequenceRewrite(notes=["no embedding looks up the model's input ids, so the sequence dimension is "
@@ -270,5 +336,5 @@ def sequence_parallel(graph: torch.fx.Graph, comm: torch.fx.Node, tp: int) -> Se
     if seq % tp:
         return SequenceRewrite(notes=[f"the sequence length {seq} does not divide by tensor_parallel_degree {tp}: "
                                       "the regions between tp regions stay whole"])
-    return _Rewrite(graph, comm, tp, batch, seq).run()
+    return _Rewrite(graph, comm, tp, batch, seq, defer_weights, keep_whole).run()
 

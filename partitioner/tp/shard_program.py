@@ -15,6 +15,7 @@ Every rank writes the same nodes under the same names, so one plan cut on rank 0
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import operator
@@ -258,11 +259,14 @@ def _keep_plain_constants(module: torch.nn.Module, source: torch.nn.Module) -> N
             setattr(holder, leaf, value)
 
 
-def shard_graph(graph: OpGraph, sharding: Sharding, rank: int, sequence: bool = False) -> OpGraph:
+def shard_graph(graph: OpGraph, sharding: Sharding, rank: int, sequence: bool = False,
+                defer_weights: bool = True) -> OpGraph:
     """The op graph of tp rank ``rank`` (see the module docstring), over a new module that holds this rank's
     shards of the sharded parameters (``OpGraph.fx.module``) and the unbound ``TPComm`` (``fx.tp_comm``); every
     other tensor is the model's own. ``sequence``: Megatron's sequence parallelism where it applies (its program's
-    ``Sharding.sequence`` says whether it did; :class:`SequenceParallelWarning` says where it did not)."""
+    ``Sharding.sequence`` says whether it did; :class:`SequenceParallelWarning` says where it did not), and
+    ``defer_weights``: the weights its sliced regions read whole sum their gradients once per step
+    (``Sharding.deferred``; :func:`partitioner.tp.sequence.sequence_parallel`)."""
     prog = graph.fx
     if prog is None:
         raise ValueError("shard_graph needs a traced graph (partitioner.trace), not a synthetic one")
@@ -272,8 +276,11 @@ def shard_graph(graph: OpGraph, sharding: Sharding, rank: int, sequence: bool = 
     writer = _Writer(fx_graph, sharding, rank)
     writer.write()
     if sequence:
-        rewrite = sequence_parallel(fx_graph, writer.comm, sharding.tp)
-        sharding = dataclasses.replace(sharding, sequence=rewrite.applied)
+        names = tensor_aliases(prog.module)
+        counts = collections.Counter(names.values())
+        tied = {n for n, c in names.items() if counts[c] > 1}
+        rewrite = sequence_parallel(fx_graph, writer.comm, sharding.tp, defer_weights, tied)
+        sharding = dataclasses.replace(sharding, sequence=rewrite.applied, deferred=tuple(rewrite.deferred))
         if rewrite.notes:
             warnings.warn("sequence_parallel: " + "; ".join(rewrite.notes), SequenceParallelWarning, stacklevel=2)
     fx_graph.lint()
@@ -303,10 +310,11 @@ def shard_graph(graph: OpGraph, sharding: Sharding, rank: int, sequence: bool = 
 
 
 def tensor_parallel_graph(graph: OpGraph, tp: int, rank: int, shardable: Collection[str] | None = None,
-                          sequence: bool = False) -> OpGraph:
+                          sequence: bool = False, defer_weights: bool = True) -> OpGraph:
     """``graph`` as tp rank ``rank`` of ``tp`` runs it (:func:`partitioner.tp.sharding.find_sharding`, then
     :func:`shard_graph`); warns :class:`ReplicatedWarning` naming the matmuls and embeddings left whole.
-    ``shardable``: the parameters that may be split (None: all); ``sequence``: sequence parallelism."""
+    ``shardable``: the parameters that may be split (None: all); ``sequence``, ``defer_weights``: sequence
+    parallelism (:func:`shard_graph`)."""
     if graph.fx is None:
         raise ValueError("tensor parallelism needs a traced graph (partitioner.trace), not a synthetic one")
     if tp == 1:
@@ -322,4 +330,4 @@ def tensor_parallel_graph(graph: OpGraph, tp: int, rank: int, shardable: Collect
                          "pair matches Megatron's column/row pattern with sizes divisible by the degree); use "
                          "tensor_parallel_degree=1" + ("" if shardable is None else ", or mark more of the model "
                                                        "with smp.tensor_parallelism()"))
-    return shard_graph(graph, sharding, rank, sequence)
+    return shard_graph(graph, sharding, rank, sequence, defer_weights)

@@ -47,6 +47,7 @@ class Sharding:
     scatters: dict[str, list[tuple[str, int, int]]] = field(default_factory=dict)  # node -> whole inputs it slices
     replicated: dict[str, str] = field(default_factory=dict)  # matmul or embedding left whole -> why
     sequence: bool = False  # the program written from it runs its whole regions on a slice of the sequence
+    deferred: tuple[str, ...] = ()  # ... and these weights, read whole there, sum their gradients once per step
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready summary: degree, sharded parameters, roles, what stayed replicated and sequence parallelism."""

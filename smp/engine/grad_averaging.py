@@ -76,13 +76,19 @@ class GradAveraging:
                  shards: set[int]) -> GradBuckets:
         """The buckets of ``params`` but DTensor shards: a tensor-parallel rank's ``shards`` over the replicas of the
         shard, whole parameters over every replica of the stage."""
-        sharding = runner.plan.traced_graph().fx.experts  # expert parallelism's ExpertSharding, or None
-        experts = set(sharding.params) if sharding is not None else set()
+        prog = runner.plan.traced_graph().fx
+        experts = set(prog.experts.params) if prog.experts is not None else set()
+        # sequence parallelism's weights read whole: partial sums on each tp rank, summed with the average
+        partial = set(prog.sharding.deferred) if prog.sharding is not None else set()
         whole = [(n, p) for n, p in params if not is_sharded(p)]
         groups = [ReduceGroup(kind, st.group(kind), [r for r in st.ranks(kind) if r != st.rank],
-                              [(n, p) for n, p in whole if n not in experts
+                              [(n, p) for n, p in whole if n not in experts and n not in partial
                                and (id(p) in shards) == (kind == "reduced-data-parallel")])
                   for kind in self._kinds(st)]
+        if partial:  # summed over the tp ranks (and the replicas) of the data-parallel group, averaged over replicas
+            groups.append(ReduceGroup("data-parallel", st.group("data-parallel"),
+                                      [r for r in st.ranks("data-parallel") if r != st.rank],
+                                      [(n, p) for n, p in whole if n in partial], divisor=st.topology.rdp))
         if experts:  # an ep rank's experts: their gradients sum its ep group's tokens, then the other ep groups'
             groups.append(ReduceGroup("expert-data-parallel", st.edp_group, [r for r in st.edp_ranks if r != st.rank],
                                       [(n, p) for n, p in whole if n in experts], divisor=st.topology.rdp))

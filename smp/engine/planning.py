@@ -14,6 +14,7 @@ schedule (:func:`stages_per_rank`), and the plan says so (:func:`on_ranks`).
 from __future__ import annotations
 
 import sys
+import warnings
 from dataclasses import replace
 from typing import Any, Collection
 
@@ -26,6 +27,7 @@ from partitioner.capture.split_points import RANKS_KEY, stages_note, stages_on_r
 from partitioner.capture.tracing import price_loss
 from partitioner.ep.expert_program import expert_parallel_graph
 from partitioner.sdp.shards import warn_if_nothing_sharded
+from partitioner.tp.sequence import SequenceParallelWarning
 from partitioner.tp.shard_program import tensor_parallel_graph
 from pipeline import PipelineRunner
 from pipeline.p2p import named_failures
@@ -45,19 +47,25 @@ __all__ = ["rank_graph", "shared_plan", "pipeline_runner", "smp_runner", "own_te
 
 
 def rank_graph(graph: OpGraph, tp: tuple[int, int] = (1, 0), shardable: Collection[str] | None = None,
-               sequence_parallel: bool = False, ep: tuple[int, int] = (1, 0)) -> OpGraph:
+               sequence_parallel: bool | None = False, ep: tuple[int, int] = (1, 0),
+               defer_weights: bool = True) -> OpGraph:
     """The traced ``graph`` as this rank runs it: sharded for its tp rank (``tp``: degree, rank; ``shardable``,
-    ``sequence_parallel``: :func:`partitioner.tensor_parallel_graph`), then its experts for its ep rank (``ep``:
-    degree, rank; :func:`partitioner.ep.expert_program.expert_parallel_graph`)."""
-    return expert_parallel_graph(tensor_parallel_graph(graph, *tp, shardable, sequence_parallel), *ep)
+    ``sequence_parallel``, ``defer_weights``: :func:`partitioner.tensor_parallel_graph`; ``sequence_parallel`` None:
+    on where it applies, without a warning where it does not), then its experts for its ep rank (``ep``: degree,
+    rank; :func:`partitioner.ep.expert_program.expert_parallel_graph`)."""
+    with warnings.catch_warnings():
+        if sequence_parallel is None:
+            warnings.simplefilter("ignore", SequenceParallelWarning)
+        sharded = tensor_parallel_graph(graph, *tp, shardable, sequence_parallel is not False, defer_weights)
+    return expert_parallel_graph(sharded, *ep)
 
 
 def shared_plan(model: torch.nn.Module, args: tuple, kwargs: dict, num_stages: int,
                 options: PartitionOptions | None = None, group: Any = None,
                 timeout_s: float | None = None, loss: tuple[Any, Any] | None = None,
                 tp: tuple[int, int] = (1, 0), shardable: Collection[str] | None = None,
-                step: bool = False, ranks: int | None = None, sequence_parallel: bool = False,
-                ep: tuple[int, int] = (1, 0)) -> PartitionPlan:
+                step: bool = False, ranks: int | None = None, sequence_parallel: bool | None = False,
+                ep: tuple[int, int] = (1, 0), defer_weights: bool = True) -> PartitionPlan:
     """Every rank traces ``model`` on one microbatch; global rank 0 partitions and sends the plan to all, over
     ``group`` (every rank; default: the default group), whose timeout bounds the other ranks' wait
     (``timeout_s`` names it in the error: raise it when partitioning takes longer). ``loss``: ``(loss_fn, one
@@ -65,13 +73,14 @@ def shared_plan(model: torch.nn.Module, args: tuple, kwargs: dict, num_stages: i
     (tensor-parallel degree, this rank's tp rank): every rank binds the plan to its own tp rank's graph (global
     rank 0, tp rank 0, partitions its own); ``shardable``: the parameters tensor parallelism may split (None: all);
     ``sequence_parallel``: the regions between tp regions run on a slice of the sequence
-    (:mod:`partitioner.tp.sequence`); ``ep``: (expert-parallel degree, this rank's ep rank), likewise.
+    (:mod:`partitioner.tp.sequence`), ``defer_weights`` its weights' gradients summed once per step; ``ep``:
+    (expert-parallel degree, this rank's ep rank), likewise.
     ``step``: the model runs in an ``@smp.step`` function, whose loss the plan prices (:mod:`smp.engine.step_loss`).
     ``ranks``: the pipeline's ranks, when a model with ``pipe_split()`` markers is to be cut into the markers' stages
     instead of ``num_stages`` (a multiple of ``ranks``, else an error on every rank: :func:`stages_on_ranks`)."""
     loss_fn, target = loss if loss is not None else (None, None)
     graph = rank_graph(trace(model, args, kwargs, loss_fn=loss_fn, target=target), tp, shardable, sequence_parallel,
-                       ep)
+                       ep, defer_weights)
     if ranks is not None:
         num_stages = stages_on_ranks(graph, ranks) or num_stages
     outside = step_loss(graph) if step and loss is None else None
@@ -124,7 +133,7 @@ def pipeline_runner(model: torch.nn.Module, args: tuple = (), kwargs: dict | Non
     plan = shared_plan(model, tuple(args), dict(kwargs or {}), stages,
                        PartitionOptions.of(options, microbatches=microbatches, time_prices=_on_cpu(runner_kwargs)),
                        loss=loss, tp=tp, ranks=len(mine) if num_stages is None and virtual_stages is None else None,
-                       sequence_parallel=sequence_parallel)
+                       sequence_parallel=sequence_parallel, defer_weights=False)  # no step-level sum here
     v = virtual_stages or stages_per_rank(plan, len(mine), microbatches, runner_kwargs.get("schedule"),
                                           "leave schedule unset or pass schedule='interleaved-virtual', or run on "
                                           "{stages} ranks (one stage each)")

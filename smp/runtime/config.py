@@ -71,7 +71,9 @@ class Config:
     sdp_gradient_clipping: float = 1.0  # with sdp: the global gradient norm is clipped to this at each step (0: off)
     timeout_s: float = DEFAULT_TIMEOUT_S  # per wait/collective; from SMP_TIMEOUT_S when the config has none
     prescaled_batch: bool = False     # with tp > 1: a tp group reads one batch (True) or one each (smp.engine.tp_batch)
-    sequence_parallel: bool = False   # ours: with tp > 1, Megatron's sequence parallelism (partitioner.tp.sequence)
+    # ours: with tp > 1, Megatron's sequence parallelism (partitioner.tp.sequence); None: on where it applies, quietly
+    # (True: on, saying where it does not apply; False: off)
+    sequence_parallel: bool | None = None
     expert_parallel_degree: int = 1   # ours: experts sharded over as many data-parallel ranks (partitioner.ep)
     activation_loading_horizon: int = DEFAULT_HORIZON  # offloaded activations load this many backwards ahead
     overlapping_allreduce: bool = True  # replicas average in buckets during the backward (smp.engine.grad_averaging)
@@ -225,7 +227,8 @@ def load_config(config: dict | str | os.PathLike | None = None) -> Config:
     for key, why in _NO_EFFECT.items():
         if key in ("prescaled_batch", "sequence_parallel") and c.tensor_parallel_degree > 1:
             continue  # they decide which batch a tensor-parallel group reads and how it splits its whole regions
-        if getattr(c, key) != defaults[key]:  # through smp.init, stacklevel 3 is the user's smp.init line
+        unchanged = (defaults[key], False) if key == "sequence_parallel" else (defaults[key],)  # off: as without it
+        if getattr(c, key) not in unchanged:  # through smp.init, stacklevel 3 is the user's smp.init line
             warn_no_effect(f"smp config {key!r}={getattr(c, key)!r}", why, stacklevel=3)
     return c
 
@@ -290,7 +293,8 @@ def _validate(c: Config) -> None:
            "active_microbatches", c.active_microbatches, "a positive integer")
     _check(isinstance(c.shard_optimizer_state, bool), "shard_optimizer_state", c.shard_optimizer_state, "True or False")
     _check(isinstance(c.offload_activations, bool), "offload_activations", c.offload_activations, "True or False")
-    _check(isinstance(c.sequence_parallel, bool), "sequence_parallel", c.sequence_parallel, "True or False")
+    _check(c.sequence_parallel is None or isinstance(c.sequence_parallel, bool), "sequence_parallel",
+           c.sequence_parallel, "True, False or None (on where it applies)")
     _check(isinstance(c.timeout_s, (int, float)) and not isinstance(c.timeout_s, bool) and 0 < c.timeout_s < 1e9,
            "timeout_s", c.timeout_s, "a positive number of seconds: how long any one wait or collective of smp "
            "may take before the job stops with an error")

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from smp.testing import run_ranks
+from tests.smp.features import shard_grad_error
 from tests.smp.test_tp_training import VOCAB, _loss, _run, build
 
 
@@ -43,6 +44,8 @@ def _smp(rank: int, world: int) -> dict:
     ids = torch.randint(0, VOCAB, (4, 8), generator=torch.Generator().manual_seed(1))
     ref = build("llama")
     want = sum(ref(ids[i:i + 2], labels=ids[i:i + 2]).loss for i in (0, 2)) / 2
+    want.backward()
+    grads = {n: p.grad for n, p in ref.named_parameters(remove_duplicate=False)}
     smp.init({"pipeline_parallel_degree": 1, "tensor_parallel_degree": 2, "ddp": True, "microbatches": 2,
               "prescaled_batch": True, "sequence_parallel": True})
     model = smp.DistributedModel(build("llama"))
@@ -57,13 +60,16 @@ def _smp(rank: int, world: int) -> dict:
         warnings.simplefilter("ignore")
         loss = train_step(model, ids).reduce_mean()
     sharding = model.partition_plan().traced_graph().fx.sharding
-    return {"loss": float(loss), "want": float(want), "sequence": sharding.sequence}
+    worst, _ = shard_grad_error(model, grads)
+    return {"loss": float(loss), "want": float(want), "sequence": sharding.sequence, "worst": worst,
+            "deferred": sharding.deferred}
 
 
-@pytest.mark.slow
-def test_the_smp_config_key_turns_it_on():
+def test_the_smp_config_key_turns_it_on_and_norm_weights_sum_their_gradients_once_per_step():
     for r in run_ranks(_smp, 2, timeout=240):
         assert r["sequence"] and abs(r["loss"] - r["want"]) <= 1e-5 * abs(r["want"]), r
+        assert r["worst"] < 1e-5, r  # the norms' weights: partial sums on each tp rank, summed after the step
+        assert any("norm" in name for name in r["deferred"]), r
 
 
 def _dropout(rank: int, world: int) -> dict:

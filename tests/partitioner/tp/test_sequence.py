@@ -17,11 +17,18 @@ from tests.smp.test_tp_training import VOCAB, build
 
 
 def _graphs(kind: str, seq: int = 8) -> tuple:
+    graph = trace_of(kind, seq)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return tensor_parallel_graph(graph, 2, 0), tensor_parallel_graph(graph, 2, 0, sequence=True)
+
+
+def trace_of(kind: str, seq: int = 8):
+    """The traced model ``kind`` on 2 sequences of ``seq`` tokens (seed 0), its loss included."""
     ids = torch.randint(0, VOCAB, (2, seq), generator=torch.Generator().manual_seed(0))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        graph = trace(build(kind), (ids,), {"labels": ids})
-        return tensor_parallel_graph(graph, 2, 0), tensor_parallel_graph(graph, 2, 0, sequence=True)
+        return trace(build(kind), (ids,), {"labels": ids})
 
 
 def _targets(graph) -> list:
@@ -47,9 +54,15 @@ def test_the_whole_regions_run_on_half_the_sequence(kind):
     assert seq_gather_whole not in _targets(sp)  # nothing reads the sequence whole
     norms = [n for n in sp.fx.module.graph.nodes if n.name.startswith(("layer_norm", "rsqrt"))]
     assert norms and all(n.meta["val"].shape[1] == 4 for n in norms)  # 8 positions, 4 on each rank
-    # Every weight a sliced region reads whole (norms, biases after g) sums its gradient through f.
-    copied = {n.args[0].target for n in sp.fx.module.graph.nodes if n.target is copy_to and n.args[0].op == "get_attr"}
-    assert copied and all("norm" in t or "ln" in t or "proj.bias" in t for t in copied)
+    # Every weight a sliced region reads whole (norms, biases after g) leaves its gradient a partial sum on each rank,
+    # summed once per step by the runtime; without that runtime (defer_weights=False) it sums through f every time.
+    deferred = set(sp.fx.sharding.deferred)
+    assert deferred and all("norm" in t or "ln" in t or "proj.bias" in t for t in deferred)
+    assert not [n for n in sp.fx.module.graph.nodes if n.target is copy_to and n.args[0].op == "get_attr"]
+    every = tensor_parallel_graph(trace_of(kind), 2, 0, sequence=True, defer_weights=False)
+    copied = {n.args[0].target for n in every.fx.module.graph.nodes if n.target is copy_to
+              and n.args[0].op == "get_attr"}
+    assert copied == deferred and not every.fx.sharding.deferred
     assert sp.act_bytes.sum() < tp.act_bytes.sum()
 
 
