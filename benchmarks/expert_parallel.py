@@ -12,9 +12,10 @@ Configurations, each in its own pair of processes, alternating over ``--rounds``
 * ``smp ep2``: the same with ``expert_parallel_degree`` 2: each rank holds 4 of each layer's 8 experts, rows routed
   by all-to-all (:mod:`partitioner.ep.dispatch`);
 * ``hand ep2``: the model in eager torch, each experts module's forward replaced by the same algorithm written by hand
-  (torchtitan's design: one all-to-all of counts, one of rows, ``torch.nn.functional.grouped_mm`` over this rank's
-  experts, one all-to-all back; torch's autograd-aware functional all-to-all), the other gradients all-reduced and
-  averaged after the backward, the experts' divided by 2.
+  (torchtitan's design: one all-to-all of counts, one of rows, the grouped matmul the traced model runs,
+  ``transformers``' ``grouped_mm_fallback``, over this rank's experts, one all-to-all back; torch's autograd-aware
+  functional all-to-all), the other gradients averaged in one flat all-reduce after the backward, the experts'
+  divided by 2.
 
 A step is forward, backward, averaging and ``AdamW.step()``, timed from a barrier to a barrier after ``--warmup``
 untimed steps; ``ms/step`` is the median over rounds of each round's median. ``held`` is what rank 0 holds after a
@@ -83,8 +84,9 @@ def _held(params: list[torch.Tensor], opt: torch.optim.Optimizer) -> int:
 def _hand_experts(module: torch.nn.Module, rank: int, ep: int) -> None:
     """Give ``module`` (a ``transformers`` experts module) this rank's experts and an all-to-all forward."""
     import torch.distributed as dist
-    import torch.nn.functional as F
     from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
+
+    grouped = torch.ops.transformers.grouped_mm_fallback  # the kernel the traced model runs (one mm per expert)
 
     experts = module.num_experts
     per = experts // ep
@@ -109,8 +111,8 @@ def _hand_experts(module: torch.nn.Module, rank: int, ep: int) -> None:
         source_of = torch.repeat_interleave(torch.arange(ep), recv.sum(1))
         local = torch.argsort(expert_of * ep + source_of, stable=True)
         offs = torch.cumsum(recv.sum(0), 0).to(torch.int32)
-        gate, up = F.grouped_mm(arrived[local], module.gate_up_proj.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
-        done = F.grouped_mm(module.act_fn(gate) * up, module.down_proj.transpose(-2, -1), offs=offs)
+        gate, up = grouped(arrived[local], module.gate_up_proj.transpose(-2, -1), offs).chunk(2, dim=-1)
+        done = grouped(module.act_fn(gate) * up, module.down_proj.transpose(-2, -1), offs)
         home = a2a(done[torch.argsort(local)], ins, outs)
         back = torch.zeros_like(home).index_copy(0, order, home)
         return (back.view(-1, k, hidden.shape[-1]) * top_k_weights.unsqueeze(-1)).sum(1)
@@ -135,13 +137,13 @@ def _run(rank: int, world: int, config: str, dims: dict, steps: int, warmup: int
         def step() -> float:
             loss = net(ids, labels=ids).loss
             loss.backward()
+            shared = [p.grad for p in params if p.grad is not None and p.dim() != 3]
+            flat = torch._utils._flatten_dense_tensors(shared)
+            dist.all_reduce(flat)  # one all-reduce of every gradient but the experts'
+            for g, avg in zip(shared, torch._utils._unflatten_dense_tensors(flat, shared)):
+                g.copy_(avg / world)
             for p in params:
-                if getattr(p, "grad", None) is None:
-                    continue
-                if p.dim() == 3:  # an expert's gradient sums both ranks' rows already
-                    p.grad /= world
-                else:
-                    dist.all_reduce(p.grad)
+                if p.grad is not None and p.dim() == 3:  # an expert's gradient sums both ranks' rows already
                     p.grad /= world
             opt.step()
             opt.zero_grad(set_to_none=False)
