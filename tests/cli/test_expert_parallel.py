@@ -42,6 +42,7 @@ def test_inspect_ep_holds_a_share_of_the_experts_and_prices_the_all_to_alls(caps
     assert split["stages"][0]["cost_s"] > whole["stages"][0]["cost_s"]  # the same compute and the all-to-alls
 
 
+@pytest.mark.slow
 def test_simulate_takes_ep(tmp_path: Path) -> None:
     got = smp("simulate", TARGET, "-p", "2", "-m", "4", "--ep", "2", "--device", "h100-80gb", "--dtype", "bf16",
               "-q", "--json", str(tmp_path / "sim.json"))
@@ -57,6 +58,7 @@ def test_bad_degrees_are_refused_in_one_line(args: tuple, needles: tuple) -> Non
     one_line_error(smp("inspect", TARGET, "-p", "1", "--estimate", "-q", *args), *needles)
 
 
+@pytest.mark.slow
 def test_a_model_without_experts_is_refused_with_the_reason() -> None:
     one_line_error(smp("inspect", "zoo:gpt2", "-p", "1", "--ep", "2", "--estimate", "-q"),
                    "--ep 2", "no mixture-of-experts layer")

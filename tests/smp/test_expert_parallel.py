@@ -99,7 +99,8 @@ def _train(rank: int, world: int, config: dict, kind: str, steps: int) -> dict:
     return {"worst": worst, "shapes": shapes, "state_shapes": state_shapes}
 
 
-@pytest.mark.parametrize("kind", ["mixtral", "deepseek_v3", "gpt_oss"])
+@pytest.mark.parametrize("kind", ["mixtral", pytest.param("deepseek_v3", marks=pytest.mark.slow),
+                                  pytest.param("gpt_oss", marks=pytest.mark.slow)])
 def test_ep2_trains_as_one_process_with_half_the_experts_per_rank(kind):
     for out in run_ranks(_train, 2, EP2, kind, 2, timeout=240):
         w = out["worst"]
