@@ -186,6 +186,7 @@ def _other_weights(net: torch.nn.Module) -> torch.nn.Module:
     return net
 
 
+@pytest.mark.slow
 def test_a_full_checkpoint_saved_under_ep2_resumes_under_ep1_exactly():
     for out in run_ranks(_checkpoints, 2, 1, timeout=300):
         assert out["experts_whole"] == (4, 96, 32), out

@@ -65,6 +65,7 @@ def _smp(rank: int, world: int) -> dict:
             "deferred": sharding.deferred}
 
 
+@pytest.mark.slow
 def test_the_smp_config_key_turns_it_on_and_norm_weights_sum_their_gradients_once_per_step():
     for r in run_ranks(_smp, 2, timeout=240):
         assert r["sequence"] and abs(r["loss"] - r["want"]) <= 1e-5 * abs(r["want"]), r

@@ -124,6 +124,7 @@ def _run_plain(rank: int, world: int) -> dict:
                         / reference.w1.grad[a:b].float().abs().max())}
 
 
+@pytest.mark.slow
 def test_two_ranks_compute_what_one_process_computes():
     for got in run_ranks(_run_plain, 2, timeout=120):
         assert got["out"] < 1e-5 and got["w1"] < 1e-2, got  # w1's gradient: bfloat16, relative
