@@ -53,7 +53,7 @@ SMP_LAYERS = {
 NO_COLLECTIVES = ("smp.profiling.measurements", "smp.profiling.rules", "smp.profiling.report", "smp.profiling.replan",
                   "smp.profiling.system_rules", "smp.profiling.system_samples", "smp.profiling.findings")
 # Private names of torch, transformers and argparse objects that the engine reads on purpose (documented there).
-FOREIGN_PRIVATE = {"_parameters", "_non_persistent_buffers_set", "_init_weights", "_is_hf_initialized",
+FOREIGN_PRIVATE = {"_parameters", "_modules", "_non_persistent_buffers_set", "_init_weights", "_is_hf_initialized",
                    "_SubParsersAction", "_use_count"}
 
 

@@ -5,7 +5,7 @@ classic chain-partitioning DP; Bokhari 1988 for chains-on-chains, cf. PipeDream,
 SOSP'19). A segment's time is its stage's compute plus communication exactly as
 :func:`partitioner.cut.objective.evaluate` prices it: every value a segment receives or sends is counted once
 per (value, consumer stage), so a skip connection costs only the stages that produce and read it
-(:func:`grid_comm`).
+(:func:`partitioner.cut.segments.grid_comm`).
 
 The objective blends the bottleneck with the largest stage's memory (:mod:`partitioner.cut.objective`), which
 a min-max DP cannot score directly; but for a cap on every stage's memory the DP gives the least
@@ -15,129 +15,28 @@ stage within 1% (:data:`partitioner.cut.objective.NEAR`) of that plan's bottlene
 those plans, cuts the fewest bytes, then holds the fewest activation bytes in flight. Both plans go to the
 portfolio, which picks between them (:func:`partitioner.cut.objective.choose`).
 
-Graphs with more than ``MAX_POSITIONS`` ops are solved on a subset of the cut positions: the cheapest
-cut in each of many windows of equal compute, plus the cheapest cuts overall (in a transformer, the
-residual stream between blocks); the best plan's boundaries are then also re-placed at full resolution,
-a third candidate.
+Graphs with more than :data:`partitioner.cut.segments.MAX_POSITIONS` ops are solved on a subset of the cut
+positions: the cheapest cut in each of many windows of equal compute, plus the cheapest cuts overall (in a
+transformer, the residual stream between blocks); the best plan's boundaries are then also re-placed at full
+resolution, a third candidate.
 """
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 
 import numpy as np
 
-from ..capture.graph import OpGraph, unique_ints
 from .objective import NEAR, Problem
+from .segments import candidate_positions, grid_comm, live_values, prefix_sums
 
-__all__ = ["dp_partition", "grid_comm", "MAX_POSITIONS"]
+__all__ = ["dp_partition"]
 
-MAX_POSITIONS = 1536
-CHEAP_POSITIONS = 512    # of MAX_POSITIONS, kept for the cheapest cuts of the whole graph
 CAP_GRID = 9             # memory caps tried between the least and the fastest plan's memory ...
 CAP_REFINE = 6           # ... then golden-section steps around the best of them
 BAND_START = 1.05        # the min-max DP's first bound on the bottleneck: this times the mean stage ...
 BAND_GROWTH = 1.5        # ... grown by this factor until a partition is found under it
 BAND_SLACK = 1e-6        # a band's width is widened this much, so rounding in segment costs never narrows it
-
-
-def _prefix(p: Problem) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Prefix sums over the topological order (time, parameter memory, activation bytes) and the bytes
-    live across each cut position."""
-    g = p.graph
-    n = g.num_nodes
-    T = np.concatenate([[0.0], np.cumsum(p.time)])
-    P = np.concatenate([[0.0], np.cumsum(p.node_param_mem())])
-    A = np.concatenate([[0.0], np.cumsum(p.act_bytes)])
-    cut = np.zeros(n + 2)
-    first, last, nbytes = _value_spans(g, p.value_bytes)
-    np.add.at(cut, first + 1, nbytes)
-    np.add.at(cut, last + 1, -nbytes)
-    return T, P, A, np.cumsum(cut)[: n + 1]
-
-
-def _value_spans(g: OpGraph, value_bytes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """For each value read after the op that produces it: the producer's position, the last reader's
-    position and its bytes (it crosses every cut in between)."""
-    n, nv = g.num_nodes, len(g.value_bytes)
-    first = np.full(nv, n, np.int64)
-    last = np.full(nv, -1, np.int64)
-    if g.num_edges:
-        np.minimum.at(first, g.value, g.src)
-        np.maximum.at(last, g.value, g.dst)
-    live = last > first
-    return first[live], last[live], value_bytes[live]
-
-
-def _live_values(g: OpGraph) -> np.ndarray:
-    """Per cut position, how many values are live across it (each is one message)."""
-    n = g.num_nodes
-    first, last, _ = _value_spans(g, g.value_bytes)
-    count = np.bincount(first + 1, minlength=n + 2) - np.bincount(last + 1, minlength=n + 2)
-    return np.cumsum(count)[: n + 1]
-
-
-def _candidates(T: np.ndarray, cut: np.ndarray) -> np.ndarray:
-    n = len(T) - 1
-    if n + 1 <= MAX_POSITIONS:
-        return np.arange(n + 1)
-    order = np.lexsort((np.arange(1, n), cut[1:n]))  # interior positions by cut, then position
-    # One position per window of equal compute: the one with the fewest live bytes.
-    windows = MAX_POSITIONS - CHEAP_POSITIONS
-    edges = np.unique(np.searchsorted(T, np.linspace(0, T[-1], windows - 1), side="left"))
-    edges = edges[(edges > 0) & (edges < n)]
-    starts = np.concatenate([[1], edges])
-    rank = np.empty(n - 1, np.int64)
-    rank[order] = np.arange(n - 1)
-    best_rank = np.minimum.reduceat(rank, starts - 1)
-    return np.unique(np.concatenate([[0], order[best_rank] + 1, order[:CHEAP_POSITIONS] + 1, [n]]))
-
-
-def grid_comm(p: Problem, cand: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Communication of every candidate segment ``[cand[a], cand[b])`` as its own stage: seconds (values
-    in and out, activations forward and gradients back, as :func:`objective.evaluate` prices them) and the
-    bytes it receives.
-
-    A value counts as received by a segment when it is produced before the segment and read inside it --
-    exactly once per (value, consumer stage), as ``evaluate`` counts it, so a skip connection costs only the
-    stages that produce and read it, not the ones it passes over. A value sent to later stages counts once
-    on the sending side (a segment cannot know how the stages after it are cut). Each crossing is a
-    rectangle of segments (a range of starts times a range of ends), so the whole table is a 2-D prefix sum
-    over O(edges) corner updates.
-    """
-    g, r = p.graph, p.rates
-    N = len(cand)
-    secs = np.zeros((N + 1) * (N + 1))
-    recv = np.zeros((N + 1) * (N + 1))
-    if g.num_edges:
-        nv = len(g.value_bytes)
-        producer = np.zeros(nv, np.int64)
-        producer[g.value] = g.src
-        interval = np.searchsorted(cand, producer, side="right") - 1   # candidate interval of each producer
-        key = unique_ints(g.value * N + (np.searchsorted(cand, g.dst, side="right") - 1))
-        v, q = key // N, key % N                                        # (value, consumer interval), sorted
-        keep = q != interval[v]
-        v, q = v[keep], q[keep]
-        if len(v):
-            first = np.ones(len(v), bool)
-            first[1:] = v[1:] != v[:-1]
-            last = np.ones(len(v), bool)
-            last[:-1] = v[1:] != v[:-1]
-            prev_q = np.where(first, interval[v], np.concatenate([[0], q[:-1]]))
-            nbytes = p.value_bytes[v]
-            cost = 2.0 * (nbytes / r.link_bytes_per_s + r.link_latency_s)
-
-            def rect(out, r0, r1, c0, c1, w):  # add w to out[r0..r1, c0..c1]
-                for rows, cols, sign in ((r0, c0, 1), (r0, c1 + 1, -1), (r1 + 1, c0, -1), (r1 + 1, c1 + 1, 1)):
-                    out += np.bincount(rows * (N + 1) + cols, weights=sign * w, minlength=(N + 1) * (N + 1))
-
-            # Received: starts after the producer's interval up to this reader's, ends past this reader.
-            rect(secs, prev_q + 1, q, q + 1, np.full_like(q, N - 1), cost)
-            rect(recv, prev_q + 1, q, q + 1, np.full_like(q, N - 1), nbytes)
-            # Sent (once per value): segments holding the producer that end before its last reader.
-            pv, lq = interval[v[last]], q[last]
-            rect(secs, np.zeros_like(pv), pv, pv + 1, lq, cost[last])
-    shape = (N + 1, N + 1)
-    return (secs.reshape(shape).cumsum(0).cumsum(1)[:N, :N], recv.reshape(shape).cumsum(0).cumsum(1)[:N, :N])
 
 
 class _Grid:
@@ -146,17 +45,18 @@ class _Grid:
 
     def __init__(self, p: Problem):
         self.p = p
-        self.T, self.P, self.A, self.cut = _prefix(p)
+        self.T, self.P, self.A, self.cut = prefix_sums(p)
         n = p.graph.num_nodes
-        cand = _candidates(self.T, self.cut)
+        cand = candidate_positions(self.T, self.cut)
         if n > 1 and not p.placeable[n - 1]:  # no stage of the output node alone: it would do no work
             cand = cand[cand != n - 1]
         self.cand = cand
         comm, self.recv = grid_comm(p, cand)
         starts, ends = cand[:, None], cand[None, :]
         self.time = np.where(starts < ends, self.T[ends] - self.T[starts] + comm, np.inf)
-        self.rows = np.arange(len(cand))[:, None]
         self.budget = np.inf if p.budget is None else p.budget
+        self._firsts: dict[tuple[float, float], np.ndarray] = {}  # by (microbatches in flight, cap): asked again
+        self._flights = list({float(f): s for s, f in enumerate(p.inflight)}.values())  # a stage of each count
 
     def level(self, s: int) -> np.ndarray:
         """Stage ``s``'s memory of the segment [cand[0], cand[b]) for every b (nondecreasing)."""
@@ -165,8 +65,19 @@ class _Grid:
     def first_start(self, s: int, cap: float) -> np.ndarray:
         """Per segment end, the first start whose segment fits ``cap`` bytes on stage ``s`` (memory grows
         with the segment, so the starts that fit are a suffix)."""
-        lv = self.level(s)
-        return np.searchsorted(lv, lv - min(cap, self.budget) * (1 + 1e-12), side="left")
+        key = (float(self.p.inflight[s]), float(cap))
+        if key not in self._firsts:
+            lv = self.level(s)
+            self._firsts[key] = np.searchsorted(lv, lv - min(cap, self.budget) * (1 + 1e-12), side="left")
+        return self._firsts[key]
+
+    def starts_key(self, cap: float) -> bytes:
+        """A digest of :meth:`first_start` on every stage under ``cap``: caps with the same one leave the DP the same
+        segments to choose from, so the same partition (a golden section's caps often do)."""
+        digest = hashlib.blake2b(digest_size=32)
+        for s in self._flights:
+            digest.update(self.first_start(s, cap).tobytes())
+        return digest.digest()
 
     def floor(self) -> np.ndarray:
         """Memory levels whose rise over a segment is at most its memory on any stage (the fewest in flight)."""
@@ -217,23 +128,30 @@ def _cells(level: np.ndarray, width: float, first: np.ndarray, s: int, k: int
 
 
 def _min_max(seg: Callable[[int, np.ndarray, np.ndarray], np.ndarray], k: int, N: int,
-             level: np.ndarray, first: Callable[[int], np.ndarray] | None = None) -> tuple[float, list[int] | None]:
+             level: np.ndarray, first: Callable[[int], np.ndarray] | None = None,
+             at_least: float = 0.0) -> tuple[float, list[int] | None]:
     """The partition into k segments (from candidate 0 to N-1) with the least largest ``seg(s, a, b)`` (stage s's
     cost of the segment between candidates a and b, for index arrays); a segment of stage s must start at or
-    after ``first(s)[b]`` when given.
+    after ``first(s)[b]`` when given; no partition's is below ``at_least`` (a looser problem's least).
 
     ``best[s][b] = min_a max(best[s-1][a], seg(s, a, b))``, the first such a on ties, evaluated only where both
     terms are at most a bound U: a path to the optimum B <= U passes only through such cells, so values at most
     U are exact and so is the argmin among them (the terms above U are never the minimum there). A segment's
     cost on every stage is at least ``level[b] - level[a]`` (nondecreasing), so its starts lie in a band of width
     U, and a stage's ends in a window that s + 1 segments reach and k - s - 1 complete (:func:`_cells`). U starts
-    at the mean and grows until a partition is found; once U covers every level, nothing is cut off."""
+    at the mean and grows until a partition is found; once U covers every level, nothing is cut off. A pass with U
+    below ``at_least``, or once a stage ends nowhere, finds nothing: it is skipped, or left."""
+    if at_least == np.inf:  # the looser problem has no partition: neither has this one
+        return np.inf, None
     zero = np.zeros(N, np.int64)
     widest = float(level[-1] - level[0])
     bound = widest / k * BAND_START
     while True:
         full = not bound < widest
         U = np.inf if full else bound
+        if U < at_least:
+            bound = bound * BAND_GROWTH if bound > 0 else np.inf
+            continue
         prev = seg(0, zero, np.arange(N))
         if first is not None:
             prev = np.where(first(0) <= 0, prev, np.inf)
@@ -250,39 +168,49 @@ def _min_max(seg: Callable[[int, np.ndarray, np.ndarray], np.ndarray], k: int, N
                 parent[cols] = a[off, at]
             prev = best
             parents.append(parent)
+            if not np.isfinite(prev).any():  # no later stage can end anywhere either
+                break
         value = float(prev[N - 1])
         if np.isfinite(value) or full:
             return value, (_backtrack(parents, N) if np.isfinite(value) else None)
         bound = bound * BAND_GROWTH if bound > 0 else np.inf
 
 
-def _fastest(grid: _Grid, k: int, cap: float) -> list[int] | None:
-    """The least-bottleneck partition whose every stage fits ``cap`` bytes."""
-    return _min_max(grid.time_of, k, len(grid.cand), grid.T[grid.cand], lambda s: grid.first_start(s, cap))[1]
-
-
 def _best_blend(grid: _Grid, k: int) -> list[int] | None:
     """The partition with the best objective: the fastest one when memory does not count, else the best
     of the fastest ones under a range of memory caps (golden-section search around the best cap)."""
-    fastest = _fastest(grid, k, np.inf)
-    if grid.p.options.memory_weight == 0 or fastest is None:
-        return fastest
+    seconds: dict[float, float] = {}  # cap -> the least bottleneck under it, which no smaller cap's is below
+    known: dict[bytes, tuple[float, list[int] | None]] = {}  # by the stages' first starts (_Grid.starts_key)
+
+    def fastest(cap: float) -> list[int] | None:  # the least-bottleneck partition whose stages fit cap bytes
+        key = grid.starts_key(cap)
+        if key not in known:
+            at_least = max((t for c, t in seconds.items() if c >= cap), default=0.0)
+            known[key] = _min_max(grid.time_of, k, len(grid.cand), grid.T[grid.cand],
+                                  lambda s: grid.first_start(s, cap), at_least)
+        seconds[cap], plan = known[key]
+        return plan
+
+    quickest = fastest(np.inf)
+    if grid.p.options.memory_weight == 0 or quickest is None:
+        return quickest
     least, _ = _min_max(grid.memory_of, k, len(grid.cand), grid.floor())
-    most = grid.axes(fastest)[1]
+    most = grid.axes(quickest)[1]
     if most <= least * (1 + 1e-9):
-        return fastest
-    tried: dict[float, list[int] | None] = {most: fastest}  # cap -> fastest plan under it (None: none fits)
-    for cap in least * (most / least) ** np.linspace(0, 1, CAP_GRID)[:-1]:
-        tried[cap] = _fastest(grid, k, cap)
+        return quickest
+    tried: dict[float, list[int] | None] = {most: quickest}  # cap -> fastest plan under it (None: none fits)
+    # Larger caps first, each bounding the next; `tried` in increasing caps, the order the last min breaks ties by
+    grid_caps = least * (most / least) ** np.linspace(0, 1, CAP_GRID)[:-1]
+    found = {cap: fastest(cap) for cap in grid_caps[::-1]}
+    tried.update((cap, found[cap]) for cap in grid_caps)
     caps = sorted(tried)
     i = min(range(len(caps)), key=lambda j: grid.blend(tried[caps[j]]))
     lo, hi = caps[max(i - 1, 0)], caps[min(i + 1, len(caps) - 1)]
     for _ in range(CAP_REFINE):  # golden section on log(cap)
         a = lo * (hi / lo) ** 0.382
         b = lo * (hi / lo) ** 0.618
-        for cap in (a, b):
-            if cap not in tried:
-                tried[cap] = _fastest(grid, k, cap)
+        found = {cap: fastest(cap) for cap in (b, a) if cap not in tried}
+        tried.update((cap, found[cap]) for cap in (a, b) if cap in found)
         lo, hi = (lo, b) if grid.blend(tried[a]) <= grid.blend(tried[b]) else (a, hi)
     return min(tried.values(), key=grid.blend)
 
@@ -292,9 +220,7 @@ def _fewest_cut_bytes(grid: _Grid, k: int, time_limit: float, mem_limit: float) 
     cuts the fewest bytes (the sum over stages of the bytes each receives), then holds the fewest
     activation bytes in flight. Only the cells of :func:`_cells` for ``time_limit`` are looked at: no other
     segment is fast enough, and no other end is on a partition whose every stage is."""
-    N = len(grid.cand)
-    A = grid.A[grid.cand]
-    T = grid.T[grid.cand]
+    N, A, T = len(grid.cand), grid.A[grid.cand], grid.T[grid.cand]
 
     def ok(s, a, b):
         return (grid.time[a, b] <= time_limit) & (a >= grid.first_start(s, mem_limit)[b])
@@ -355,7 +281,7 @@ def _reposition(p: Problem, grid: _Grid, pos: np.ndarray, sweeps: int = 3) -> np
     estimated per cut (every value live across a boundary is sent once)."""
     r, w = p.rates, p.options.memory_weight
     T, P, A, cut = grid.T, grid.P, grid.A, grid.cut
-    comm = 2.0 * (cut / r.link_bytes_per_s + _live_values(p.graph) * r.link_latency_s)
+    comm = 2.0 * (cut / r.link_bytes_per_s + live_values(p.graph) * r.link_latency_s)
 
     def time(i, j):
         return T[j] - T[i] + comm[i] + comm[j]

@@ -25,6 +25,7 @@ asks for the same preference at any budget.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -46,7 +47,21 @@ _REL = 1e-9  # float noise when comparing seconds and bytes summed in different 
 
 
 class MemoryBudgetError(EngineError, ValueError):
-    """No plan fits the per-device memory budget; the message carries the numbers."""
+    """No plan fits the per-device memory budget; the message carries the numbers. ``message`` may be a function
+    that writes it, called when the message is first read: its numbers can take another partition, which a caller
+    that catches the error and moves on (the layout search) would pay for and never read."""
+
+    def __init__(self, message: str | Callable[[], str]) -> None:
+        super().__init__()
+        self._message = message
+
+    def __str__(self) -> str:
+        if not isinstance(self._message, str):
+            self._message = self._message()
+        return self._message
+
+    def __reduce__(self) -> tuple[type, tuple[str]]:
+        return type(self), (str(self),)  # pickled (to another process) with its message written
 
 
 @dataclass
@@ -254,10 +269,17 @@ def check_acyclic(g: OpGraph, stage: np.ndarray) -> None:
                                  f"{g.names[g.dst[e]]} (stage {stage[g.dst[e]]})")
 
 
-def budget_error(p: Problem, ev: Evaluation) -> MemoryBudgetError:
-    """The error for a budget no plan fits, with the numbers of ``ev`` (the most memory-balanced plan)."""
+def budget_error(p: Problem, least: Callable[[], Evaluation]) -> MemoryBudgetError:
+    """The error for a budget no plan fits, with the numbers of ``least()`` (the most memory-balanced plan), found
+    when the message is first read (:class:`MemoryBudgetError`)."""
+    assert p.budget is not None, "budget_error is for a problem with a memory budget"
+    return MemoryBudgetError(lambda: _budget_message(p, least()))
+
+
+def _budget_message(p: Problem, ev: Evaluation) -> str:
+    """:func:`budget_error`'s message, with the numbers of ``ev``."""
     budget = p.budget
-    assert budget is not None, "budget_error is for a problem with a memory budget"
+    assert budget is not None
     worst = int(np.argmax(ev.memory))
     total = float(p.param_mem.sum() + p.act_bytes.sum())
     need = int(np.ceil(total / budget))
@@ -270,7 +292,7 @@ def budget_error(p: Problem, ev: Evaluation) -> MemoryBudgetError:
                 f"alone needs {_size(op_mem[big])}, and the model has {ops} ops to place. Fix: a larger device")
     else:
         more = f"Fix: use at least {max(need, p.num_stages + 1)} stages, a larger device"
-    return MemoryBudgetError(
+    return (
         f"no {p.num_stages}-stage plan fits device_memory={_size(budget)}: the most memory-balanced plan's stage "
         f"{worst} needs {_size(ev.memory[worst])} (parameters, gradients and {p.options.optimizer} state, plus "
         f"activations for {int(p.inflight[worst])} microbatch(es) in flight); the whole model needs "

@@ -128,7 +128,7 @@ def partition(graph_or_model: Any, num_stages: int, options: PartitionOptions | 
         name, best = choose([(name, ev) for _, name, ev in found], p.budget)
     q = next(q for q, _, ev in found if ev is best)
     if q.budget is not None and np.any(best.memory > q.budget):
-        raise budget_error(q, _least_memory(q))
+        raise budget_error(q, lambda: _least_memory(q))
     args, kwargs = _split_inputs(example_inputs, example_kwargs)
     if q.options.time_prices and not q.costs.measured and (args or kwargs) and _timeable(q):  # priced as it runs here
         q = make_problem(q.graph, num_stages, q.options, measure=True, example_inputs=args, example_kwargs=kwargs)

@@ -4,95 +4,68 @@ orders candidates by.
 
 A search at scale asks for many chains (a 1T-parameter GPT on 3,072 devices some 10^4, of up to a hundred stages,
 each a bisection of a dozen greedy packings), so a packing step is kept to a few Python operations: the running sums
-are a Python list searched with :func:`bisect.bisect_right` (the same comparisons of the same doubles as
-``np.searchsorted(side="right")``, without numpy's per-call overhead on one scalar: several times faster), and how
-far a stage starting at each op can reach within the memory budget with f microbatches in flight, which does not
-depend on the cap, is computed once, vectorised, and kept (up to a memory limit, :class:`ReachCache`) for every chain
-of the same ops (:class:`Chain`).
+are searched with :func:`bisect.bisect_right` (the same comparisons of the same doubles as
+``np.searchsorted(side="right")``, without numpy's per-call overhead on one scalar: several times faster). How far a
+stage may reach within the memory budget is asked only where a packing step would go past it: the memory held from
+the stage's first op to the step's last is one sum of the same doubles, and only a step the budget stops is searched
+again, within itself, its reach kept for the bisection's other probes (it does not depend on the cap). Computing
+every op's reach for every count of microbatches in flight up front took most of the estimate's time: a chain is
+packed a few dozen times, a reach array is 10^4 ops long.
 """
 from __future__ import annotations
 
 import math
 from array import array
 from bisect import bisect_right
-from collections import OrderedDict
 from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["Chain", "ReachCache", "chain_bottleneck"]
-
-
-class ReachCache:
-    """The reach arrays of :meth:`Chain.reach`, least recently used dropped past ``limit`` bytes: a search over
-    thousands of microbatch counts would keep a gigabyte of them, most never asked for again. Keys hold the
-    chain's id: give one cache only to chains that live as long as it does."""
-
-    def __init__(self, limit: int = 256 << 20) -> None:
-        self.limit, self.size = limit, 0
-        self._arrays: OrderedDict[tuple[int, int], array] = OrderedDict()
-
-    def get(self, key: tuple[int, int]) -> array | None:
-        """The array kept under ``key`` (now the most recently used), or None."""
-        found = self._arrays.get(key)
-        if found is not None:
-            self._arrays.move_to_end(key)
-        return found
-
-    def put(self, key: tuple[int, int], reach: array) -> None:
-        """Keep ``reach`` under ``key``, dropping the least recently used past the limit."""
-        self._arrays[key] = reach
-        self.size += reach.itemsize * len(reach)
-        while self.size > self.limit and len(self._arrays) > 1:
-            _, old = self._arrays.popitem(last=False)
-            self.size -= old.itemsize * len(old)
+__all__ = ["Chain", "chain_bottleneck"]
 
 
 class Chain:
     """A sequence of ops (``seconds`` each, in order) to cut into contiguous stages; with a ``budget``, stage s must
-    also hold its ops' ``fixed`` bytes and ``in_flight[s]`` times their ``acts``. Its running sums, and per count
-    of microbatches in flight the farthest op each op's stage can reach within the budget, are computed once."""
+    also hold its ops' ``fixed`` bytes and ``in_flight[s]`` times their ``acts``. Its running sums are computed
+    once."""
 
     def __init__(self, seconds: np.ndarray, *, fixed: np.ndarray | None = None, acts: np.ndarray | None = None,
-                 budget: float | None = None, kept: ReachCache | None = None) -> None:
+                 budget: float | None = None) -> None:
         t = np.asarray(seconds, np.float64)
         self.ops = len(t)
         self.cum: list[float] = np.concatenate([[0.0], np.cumsum(t)]).tolist()
         self.largest = float(t.max(initial=0.0))
         self.budget = budget if budget is not None and fixed is not None and acts is not None else None
-        self._held: tuple[np.ndarray, np.ndarray] | None = None
+        # Running sums of the memory: arrays of doubles, read as fast as lists at a quarter of the memory (a search
+        # keeps a chain per tp degree, microbatch size, checkpointing and state sharding: a thousand at scale)
+        self._fixed, self._acts = array("d"), array("d")
         if self.budget is not None:
-            cf, ca = (np.concatenate([[0.0], np.cumsum(np.asarray(x, np.float64))]) for x in (fixed, acts))
-            self._held = (cf, ca)
-        self._kept = kept if kept is not None else ReachCache()
-
-    def reach(self, flight: int) -> array:
-        """Per start position (0 .. ops), the last position a stage starting there reaches within the budget with
-        ``flight`` microbatches in flight."""
-        found = self._kept.get((id(self), flight))
-        if found is None:
-            assert self._held is not None and self.budget is not None
-            held = self._held[0] + flight * self._held[1]
-            # An array of C ints, not a list: indexed as fast, at a seventh of the memory
-            found = array("i", (np.searchsorted(held, held + self.budget, side="right") - 1).astype(np.intc).tobytes())
-            self._kept.put((id(self), flight), found)
-        return found
+            for held, x in ((self._fixed, fixed), (self._acts, acts)):
+                held.frombytes(np.concatenate([[0.0], np.cumsum(np.asarray(x, np.float64))]).tobytes())
 
     def fits(self, cap: float, stages: int, in_flight: Sequence[int] = ()) -> bool:
         """Whether greedy packing (each stage takes ops while their seconds stay within ``cap`` and, with a budget,
         their memory within it) covers every op in at most ``stages`` stages."""
-        return self._packs(cap, stages, self._reaches(stages, in_flight))
+        return self._packs(cap, stages, in_flight, {})
 
-    def _reaches(self, stages: int, in_flight: Sequence[int]) -> list[array]:
-        """Per stage, :meth:`reach` of its microbatches in flight (none without a budget)."""
-        return [self.reach(f) for f in in_flight[:stages]] if self.budget is not None else []
-
-    def _packs(self, cap: float, stages: int, reaches: list[array]) -> bool:
+    def _packs(self, cap: float, stages: int, in_flight: Sequence[int], reached: dict[tuple[int, int], int]) -> bool:
+        """Greedy packing (:meth:`fits`); ``reached``: the memory reaches found so far, by (start, microbatches in
+        flight), which do not depend on ``cap`` (a bisection's probes share them)."""
         cum, ops, pos = self.cum, self.ops, 0
+        fixed, acts, budget = self._fixed, self._acts, self.budget if in_flight else None
         for s in range(stages):
             end = bisect_right(cum, cum[pos] + cap) - 1
-            if reaches and reaches[s][pos] < end:
-                end = reaches[s][pos]
+            if budget is not None and end > pos:
+                # Held memory never falls along the ops: the stage's reach is the last op whose memory stays within
+                # its first's plus the budget (np.searchsorted(held, held[pos] + budget, side="right") - 1, held =
+                # fixed + f acts), looked for only when the step's last op is past it.
+                f = in_flight[s]
+                limit = (fixed[pos] + f * acts[pos]) + budget
+                if fixed[end] + f * acts[end] > limit:
+                    if (pos, f) not in reached:
+                        reached[(pos, f)] = pos + bisect_right(range(pos, end), limit,
+                                                               key=lambda j: fixed[j] + f * acts[j]) - 1
+                    end = reached[(pos, f)]
             if end > pos:
                 pos = end
             if pos >= ops:
@@ -104,16 +77,16 @@ class Chain:
         the bottleneck, each probe packed greedily (the classic linear-partition bound; greedy packing is optimal
         for contiguous runs); infinity when, with a budget, no contiguous cut fits it."""
         largest, total = self.largest, self.cum[-1]
-        reaches = self._reaches(stages, in_flight)
+        reached: dict[tuple[int, int], int] = {}
         lo = max(total / stages, largest)
         hi = lo + largest  # without memory, greedy packing always fits under T/k + the largest op
-        if not self._packs(hi, stages, reaches):
+        if not self._packs(hi, stages, in_flight, reached):
             hi = total + largest
-            if not self._packs(hi, stages, reaches):
+            if not self._packs(hi, stages, in_flight, reached):
                 return math.inf
         while hi - lo > rtol * lo:
             cap = (lo + hi) / 2
-            lo, hi = (lo, cap) if self._packs(cap, stages, reaches) else (cap, hi)
+            lo, hi = (lo, cap) if self._packs(cap, stages, in_flight, reached) else (cap, hi)
         return hi
 
 

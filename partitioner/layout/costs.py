@@ -26,13 +26,16 @@ apart.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import numpy as np
 import torch
+import torch.fx
 import torch.utils._pytree as pytree
 
 from ..capture.graph import OpGraph
@@ -46,7 +49,7 @@ from ..tp.shard_program import shard_graph
 from ..tp.sharding import find_sharding
 
 __all__ = ["BatchLine", "LayoutCosts", "layout_costs", "example_batch", "with_batch", "tiled", "trace_sizes",
-           "head_counts"]
+           "head_counts", "collector_paused"]
 
 _PER_OP = ("flops", "out_bytes", "act_bytes", "move_bytes", "act_float_bytes", "move_float_bytes")
 _PER_VALUE = ("value_bytes", "value_float_bytes")
@@ -114,6 +117,9 @@ class BatchLine:
     traced: dict[int, OpGraph]
     line: tuple[int, int] | None = None
     timed: dict[int, NodeCosts] | None = None  # per traced size, the ops timed on this machine
+    # per (traced size, rates, dtype), its estimate: every size priced on the line reads the line's two
+    _estimates: dict[tuple[int, DeviceRates, str], NodeCosts] = dataclasses.field(default_factory=dict, init=False,
+                                                                                  repr=False, compare=False)
 
     def graph(self, size: int) -> OpGraph:
         """The graph at microbatch size ``size``: its own trace, or the line's arrays at ``size`` (``fx`` and the
@@ -140,16 +146,23 @@ class BatchLine:
                              np.maximum(_at(lo_t.backward_s, hi_t.backward_s, self.line, size), 0.0),
                              lo_t.needs_grad, measured=True)
         if size in self.traced:
-            return estimate(self.traced[size], rates, dtype)
+            return self._estimate(size, rates, dtype)
         assert self.line is not None  # graph() raises first otherwise
         roof = estimate(dataclasses.replace(self.graph(size), fx=None), rates, dtype)  # no fx: no collectives
-        lo, hi = (estimate(self.traced[b], rates, dtype) for b in self.line)
+        lo, hi = (self._estimate(b, rates, dtype) for b in self.line)
         if lo.tp_forward_s is None or hi.tp_forward_s is None or lo.tp_backward_s is None or hi.tp_backward_s is None:
             return roof
         tp_fwd = np.maximum(_at(lo.tp_forward_s, hi.tp_forward_s, self.line, size), 0.0)
         tp_bwd = np.maximum(_at(lo.tp_backward_s, hi.tp_backward_s, self.line, size), 0.0)
         return NodeCosts(roof.forward_s + tp_fwd, roof.backward_s + tp_bwd, roof.needs_grad, tp_forward_s=tp_fwd,
                          tp_backward_s=tp_bwd)
+
+    def _estimate(self, size: int, rates: DeviceRates, dtype: str) -> NodeCosts:
+        """:func:`partitioner.cost.roofline.estimate` of the trace at ``size`` (cached)."""
+        key = (size, rates, dtype)
+        if key not in self._estimates:
+            self._estimates[key] = estimate(self.traced[size], rates, dtype)
+        return self._estimates[key]
 
 
 def _at(lo: np.ndarray, hi: np.ndarray, line: tuple[int, int], size: int) -> np.ndarray:
@@ -206,6 +219,34 @@ class LayoutCosts:
         return float(self.whole.graph(size).flops.sum())
 
 
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """CPython's cyclic garbage collector off meanwhile (as it was after): its full collections rescan every node and
+    fake tensor of the graphs built so far (5 of the 30 s that tracing and sharding a 1T-parameter GPT take, 2 of its
+    search's 25), and what cycles are dropped meanwhile are collected after."""
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if collecting:
+            gc.enable()
+
+
+@contextlib.contextmanager
+def _lean() -> Iterator[None]:
+    """torch.export and the tp rewrite, lean: without the source line torch records for each op (a walk of the
+    Python stack per op, a third of an export's time; the planner's graphs are priced and sharded, never debugged)
+    and without the garbage collector (:func:`collector_paused`)."""
+    traces = torch.fx.config.do_not_emit_stack_traces
+    torch.fx.config.do_not_emit_stack_traces = True
+    try:
+        with collector_paused():
+            yield
+    finally:
+        torch.fx.config.do_not_emit_stack_traces = traces
+
+
 def _same_ops(a: OpGraph, b: OpGraph) -> bool:
     return a.names == b.names and a.kinds == b.kinds and np.array_equal(a.src, b.src) and np.array_equal(a.dst, b.dst)
 
@@ -238,37 +279,37 @@ def layout_costs(model: torch.nn.Module, args: tuple, kwargs: dict, *, sizes: It
 
     def traced_at(size: int) -> OpGraph:
         progress(f"tracing at microbatch size {size}" + (" and timing its ops" if timed else ""))
-        if not timed:
-            return trace(model, *with_batch(args, kwargs, batch, size))
-        a, k = tiled(args, kwargs, batch, size)
+        a, k = tiled(args, kwargs, batch, size) if timed else with_batch(args, kwargs, batch, size)
         graph = trace(model, a, k)
-        times[size] = timed_costs(graph, a, k, rates)
+        if timed:
+            times[size] = timed_costs(graph, a, k, rates)
         return graph
 
-    whole = {b: traced_at(b) for b in trace_sizes(batch, wanted, timed)}
-    line: tuple[int, int] | None = (min(whole), max(whole)) if len(whole) == 2 else None
-    if line is not None and not _same_ops(whole[line[0]], whole[line[1]]):
-        progress(f"the traces at microbatch sizes {line} differ in their ops: tracing every size on its own")
-        line = None
-        whole.update({b: traced_at(b) for b in wanted if b not in whole})
+    with _lean():  # tracing and sharding
+        whole = {b: traced_at(b) for b in trace_sizes(batch, wanted, timed)}
+        line: tuple[int, int] | None = (min(whole), max(whole)) if len(whole) == 2 else None
+        if line is not None and not _same_ops(whole[line[0]], whole[line[1]]):
+            progress(f"the traces at microbatch sizes {line} differ in their ops: tracing every size on its own")
+            line = None
+            whole.update({b: traced_at(b) for b in wanted if b not in whole})
+        lines: dict[int, BatchLine] = {}
+        skipped: dict[int, str] = {}
+        for tp in sorted(set(tp_degrees)):
+            if tp == 1:
+                lines[1] = BatchLine(dict(whole), line, dict(times) if timed else None)
+                continue
+            progress(f"sharding for tensor parallelism of degree {tp}")
+            shards: dict[int, OpGraph] = {}
+            for b, g in whole.items():
+                local, why = _shard(g, tp)
+                if local is None:
+                    skipped[tp] = why
+                    break
+                shards[b] = local
+            else:
+                lines[tp] = BatchLine(shards, line)
     first = whole[min(whole)]
     samples, tokens = batch_counts([dict(zip(first.fx.input_names, first.fx.input_meta))]) if first.fx else (0, None)
-    lines: dict[int, BatchLine] = {}
-    skipped: dict[int, str] = {}
-    for tp in sorted(set(tp_degrees)):
-        if tp == 1:
-            lines[1] = BatchLine(dict(whole), line, dict(times) if timed else None)
-            continue
-        progress(f"sharding for tensor parallelism of degree {tp}")
-        shards: dict[int, OpGraph] = {}
-        for b, g in whole.items():
-            local, why = _shard(g, tp)
-            if local is None:
-                skipped[tp] = why
-                break
-            shards[b] = local
-        else:
-            lines[tp] = BatchLine(shards, line)
     per_sample = tokens / samples if tokens is not None and samples else None
     return LayoutCosts(lines, BatchLine(dict(whole), line, dict(times) if timed else None), rates, dtype, skipped,
                        per_sample)

@@ -98,6 +98,17 @@ class Layout:
         """Samples per step over every replica."""
         return self.replica_batch * self.dp
 
+    def state_shares(self) -> dict[str, int]:
+        """By kind of parameter state, what divides it on a rank at best: ZeRO-1 the optimizer state by dp; sdp every
+        kind by its degree, but the gradients, whole during the step unless there is one microbatch (all parameters
+        sharded: the least memory sdp can give)."""
+        if self.zero1:
+            return {"optimizer": self.dp}
+        if self.sdp == 1:
+            return {}
+        return {kind: self.sdp for kind in ("weights", "optimizer", "master")
+                + (("gradients",) if self.microbatches == 1 else ())}
+
     def describe(self) -> str:
         """One short line: ``pp4 tp2 dp8, 16 x 2 samples, 1f1b``."""
         sched = f"{self.schedule} v={self.virtual_stages}" if self.virtual_stages > 1 else self.schedule

@@ -16,9 +16,8 @@ What neither command prices, the layout adds, as the runtime runs it:
   microbatch's activations while it recomputes;
 * data parallelism: after the step each pipeline rank averages its stages' gradients over the dp replicas in one
   all-reduce (:mod:`smp.engine.execution`; :func:`partitioner.cost.collectives.gradient_all_reduce_s`: a ring
-  all-reduce on
-  the intra-node link when the replicas share a node, else on the inter-node link), so the step is the latest of each
-  rank's pipeline end plus its all-reduce; ZeRO-1 (torch's ``ZeroRedundancyOptimizer``, SMP's
+  all-reduce on the intra-node link when the replicas share a node, else on the inter-node link), so the step is the
+  latest of each rank's pipeline end plus its all-reduce; ZeRO-1 (torch's ``ZeroRedundancyOptimizer``, SMP's
   ``shard_optimizer_state``) divides the optimizer state by dp and adds an all-gather of the updated weights;
 * sharded data parallelism (sdp = D > 1, ZeRO-3 over D of the dp replicas): priced by
   :func:`partitioner.sdp.shards.sharded_dp` as ``smp simulate --sdp`` prices it: the stages cut without the memory
@@ -38,17 +37,17 @@ pipeline package (:mod:`pipeline.simulate` is what the ``smp`` command passes).
 :meth:`LayoutScorer.bound` gives, without partitioning, a lower bound on the step (a rank does at least
 ``m x max(total op seconds / pp, the largest op)`` of work, as Alpa and Aceso bound a stage) and on the largest
 device's memory (the mean over the pp ranks of the parameter state, as if sdp sharded every parameter, and the
-activations), and an estimate to
-order candidates by, without communication: ``(m + pp - 1) c`` for GPipe and 1F1B, ``(m + (pp - 1)/v) c``
-interleaved, ``(m + (pp - 1)/3) c`` for ZB-H1 (Narayanan et al. 2021; Qi et al. 2023), where ``c``, a rank's time
-per microbatch, is v times the least bottleneck of the ops cut in topological order into pp x v contiguous stages
-that each fit the memory budget with the microbatches in flight (:func:`chain_bottleneck`; at least the work / pp;
-infinite when no such cut fits, which puts the layout last). Where the budget binds, the partitioner trades speed
-for memory too, so the estimate follows it there. Once cut, :meth:`LayoutScorer.plan_bound` bounds the step by the
-busiest rank's passes, before simulating.
+activations), and an estimate to order candidates by, without communication: ``(m + pp - 1) c`` for GPipe and 1F1B,
+``(m + (pp - 1)/v) c`` interleaved, ``(m + (pp - 1)/3) c`` for ZB-H1 (Narayanan et al. 2021; Qi et al. 2023), where
+``c``, a rank's time per microbatch, is v times the least bottleneck of the ops cut in topological order into pp x v
+contiguous stages that each fit the memory budget with the microbatches in flight (:func:`chain_bottleneck`; at
+least the work / pp; infinite when no such cut fits, which puts the layout last). Where the budget binds, the
+partitioner trades speed for memory too, so the estimate follows it there. Once cut, :meth:`LayoutScorer.plan_bound`
+bounds the step by the busiest rank's passes, before simulating.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Sequence
@@ -66,12 +65,12 @@ from ..cut.objective import MemoryBudgetError, stage_crossings
 from ..cut.options import UNLIMITED, PartitionOptions
 from ..cut.plan import PartitionPlan
 from ..cut.portfolio import partition
-from ..sdp.shards import PERSISTENCE_THRESHOLD, ShardedRank, sharded_dp
-from .chain import Chain, ReachCache, chain_bottleneck
+from ..sdp.shards import PERSISTENCE_THRESHOLD, ShardedRank
+from .chain import Chain, chain_bottleneck
 from .costs import LayoutCosts
 from .headroom import DEFAULT, Headroom
 from .layout import Layout, Score, global_rank, partition_pipeline, replicas_share_node
-from .sharded import sdp_links, sdp_passes
+from .sharded import SdpCache, sdp_links, sdp_passes
 
 __all__ = ["SimOutcome", "PipelineSimulator", "Pricing", "Bound", "LayoutScorer", "global_rank", "chain_bottleneck"]
 
@@ -140,18 +139,6 @@ class _Sums(NamedTuple):
     activations: float
 
 
-def _shares(layout: Layout) -> dict[str, int]:
-    """By kind of parameter state, what divides it on a rank at best: ZeRO-1 the optimizer state by dp; sdp every
-    kind by its degree, but the gradients, whole during the step unless there is one microbatch (all parameters
-    sharded: the least memory sdp can give)."""
-    if layout.zero1:
-        return {"optimizer": layout.dp}
-    if layout.sdp == 1:
-        return {}
-    return {kind: layout.sdp for kind in ("weights", "optimizer", "master")
-            + (("gradients",) if layout.microbatches == 1 else ())}
-
-
 class LayoutScorer:
     """Prices layouts of one model (``costs``) under ``pricing`` with ``simulate``; partitions are cached by what
     they depend on (tp, microbatch size, stages, microbatches, pipeline), so layouts that differ only in schedule
@@ -163,17 +150,17 @@ class LayoutScorer:
         self.inter = dataclasses.replace(self.rates, link_bytes_per_s=self.rates.inter_node_bytes_per_s,
                                          link_latency_s=self.rates.inter_node_latency_s)
         self._plans: dict[tuple[int, int, int, int, str, bool], PartitionPlan] = {}
+        self._sdp = SdpCache()
         self.device_budget = pricing.options.budget(self.rates)  # the device's; a layout fits budget, less headroom
         self.budget = pricing.headroom.usable(self.device_budget)
         self._totals: dict[tuple[int, int], _Sums] = {}
         self._chains: dict[tuple, float] = {}
         self._ops: dict[tuple, Chain] = {}  # per (tp, size, checkpointing, shares): what its chains share
-        self._reaches = ReachCache()
 
     @property
     def partitions(self) -> int:
-        """Stage partitions made so far."""
-        return len(self._plans)
+        """Stage partitions made so far (each once, whichever layouts share it)."""
+        return len({id(plan) for plan in self._plans.values()})
 
     # -- bounds ----------------------------------------------------------------------------------------------------
 
@@ -194,7 +181,7 @@ class LayoutScorer:
         needs no estimate)."""
         t = self._sums(layout.tp, layout.microbatch_size)
         m, pp, v = layout.microbatches, layout.pp, layout.virtual_stages
-        shares = _shares(layout)
+        shares = layout.state_shares()
         state = sum(x / shares.get(kind, 1) for kind, x in t.parts.items())
         # Every stage holds a microbatch's activations at once (checkpointed: while it recomputes), GPipe's all m.
         held = t.activations / v if layout.checkpointing == "full" else (
@@ -226,7 +213,7 @@ class LayoutScorer:
         m; a checkpointed stage one, recomputing); infinity when no such cut fits (cached)."""
         ckpt, m, k = layout.checkpointing == "full", layout.microbatches, layout.stages
         flight = [1] * k if ckpt else [m] * k if layout.schedule == "gpipe" else [min(m, k - s) for s in range(k)]
-        shares = _shares(layout)
+        shares = layout.state_shares()
         key = (layout.tp, layout.microbatch_size, k, ckpt, tuple(flight), tuple(sorted(shares.items())))
         if key not in self._chains:
             ops = key[:2] + key[3:4] + key[5:]  # the chain's ops and memory: every stage count and flight shares them
@@ -237,7 +224,7 @@ class LayoutScorer:
                 parts = param_memory_parts(g, o.dtype, o.optimizer)
                 state = np.sum([v / shares.get(kind, 1) for kind, v in parts.items()], axis=0)
                 self._ops[ops] = Chain(c.total_s + c.forward_s if ckpt else c.total_s, fixed=g.by_first_user(state),
-                                       acts=activation_bytes(g, o.dtype), budget=self.budget, kept=self._reaches)
+                                       acts=activation_bytes(g, o.dtype), budget=self.budget)
             self._chains[key] = self._ops[ops].bottleneck(k, flight)
         return self._chains[key]
 
@@ -256,11 +243,15 @@ class LayoutScorer:
             cut = self.pricing.headroom.cut_budget(self.device_budget)
             opts = PartitionOptions.of(self.pricing.options, microbatches=layout.microbatches, pipeline=pipeline,
                                        **({} if cut == self.device_budget else {"device_memory": cut}))
-            free = PartitionOptions.of(opts, device_memory=UNLIMITED)
-            try:
-                self._plans[key] = partition(graph, layout.stages, free if layout.sdp > 1 else opts, costs=costs)
-            except MemoryBudgetError:
-                self._plans[key] = partition(graph, layout.stages, free, costs=costs)
+            if layout.sdp == 1:
+                with contextlib.suppress(MemoryBudgetError):
+                    self._plans[key] = partition(graph, layout.stages, opts, costs=costs)
+            free = key[:5] + (True,)  # the plan for no budget: the sdp layouts', and those no budgeted plan fits
+            if key not in self._plans:
+                if free not in self._plans:
+                    unlimited = PartitionOptions.of(opts, device_memory=UNLIMITED)
+                    self._plans[free] = partition(graph, layout.stages, unlimited, costs=costs)
+                self._plans[key] = self._plans[free]
         return self._plans[key]
 
     def stage_comm(self, layout: Layout,
@@ -326,7 +317,8 @@ class LayoutScorer:
                       for x in (costs.tp_forward_s, costs.tp_backward_s))
         # sdp: each stage's all-gathers in its forward and backward, every microbatch (overlapped: what is exposed)
         link = sdp_links(layout, self.rates, self.inter, self.pricing.ranks_per_node)[0]
-        gf, gb, tail = sdp_passes(layout, plan, graph, self.pricing.sdp_threshold, link, fwd, bwd, self.pricing.overlap)
+        gf, gb, tail = sdp_passes(layout, plan, graph, self.pricing.sdp_threshold, link, fwd, bwd, self.pricing.overlap,
+                                  self._sdp.collectives)
         crossing = stage_crossings(graph, stage, k, o.dtype)
         deps = sorted(crossing)
         sim = self._sim(layout, fwd + gf, bwd + gb, self.stage_comm(layout, crossing), deps)
@@ -363,10 +355,11 @@ class LayoutScorer:
         group, sdp replicas, and all dp replicas run on the intra-node link when they share a node (replicas are
         pp x tp ranks apart under "DPT", tp under "PDT"), else on the inter-node one."""
         link, replica_link = sdp_links(layout, self.rates, self.inter, self.pricing.ranks_per_node)
-        return sharded_dp(plan, self.costs.graph(layout.tp, layout.microbatch_size), layout.sdp, replicas=layout.dp,
-                          threshold=self.pricing.sdp_threshold, link=link, replica_link=replica_link,
-                          stage_rank=None if in_flight is None else [s % layout.pp for s in range(layout.stages)],
-                          in_flight=in_flight)
+        graph = self.costs.graph(layout.tp, layout.microbatch_size)
+        return self._sdp.ranks(plan, graph, layout.sdp, replicas=layout.dp, threshold=self.pricing.sdp_threshold,
+                               link=link, replica_link=replica_link,
+                               stage_rank=None if in_flight is None else [s % layout.pp for s in range(layout.stages)],
+                               in_flight=in_flight)
 
     def _sim(self, layout: Layout, fwd: Any, bwd: Any, comm: dict[tuple[int, int], float],
              deps: list[tuple[int, int]]) -> SimOutcome:

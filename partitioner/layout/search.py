@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 from ..errors import EngineError
 from ..units import format_bytes
+from .costs import collector_paused
 from .layout import CHECKPOINTING, PLACEMENTS, Layout, Proposal
 from .score import LayoutScorer
 from .sharded import shards_nothing
@@ -159,6 +160,12 @@ def search(layouts: Iterable[Layout], scorer: LayoutScorer, top: int = 5, *, exh
     :class:`NoLayoutFitsError` when none does."""
     if top < 1:
         raise ValueError(f"top must be a positive integer, got {top!r}")
+    with collector_paused():  # thousands of layouts' bounds and plans, and hardly a reference cycle among them
+        return _search(layouts, scorer, top, exhaustive)
+
+
+def _search(layouts: Iterable[Layout], scorer: LayoutScorer, top: int, exhaustive: bool) -> SearchResult:
+    """:func:`search`, its ``top`` checked."""
     budget = scorer.budget
     result = SearchResult()
     queue = []

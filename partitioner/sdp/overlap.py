@@ -37,7 +37,7 @@ from ..cost.precision import param_memory_parts
 from ..cut.objective import stage_params
 from ..cut.plan import PartitionPlan
 from .shards import sharded_params
-from .units import stage_units
+from .units import padded, stage_units
 
 __all__ = ["StageCollectives", "exposed_s", "stage_collectives", "overlapped"]
 
@@ -70,11 +70,12 @@ def stage_collectives(plan: PartitionPlan, graph: OpGraph, degree: int, threshol
     order = np.argsort(stage, kind="stable")  # each stage's ops in forward (index) order
     bounds = np.searchsorted(stage[order], np.arange(k + 1))
     p_stage, p_idx = stage_params(graph, stage, k)
+    pad = padded(graph, degree)
     out = []
     for s in range(k):
         held = p_idx[p_stage == s]
         units = stage_units(graph, order[bounds[s]:bounds[s + 1]], held[shard[held]], parts["weights"],
-                            parts["gradients"], degree)
+                            parts["gradients"], pad)
         out.append(StageCollectives(tuple(all_gather_s(w, degree, link) for w in units.weights),
                                     tuple(all_gather_s(g, degree, link) for g in units.gradients)))
     return out

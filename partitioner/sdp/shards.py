@@ -46,7 +46,7 @@ from ..cost.precision import param_memory_parts
 from ..cut.memory import stage_memory
 from ..cut.objective import stage_params
 from ..cut.plan import PartitionPlan
-from .units import gathered_peak, stage_units
+from .units import gathered_peak, padded, parameters, stage_units
 
 __all__ = ["PERSISTENCE_THRESHOLD", "ShardedRank", "sharded_params", "sharded_dp", "Shardable",
            "shardable", "warn_if_nothing_sharded", "ShardsNothingWarning"]
@@ -123,7 +123,7 @@ def sharded_params(graph: OpGraph, stage: np.ndarray, num_stages: int, degree: i
 def _numels(graph: OpGraph) -> np.ndarray:
     """Elements of each of ``graph``'s parameters (0 for a buffer: never sharded)."""
     if graph.fx is not None:
-        named = dict(graph.fx.module.named_parameters(remove_duplicate=False))
+        named = parameters(graph.fx.module)
         return np.array([named[n].numel() if n in named else 0 for n in graph.param_names], np.int64)
     return np.where(np.asarray(graph.param_trainable, bool), np.asarray(graph.param_bytes, np.int64) // _FP32_BYTES, 0)
 
@@ -244,12 +244,13 @@ def sharded_dp(plan: PartitionPlan, graph: OpGraph, degree: int, *, replicas: in
     p_stage, p_idx = stage_params(graph, stage, k)
     order = np.argsort(stage, kind="stable")  # each stage's ops in forward (index) order
     bounds = np.searchsorted(stage[order], np.arange(k + 1))
+    pad = padded(graph, degree)
     rows = []
     for s in range(k):
         held = p_idx[p_stage == s]
         mine, whole = held[shard[held]], held[~shard[held]]
         ops, grads = order[bounds[s]:bounds[s + 1]], parts["gradients"]
-        units = stage_units(graph, ops, mine, parts["weights"], grads, degree)
+        units = stage_units(graph, ops, mine, parts["weights"], grads, pad)
         gathered, alive = gathered_peak(graph, ops, units, parts["weights"], degree)
         rows.append(_Stage(
             at_rest={name: float(parts[name][whole].sum()) + float(parts[name][mine].sum()) / degree

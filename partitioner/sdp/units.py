@@ -17,16 +17,19 @@ reverse, each held until the one before it is gathered.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from ..capture.graph import OpGraph
 
-__all__ = ["fsdp_unit", "group_units", "StageUnits", "padded", "stage_units", "gathered_peak"]
+__all__ = ["fsdp_unit", "group_units", "StageUnits", "parameters", "padded", "stage_units", "gathered_peak"]
 
 
+@functools.lru_cache(maxsize=1 << 16)  # the same names, stage after stage of every layout the search prices
 def fsdp_unit(name: str) -> str:
     """The FSDP unit of the parameter ``name``: its path up to the first numeric component (``model.layers.3`` of
     ``model.layers.3.mlp.up_proj.weight``: a block of a ``ModuleList``), else the root unit ``""``."""
@@ -74,7 +77,9 @@ class StageUnits:
 def _reads(graph: OpGraph, ops: np.ndarray, params: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per parameter of ``graph``: its first and last read, positions in ``ops`` (the stage's ops in forward order;
     ``len(ops)`` and -1 for a parameter ``ops`` do not read)."""
-    users = np.isin(graph.use_param, params) & np.isin(graph.use_node, ops)
+    chosen, in_ops = np.zeros(len(graph.param_names), bool), np.zeros(graph.num_nodes, bool)
+    chosen[params], in_ops[ops] = True, True  # masks, not np.isin: asked per stage of every layout priced
+    users = chosen[graph.use_param] & in_ops[graph.use_node]
     first = np.full(len(graph.param_names), len(ops), np.int64)
     last = np.full(len(graph.param_names), -1, np.int64)
     at = np.searchsorted(ops, graph.use_node[users])
@@ -83,23 +88,36 @@ def _reads(graph: OpGraph, ops: np.ndarray, params: np.ndarray) -> tuple[np.ndar
     return first, last
 
 
+def parameters(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``dict(module.named_parameters(remove_duplicate=False))``, by a plain walk of the module tree: torch's nested
+    generators take three times as long, and the layout search prices sharded data parallelism (which reads every
+    parameter's shape) hundreds of times over a program of thousands of parameters."""
+    found: dict[str, torch.Tensor] = {}
+    stack = [("", module)]
+    while stack:
+        prefix, at = stack.pop()
+        found.update((prefix + name, p) for name, p in at._parameters.items() if p is not None)
+        stack.extend((f"{prefix}{name}.", sub) for name, sub in reversed(at._modules.items()) if sub is not None)
+    return found
+
+
 def padded(graph: OpGraph, degree: int) -> np.ndarray:
     """Per parameter of ``graph``, what its flat buffers hold over ``degree`` ranks for each byte of it: each rank's
     dim-0 shard padded to ``ceil(rows / degree)`` rows, as FSDP2 and :mod:`pipeline.gather_units` pad (1 where the
     graph knows no shapes)."""
     if graph.fx is None:
         return np.ones(len(graph.param_names))
-    named = dict(graph.fx.module.named_parameters(remove_duplicate=False))
+    named = parameters(graph.fx.module)
     rows = [named[n].shape[0] if n in named and named[n].dim() else 0 for n in graph.param_names]
     return np.array([-(-r // degree) * degree / r if r else 1.0 for r in rows])
 
 
 def stage_units(graph: OpGraph, ops: np.ndarray, params: np.ndarray, weights: np.ndarray, gradients: np.ndarray,
-                degree: int) -> StageUnits:
+                pad: np.ndarray) -> StageUnits:
     """The units (:func:`group_units`) of the sharded ``params`` of the stage whose ops are ``ops`` (sorted, forward
-    order), of ``weights`` and ``gradients`` bytes (per graph parameter) as their flat buffers over ``degree`` ranks
-    hold them (:func:`padded`)."""
-    pad = padded(graph, degree)
+    order), of ``weights`` and ``gradients`` bytes (per graph parameter) as their flat buffers hold them: times
+    ``pad``, :func:`padded` over the sharding degree (the caller's, once for all of a graph's stages: reading the
+    shapes walks the whole program's modules)."""
     weights, gradients = weights * pad, gradients * pad
     first, _ = _reads(graph, ops, params)
     order = sorted((int(p) for p in params), key=lambda p: (first[p], p))

@@ -16,7 +16,6 @@ Every rank writes the same nodes under the same names, so one plan cut on rank 0
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import operator
 import warnings
@@ -24,6 +23,8 @@ from typing import Any, Callable, Collection, Sequence
 
 import torch
 import torch.fx
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from ..capture.build import build_graph
 from ..capture.flops import op_name
@@ -99,8 +100,11 @@ def unshard_tensor(pieces: Sequence[torch.Tensor], s: Shard, tp: int) -> torch.T
 
 
 def _fake(like: Any, shape: list[int] | tuple[int, ...], dtype: torch.dtype | None = None) -> torch.Tensor:
-    with getattr(like, "fake_mode", None) or contextlib.nullcontext():
+    mode = getattr(like, "fake_mode", None)
+    if mode is None:
         return torch.empty(tuple(shape), dtype=dtype or like.dtype, device=like.device)
+    # What torch.empty under the mode makes, without its dispatch (a fifth of the time; a rank's graph has thousands)
+    return FakeTensor(mode, torch.empty(tuple(shape), dtype=dtype or like.dtype, device="meta"), like.device)
 
 
 def _local_val(val: Any, s: Shard, tp: int, rank: int) -> Any:
@@ -287,7 +291,9 @@ def shard_graph(graph: OpGraph, sharding: Sharding, rank: int, sequence: bool = 
     comm = TPComm(sharding.tp, rank)
     setattr(prog.module, COMM_ATTR, comm)
     try:
-        module = torch.fx.GraphModule(prog.module, fx_graph)
+        # Its Python code is written when first run, not here: the layout search shards each trace for every tp
+        # degree to price it, and never runs one (writing the code of a 4,000-op program takes a quarter second).
+        module = _LazyGraphModule(prog.module, fx_graph)
     finally:
         delattr(prog.module, COMM_ATTR)
     _keep_plain_constants(module, prog.module)

@@ -24,9 +24,9 @@ import partitioner
 from partitioner import METHODS, OpGraph
 from partitioner.capture.stage_modules import split
 from partitioner.cut.baselines import BASELINES, all_baselines
-from partitioner.cut.dp import grid_comm
 from partitioner.cut.objective import NEAR, dominates, evaluate
 from partitioner.cut.portfolio import make_problem
+from partitioner.cut.segments import grid_comm
 from tests.conftest import assert_complete_and_acyclic, assert_same_step, pipeline_step, stage_array, train_step
 
 KINDS = ("linear", "add", "mul", "tanh", "scale", "iadd", "slice_iadd", "cat")
