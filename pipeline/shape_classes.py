@@ -105,14 +105,16 @@ class ShapeCache:
 def check_retraceable(program: TracedProgram, key: ShapeKey, current: ShapeKey,
                       model: torch.nn.Module | None) -> torch.nn.Module:
     """``model``, to trace stages for the shape class ``key`` with; :class:`ShapeChangeError` when they cannot be
-    traced (``current``: the shapes the stages have): without the model, or under tensor, expert or sharded
-    data parallelism (its ranks hold shards)."""
+    traced (``current``: the shapes the stages have): without the model, or under tensor, expert, context or
+    sharded data parallelism (its ranks hold shards, or its program the traced sequence length)."""
     why = ("the runner was made without the model (pass PipelineRunner(model=...), as "
            "smp.engine.planning.pipeline_runner does)" if model is None else
            f"tensor parallelism (degree {program.tp_comm.size}) holds shards, which cannot be traced again "
            "(variable shapes need tensor_parallel_degree 1)" if program.tp_comm is not None else
            f"expert parallelism (degree {program.ep_comm.size}) holds shards of the experts, which cannot be traced "
            "again (variable shapes need expert_parallel_degree 1)" if program.ep_comm is not None else
+           f"context parallelism (degree {program.cp_comm.size}) was written for the traced sequence length, which "
+           "is not traced again (variable shapes need context_parallel_degree 1)" if program.cp_comm is not None else
            "sharded data parallelism holds shards of the parameters, which cannot be traced again (variable shapes "
            "need sharded_data_parallel_degree 1)" if any(is_sharded(p) for p in model.parameters()) else None)
     if model is None or why is not None:

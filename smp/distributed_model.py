@@ -138,7 +138,7 @@ class DistributedModel(ModelHooks, torch.nn.Module):
                                st.world_group, cfg.timeout_s, tp=(st.topology.tp, st.topology.tp_rank(st.rank)),
                                shardable=self.shardable, step=True, ranks=pp,
                                sequence_parallel=cfg.sequence_parallel, ep=st.ep_coordinates(),
-                               defer_weights=cfg.sharded_data_parallel_degree == 1)
+                               defer_weights=cfg.sharded_data_parallel_degree == 1, cp=st.cp_coordinates())
         else:
             graph = self._trace(call)
             plan = fixed_plan(graph, pp, manual_stages(self.module, graph), options)
@@ -150,7 +150,7 @@ class DistributedModel(ModelHooks, torch.nn.Module):
         st = state.get()
         return rank_graph(trace(self.module, call.args, call.kwargs), (st.topology.tp, st.topology.tp_rank(st.rank)),
                           self.shardable, st.config.sequence_parallel, st.ep_coordinates(),
-                          st.config.sharded_data_parallel_degree == 1)
+                          st.config.sharded_data_parallel_degree == 1, st.cp_coordinates())
 
     def _saved_plan(self, call: step_run.MicrobatchCall, pp: int) -> PartitionPlan | None:
         """The partition of a loaded checkpoint: required for partial state (its tensors are cut that way), a

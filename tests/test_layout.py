@@ -26,6 +26,7 @@ PARTITIONER_FOLDERS = {
     "partitioner.cost": {"partitioner.capture"},
     "partitioner.tp": {"partitioner.capture", "partitioner.cost"},
     "partitioner.ep": {"partitioner.capture", "partitioner.cost"},
+    "partitioner.cp": {"partitioner.capture", "partitioner.cost", "partitioner.tp"},
     "partitioner.cut": {"partitioner.capture", "partitioner.cost", "partitioner.tp"},
     "partitioner.sdp": {"partitioner.capture", "partitioner.cost", "partitioner.cut"},
     "partitioner.layout": {"partitioner.capture", "partitioner.cost", "partitioner.cut", "partitioner.tp",

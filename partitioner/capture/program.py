@@ -40,6 +40,8 @@ class TracedProgram:
     sharding: Any = None                   # ... and the Sharding it was written from (partitioner.tp.sharding)
     ep_comm: Any = None                    # an expert-parallel rank's program: its EPComm (partitioner.ep.dispatch)
     experts: Any = None                    # ... and what it shards (partitioner.ep.expert_program.ExpertSharding)
+    cp_comm: Any = None                    # a context-parallel rank's program: its CPComm (partitioner.cp.comm)
+    context: Any = None                    # ... and what it splits (partitioner.cp.context_program.ContextSharding)
     # A parallel axis's collectives that join the op whose result they carry (tp: no cut between a row-parallel
     # matmul and its all-reduce), set by the axis that rewrote the program, so capture needs no axis.
     folded: frozenset = frozenset()

@@ -81,10 +81,12 @@ def make_problem(graph_or_model: Any, num_stages: int, options: PartitionOptions
             raise ValueError(f"measure=True times every op in this process, but the graph is sharded for tensor "
                              f"parallelism of degree {tp_degree(graph)}: its collectives need the tp group; leave "
                              "measure off (the estimate prices the collectives) or pass measured costs=")
-        if graph.fx.ep_comm is not None:
-            raise ValueError(f"measure=True times every op in this process, but the graph runs its experts over an "
-                             f"expert-parallel group of {graph.fx.ep_comm.size}: its all-to-alls need the group; leave "
-                             "measure off (the estimate prices them) or pass measured costs=")
+        for comm, what in ((graph.fx.ep_comm, "its experts over an expert-parallel group"),
+                           (graph.fx.cp_comm, "its attention over a context-parallel group")):
+            if comm is not None:
+                raise ValueError(f"measure=True times every op in this process, but the graph runs {what} of "
+                                 f"{comm.size}: its collectives need the group; leave measure off (the estimate "
+                                 "prices them) or pass measured costs=")
         if graph.timed is None:
             graph.timed = timed_costs(graph, args, kwargs, rates)
         costs = graph.timed
@@ -138,11 +140,12 @@ def partition(graph_or_model: Any, num_stages: int, options: PartitionOptions | 
 
 def _timeable(p: Problem) -> bool:
     """Whether ``time_prices`` (:class:`PartitionOptions`) can time ``p``'s ops in this process: a traced model with
-    weights, priced for this CPU in fp32, without tensor- or expert-parallel collectives, autocast or functorch
-    transforms."""
+    weights, priced for this CPU in fp32, without tensor-, expert- or context-parallel collectives, autocast or
+    functorch transforms."""
     o, fx = p.options, p.graph.fx
     return (o.device == "cpu" and o.dtype == "fp32" and o.rates is None and fx is not None
-            and tp_degree(p.graph) == 1 and fx.ep_comm is None and not torch.is_autocast_enabled("cpu")
+            and tp_degree(p.graph) == 1 and fx.ep_comm is None and fx.cp_comm is None
+            and not torch.is_autocast_enabled("cpu")
             and not untimeable(p.graph)
             and not any(t.is_meta for t in itertools.chain(fx.module.parameters(), fx.module.buffers())))
 

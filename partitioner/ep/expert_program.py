@@ -156,7 +156,7 @@ def expert_parallel_graph(graph: OpGraph, ep: int, rank: int) -> OpGraph:
                 torch.nn.Parameter(whole.detach()[start:stop].clone(), requires_grad=whole.requires_grad))
         params[path] = (start, stop, stacked[name])
     out = build_graph(module, prog.in_spec, prog.out_spec, prog.training, folded=prog.folded)
-    keep = ("split_ops", "loss", "tp_comm", "sharding")
+    keep = ("split_ops", "loss", "tp_comm", "sharding", "cp_comm", "context")
     out.fx = dataclasses.replace(out.fx, **{k: getattr(prog, k) for k in keep},
                                  collective_pricing=(*prog.collective_pricing, all_to_all_seconds),
                                  ep_comm=comm, experts=ExpertSharding(ep, rank, params, found))

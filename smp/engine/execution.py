@@ -102,12 +102,16 @@ def _guarded(st: State, model: PipelineModel, run: StepRun) -> list[Any]:
 
 def _run(st: State, model: PipelineModel, run: StepRun, call: str) -> list[Any]:
     start = time.perf_counter()
-    if st.topology.tp > 1 and st.topology.pp_rank(st.rank) == 0:  # pp_rank 0's arguments are the pipeline's
-        if not st.config.prescaled_batch:  # SMP v1's default: each tp rank read its own batch, the group runs all
-            run.use_inputs(*regroup_batch(*run.inputs, st.group("tensor-parallel"), st.topology.tp, False))
-        elif not run.memo.get("one_batch_checked"):  # the group read one batch: say so if it did not
-            check_one_batch(*run.inputs, st.group("tensor-parallel"), st.ranks("tensor-parallel"))
-            run.memo["one_batch_checked"] = True
+    if st.topology.pp_rank(st.rank) == 0:  # pp_rank 0's arguments are the pipeline's
+        # A tp group, then a cp group (of tp groups), runs one batch: by SMP v1's default each rank read its own
+        # and the group runs on all of them, else (prescaled_batch) the group read one: say so if it did not.
+        groups = [("tp", st.group("tensor-parallel"), st.ranks("tensor-parallel"))] if st.topology.tp > 1 else []
+        for axis, group, ranks in groups + ([("cp", st.cp_group, st.cp_ranks)] if st.cp_ranks else []):
+            if not st.config.prescaled_batch:
+                run.use_inputs(*regroup_batch(*run.inputs, group, len(ranks), False, axis))
+            elif not run.memo.get(f"one_batch_checked_{axis}"):
+                check_one_batch(*run.inputs, group, list(ranks), axis)
+                run.memo[f"one_batch_checked_{axis}"] = True
     if st.topology.pp > 1:
         _take_first_stage_inputs(st, run)
     if not model.partitioned:

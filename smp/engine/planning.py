@@ -25,6 +25,7 @@ from partitioner import PartitionOptions, PartitionPlan, partition, trace
 from partitioner.capture.graph import OpGraph
 from partitioner.capture.split_points import RANKS_KEY, stages_note, stages_on_ranks
 from partitioner.capture.tracing import price_loss
+from partitioner.cp.context_program import context_parallel_graph
 from partitioner.ep.expert_program import expert_parallel_graph
 from partitioner.sdp.shards import warn_if_nothing_sharded
 from partitioner.tp.sequence import SequenceParallelWarning
@@ -48,16 +49,18 @@ __all__ = ["rank_graph", "shared_plan", "pipeline_runner", "smp_runner", "own_te
 
 def rank_graph(graph: OpGraph, tp: tuple[int, int] = (1, 0), shardable: Collection[str] | None = None,
                sequence_parallel: bool | None = False, ep: tuple[int, int] = (1, 0),
-               defer_weights: bool = True) -> OpGraph:
+               defer_weights: bool = True, cp: tuple[int, int] = (1, 0)) -> OpGraph:
     """The traced ``graph`` as this rank runs it: sharded for its tp rank (``tp``: degree, rank; ``shardable``,
     ``sequence_parallel``, ``defer_weights``: :func:`partitioner.tensor_parallel_graph`; ``sequence_parallel`` None:
-    on where it applies, without a warning where it does not), then its experts for its ep rank (``ep``: degree,
-    rank; :func:`partitioner.ep.expert_program.expert_parallel_graph`)."""
+    on where it applies, without a warning where it does not, and off under context parallelism), on its cp rank's
+    tokens (``cp``: degree, rank; :func:`partitioner.cp.context_program.context_parallel_graph`), then its experts
+    for its ep rank (``ep``: degree, rank; :func:`partitioner.ep.expert_program.expert_parallel_graph`)."""
     with warnings.catch_warnings():
         if sequence_parallel is None:
             warnings.simplefilter("ignore", SequenceParallelWarning)
-        sharded = tensor_parallel_graph(graph, *tp, shardable, sequence_parallel is not False, defer_weights)
-    return expert_parallel_graph(sharded, *ep)
+        sequence = sequence_parallel is True or (sequence_parallel is None and cp[0] == 1)
+        sharded = tensor_parallel_graph(graph, *tp, shardable, sequence, defer_weights)
+    return expert_parallel_graph(context_parallel_graph(sharded, *cp), *ep)
 
 
 def shared_plan(model: torch.nn.Module, args: tuple, kwargs: dict, num_stages: int,
@@ -65,7 +68,8 @@ def shared_plan(model: torch.nn.Module, args: tuple, kwargs: dict, num_stages: i
                 timeout_s: float | None = None, loss: tuple[Any, Any] | None = None,
                 tp: tuple[int, int] = (1, 0), shardable: Collection[str] | None = None,
                 step: bool = False, ranks: int | None = None, sequence_parallel: bool | None = False,
-                ep: tuple[int, int] = (1, 0), defer_weights: bool = True) -> PartitionPlan:
+                ep: tuple[int, int] = (1, 0), defer_weights: bool = True, cp: tuple[int, int] = (1, 0)
+                ) -> PartitionPlan:
     """Every rank traces ``model`` on one microbatch; global rank 0 partitions and sends the plan to all, over
     ``group`` (every rank; default: the default group), whose timeout bounds the other ranks' wait
     (``timeout_s`` names it in the error: raise it when partitioning takes longer). ``loss``: ``(loss_fn, one
@@ -74,13 +78,13 @@ def shared_plan(model: torch.nn.Module, args: tuple, kwargs: dict, num_stages: i
     rank 0, tp rank 0, partitions its own); ``shardable``: the parameters tensor parallelism may split (None: all);
     ``sequence_parallel``: the regions between tp regions run on a slice of the sequence
     (:mod:`partitioner.tp.sequence`), ``defer_weights`` its weights' gradients summed once per step; ``ep``:
-    (expert-parallel degree, this rank's ep rank), likewise.
+    (expert-parallel degree, this rank's ep rank), likewise, and ``cp`` (context parallelism).
     ``step``: the model runs in an ``@smp.step`` function, whose loss the plan prices (:mod:`smp.engine.step_loss`).
     ``ranks``: the pipeline's ranks, when a model with ``pipe_split()`` markers is to be cut into the markers' stages
     instead of ``num_stages`` (a multiple of ``ranks``, else an error on every rank: :func:`stages_on_ranks`)."""
     loss_fn, target = loss if loss is not None else (None, None)
     graph = rank_graph(trace(model, args, kwargs, loss_fn=loss_fn, target=target), tp, shardable, sequence_parallel,
-                       ep, defer_weights)
+                       ep, defer_weights, cp)
     if ranks is not None:
         num_stages = stages_on_ranks(graph, ranks) or num_stages
     outside = step_loss(graph) if step and loss is None else None
@@ -240,4 +244,6 @@ def smp_runner(st: State, model: PipelineModel, plan: PartitionPlan, checkpoint_
                           activation_loading_horizon=cfg.activation_loading_horizon, gather=gather)
     if runner.split_model.program.ep_comm is not None:  # the experts' all-to-alls run on this rank's ep group
         runner.split_model.program.ep_comm.bind(st.ep_group)
+    if runner.split_model.program.cp_comm is not None:  # the gathers of keys and values run on this rank's cp group
+        runner.split_model.program.cp_comm.bind(st.cp_group)
     return runner

@@ -29,9 +29,13 @@ import torch.utils._pytree as pytree
 from partitioner.errors import EngineError
 from smp.engine.fingerprint import difference, fingerprint
 
-__all__ = ["regroup_batch", "check_one_batch", "BatchMismatchError", "BatchDiffersError"]
+__all__ = ["regroup_batch", "check_one_batch", "BatchMismatchError", "BatchDiffersError", "AXES"]
 
 _SCALARS = (bool, int, float, complex, str, bytes, type(None))
+# The groups whose ranks run one batch, as the errors name them: (group, a rank's index in it, what to shard data by
+# for one batch per group).
+AXES = {"tp": ("tensor-parallel", "tp_rank", "smp.rdp_rank()"),
+        "cp": ("context-parallel", "cp_rank", "smp.rdp_rank() // context_parallel_degree")}
 
 
 class BatchMismatchError(EngineError, ValueError):
@@ -64,33 +68,34 @@ def _what(desc: tuple) -> str:
     return f"a {desc[1]} (each rank's own object)"
 
 
-def _check(names: list[str], described: list[tuple]) -> None:
+def _check(names: list[str], described: list[tuple], axis: str) -> None:
     """Raise unless every rank's (structure, leaf descriptions) can be regrouped with tp_rank 0's; every rank
     reads the same ``described`` (one entry per tp rank), so every rank raises the same error."""
+    kind, rank, _ = AXES[axis]
     spec, ref = described[0]
     for r, (spec_r, leaves_r) in enumerate(described):
         if spec_r != spec:
-            raise BatchMismatchError(f"the step's arguments have another structure on tp_rank {r} ({spec_r}) than on "
-                                     f"tp_rank 0 ({spec}): every rank of a tensor-parallel group must pass arguments "
+            raise BatchMismatchError(f"the step's arguments have another structure on {rank} {r} ({spec_r}) than on "
+                                     f"{rank} 0 ({spec}): every rank of a {kind} group must pass arguments "
                                      "of one structure, whose tensors are concatenated along dim 0")
         for name, a, b in zip(names, ref, leaves_r):
-            where = f"step argument {name} on tp_rank {r}"
+            where = f"step argument {name} on {rank} {r}"
             if b[0] == "unsupported":
                 raise BatchMismatchError(f"{where} is {b[1]}: only dense (strided) tensors can be regrouped over a "
-                                         "tensor-parallel group")
+                                         f"{kind} group")
             if b[0] == "gather" and b[3]:
-                raise BatchMismatchError(f"{where} requires grad: regrouping it over the tensor-parallel group would "
+                raise BatchMismatchError(f"{where} requires grad: regrouping it over the {kind} group would "
                                          "cut its graph; pass data tensors, or set 'prescaled_batch': True and feed "
                                          "every rank of the group the same batch")
             if a[:2] != b[:2]:
-                raise BatchMismatchError(f"{where} is {_what(b)}, on tp_rank 0 {_what(a)}: the ranks of a "
-                                         "tensor-parallel group must pass the same kinds and dtypes")
+                raise BatchMismatchError(f"{where} is {_what(b)}, on {rank} 0 {_what(a)}: the ranks of a "
+                                         f"{kind} group must pass the same kinds and dtypes")
             if a[0] == "gather" and (len(a[2]) != len(b[2]) or a[2][1:] != b[2][1:]):
-                raise BatchMismatchError(f"{where} has shape {list(b[2])}, on tp_rank 0 {list(a[2])}: tensors are "
+                raise BatchMismatchError(f"{where} has shape {list(b[2])}, on {rank} 0 {list(a[2])}: tensors are "
                                          "concatenated along dim 0, so all other dimensions must agree")
             if a[0] == "same" and not _equal(a[2], b[2]):
-                raise BatchMismatchError(f"{where} is {b[2]!r}, on tp_rank 0 {a[2]!r}: arguments that are not "
-                                         "batched tensors must be equal on every rank of a tensor-parallel group "
+                raise BatchMismatchError(f"{where} is {b[2]!r}, on {rank} 0 {a[2]!r}: arguments that are not "
+                                         f"batched tensors must be equal on every rank of a {kind} group "
                                          "(or set 'prescaled_batch': True)")
 
 
@@ -115,7 +120,8 @@ def _gather(x: torch.Tensor, rows: list[int], group: Any) -> torch.Tensor:
     return out.view(torch.bool) if x.dtype == torch.bool else out
 
 
-def regroup_batch(args: tuple, kwargs: dict, group: Any, tp_size: int, prescaled: bool) -> tuple[tuple, dict]:
+def regroup_batch(args: tuple, kwargs: dict, group: Any, tp_size: int, prescaled: bool,
+                  axis: str = "tp") -> tuple[tuple, dict]:
     """The step arguments ``(args, kwargs)`` this rank runs on, within its tensor-parallel ``group`` of
     ``tp_size`` ranks (a torch process group; None: the default group).
 
@@ -124,7 +130,9 @@ def regroup_batch(args: tuple, kwargs: dict, group: Any, tp_size: int, prescaled
     that tensor on every rank of the group (ranks may pass different numbers of rows); Python scalars and 0-dim
     tensors must be equal on every rank, other objects stay this rank's own. A mismatch (structure, dtype, trailing
     dimensions, a scalar, a tensor that requires grad) raises :class:`BatchMismatchError` on every rank.
-    Every rank of the group must call it, in the same order as its other collectives on ``group``.
+    Every rank of the group must call it, in the same order as its other collectives on ``group``. ``axis``: the
+    group is a tensor-parallel one (``"tp"``) or a context-parallel one (``"cp"``, whose ranks likewise run one
+    batch), as the errors say.
     """
     if prescaled or tp_size == 1:
         return args, kwargs
@@ -132,11 +140,11 @@ def regroup_batch(args: tuple, kwargs: dict, group: Any, tp_size: int, prescaled
         raise ValueError(f"regroup_batch: tp_size={tp_size!r} is not a positive integer")
     if dist.get_world_size(group) != tp_size:
         raise ValueError(f"regroup_batch: the group has {dist.get_world_size(group)} ranks, tp_size={tp_size}: "
-                         "pass this rank's tensor-parallel group")
+                         f"pass this rank's {AXES[axis][0]} group")
     names, leaves, spec = _named_leaves(args, kwargs)
     theirs: list[Any] = [None] * tp_size
     dist.all_gather_object(theirs, (str(spec), [_describe(x) for x in leaves]), group=group)
-    _check(names, theirs)
+    _check(names, theirs, axis)
     out = []
     for i, x in enumerate(leaves):
         if theirs[0][1][i][0] == "gather":
@@ -179,14 +187,16 @@ def _differs(names: list[str], mine: tuple, theirs: tuple) -> tuple[str, str] | 
     return None
 
 
-def check_one_batch(args: tuple, kwargs: dict, group: Any, ranks: list[int]) -> None:
+def check_one_batch(args: tuple, kwargs: dict, group: Any, ranks: list[int], axis: str = "tp") -> None:
     """Raise :class:`BatchDiffersError` on every rank of the tensor-parallel ``group`` (its global ``ranks``, in
     ``tp_rank`` order) unless every rank passed the same step arguments ``(args, kwargs)``: the same structure and
     Python scalars, tensors of the same :func:`~smp.engine.fingerprint.fingerprint` (other objects, such as the
     model, are each rank's own and not compared). The group runs one batch under ``prescaled_batch`` True and
     moves no data, so this is a collective of its own: one ``all_gather_object`` of a few dozen bytes per tensor,
     plus one pass over each tensor to fingerprint it; the caller runs it on the first call of each step function
-    only. Every rank of the group must call it, in the same order as its other collectives on ``group``."""
+    only. Every rank of the group must call it, in the same order as its other collectives on ``group``. ``axis``:
+    as :func:`regroup_batch`'s."""
+    kind, rank, shard_by = AXES[axis]
     names, leaves, spec = _named_leaves(args, kwargs)
     theirs: list[Any] = [None] * len(ranks)
     dist.all_gather_object(theirs, (str(spec), [_print(x) for x in leaves]), group=group)
@@ -195,11 +205,11 @@ def check_one_batch(args: tuple, kwargs: dict, group: Any, ranks: list[int]) -> 
         return
     first = min(differ)
     what, how = differ[first]
-    who = ", ".join(f"{ranks[t]} (tp_rank {t})" for t in differ)
+    who = ", ".join(f"{ranks[t]} ({rank} {t})" for t in differ)
     raise BatchDiffersError(
-        f"prescaled_batch is True, so the ranks of a tensor-parallel group must pass one batch, but rank(s) {who} "
-        f"passed another batch than rank {ranks[0]} (tp_rank 0): rank {ranks[first]}'s {what} differs from rank "
+        f"prescaled_batch is True, so the ranks of a {kind} group must pass one batch, but rank(s) {who} "
+        f"passed another batch than rank {ranks[0]} ({rank} 0): rank {ranks[first]}'s {what} differs from rank "
         f"{ranks[0]}'s ({how}), and the group would train on a mixture of them. Pass the same batch on every rank of "
-        "a tensor-parallel group when prescaled_batch is True (shard the data by smp.rdp_rank(), not smp.dp_rank()), "
-        "or set prescaled_batch False (each tp rank then reads its own batch and the group runs on their "
+        f"a {kind} group when prescaled_batch is True (shard the data by {shard_by}, not smp.dp_rank()), "
+        f"or set prescaled_batch False (each {rank} then reads its own batch and the group runs on their "
         "concatenation)")

@@ -75,6 +75,7 @@ class Config:
     # (True: on, saying where it does not apply; False: off)
     sequence_parallel: bool | None = None
     expert_parallel_degree: int = 1   # ours: experts sharded over as many data-parallel ranks (partitioner.ep)
+    context_parallel_degree: int = 1  # ours: each sequence split over as many data-parallel ranks (partitioner.cp)
     activation_loading_horizon: int = DEFAULT_HORIZON  # offloaded activations load this many backwards ahead
     overlapping_allreduce: bool = True  # replicas average in buckets during the backward (smp.engine.grad_averaging)
     # SMP v1 keys accepted for compatibility; they have no effect here (see _NO_EFFECT).
@@ -298,18 +299,24 @@ def _validate(c: Config) -> None:
     _check(isinstance(c.timeout_s, (int, float)) and not isinstance(c.timeout_s, bool) and 0 < c.timeout_s < 1e9,
            "timeout_s", c.timeout_s, "a positive number of seconds: how long any one wait or collective of smp "
            "may take before the job stops with an error")
-    _check(_is_int(c.expert_parallel_degree) and c.expert_parallel_degree >= 1, "expert_parallel_degree",
-           c.expert_parallel_degree, "a positive integer")
-    _check(c.expert_parallel_degree == 1 or c.ddp is True, "expert_parallel_degree", c.expert_parallel_degree,
-           "a degree above 1 shards the experts over data-parallel ranks and needs 'ddp': True")
+    for key, what in (("expert_parallel_degree", "shards the experts over data-parallel ranks and needs 'ddp': True"),
+                      ("context_parallel_degree", "splits each sequence over data-parallel ranks and needs 'ddp': "
+                                                  "True"),
+                      ("tensor_parallel_degree", "needs 'ddp': True, as in SMP v1 (tensor parallelism is carved out of "
+                                                 "the data-parallel ranks)")):
+        degree = getattr(c, key)
+        _check(_is_int(degree) and degree >= 1, key, degree, "a positive integer")
+        _check(degree == 1 or c.ddp is True, key, degree,
+               f"a degree above 1 {what}; add \"ddp\": True to the smp config")
     _check(c.expert_parallel_degree == 1 or c.sharded_data_parallel_degree == 1,
            "expert_parallel_degree", c.expert_parallel_degree, "1 with sharded_data_parallel_degree above 1 (experts "
            "are split over replicas that hold their parameters whole, for now)")
-    _check(_is_int(c.tensor_parallel_degree) and c.tensor_parallel_degree >= 1, "tensor_parallel_degree",
-           c.tensor_parallel_degree, "a positive integer")
-    _check(c.tensor_parallel_degree == 1 or c.ddp is True, "tensor_parallel_degree", c.tensor_parallel_degree,
-           "a degree above 1 needs 'ddp': True, as in SMP v1 (tensor parallelism is carved out of the "
-           "data-parallel ranks); add \"ddp\": True to the smp config")
+    cp = c.context_parallel_degree
+    _check(cp == 1 or (c.sharded_data_parallel_degree == 1 and c.expert_parallel_degree == 1),
+           "context_parallel_degree", cp,
+           "1 with sharded_data_parallel_degree or expert_parallel_degree above 1 (not combined yet)")
+    _check(cp == 1 or c.sequence_parallel is not True, "sequence_parallel", c.sequence_parallel,
+           "None or False with context_parallel_degree above 1 (the sequence is already split across the cp group)")
     for key in _SMP_V1_FLAGS:
         _check(isinstance(getattr(c, key), bool), key, getattr(c, key), "True or False")
     _check(_is_int(c.sharded_data_parallel_degree) and c.sharded_data_parallel_degree >= 1,

@@ -93,6 +93,10 @@ class State:
     edp_group: Any = None
     ep_ranks: tuple = ()
     edp_ranks: tuple = ()
+    # Context parallelism (context_parallel_degree > 1): this rank's cp group (its stage's replicas that split each
+    # sequence of the batch they share) and its ranks.
+    cp_group: Any = None
+    cp_ranks: tuple = ()
 
     def __post_init__(self) -> None:
         if not self.aliases:
@@ -121,6 +125,10 @@ class State:
     def ep_coordinates(self) -> tuple[int, int]:
         """(expert-parallel degree, this rank's index in its ep group): (1, 0) without expert parallelism."""
         return (len(self.ep_ranks), self.ep_ranks.index(self.rank)) if self.ep_ranks else (1, 0)
+
+    def cp_coordinates(self) -> tuple[int, int]:
+        """(context-parallel degree, this rank's index in its cp group): (1, 0) without context parallelism."""
+        return (len(self.cp_ranks), self.cp_ranks.index(self.rank)) if self.cp_ranks else (1, 0)
 
     def _groups(self) -> dict[str, Any]:
         return {"world": self.world_group, "pipeline": self.mp_group, "data-parallel": self.dp_group,
@@ -267,6 +275,10 @@ def init(config: dict | str | None = None) -> State:
         st.edp_group, _ = dist.new_subgroups_by_enumeration(columns, timeout=timeout)
         st.ep_ranks = tuple(next(r for grid in grids for r in grid if st.rank in r))
         st.edp_ranks = tuple(next(c for c in columns if st.rank in c))
+    if cfg.context_parallel_degree > 1:
+        rows = [row for grid in topo.cp_grid(cfg.context_parallel_degree) for row in grid]
+        st.cp_group, _ = dist.new_subgroups_by_enumeration(rows, timeout=timeout)
+        st.cp_ranks = tuple(next(row for row in rows if st.rank in row))
     _state = st
     atexit.register(st.close, made_default)
     return st

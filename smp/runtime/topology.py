@@ -184,11 +184,20 @@ class Topology:
         """Expert parallelism of degree ``ep``: each reduced-data-parallel group as rows of ``ep`` consecutive
         ``rdp_rank`` (an ep group: its ranks split every expert layer's experts) over ``rdp / ep`` rows (each column:
         the ranks holding the same experts, which average their gradients)."""
-        if ep < 1 or self.rdp % ep:
-            raise ValueError(f"expert_parallel_degree={ep} must divide the {self.rdp} data-parallel replicas of each "
-                             f"stage (world {self.world} / pipeline_parallel_degree={self.pp}): launch a multiple "
-                             "of the degrees' product or choose a divisor")
-        return [[g[i:i + ep] for i in range(0, len(g), ep)] for g in self.rdp_groups()]
+        return self._replica_rows(ep, "expert_parallel_degree")
+
+    def cp_grid(self, cp: int) -> list[list[list[int]]]:
+        """Context parallelism of degree ``cp``: each reduced-data-parallel group as rows of ``cp`` consecutive
+        ``rdp_rank`` (a cp group: its ranks split every sequence of the batch they share)."""
+        return self._replica_rows(cp, "context_parallel_degree")
+
+    def _replica_rows(self, degree: int, key: str) -> list[list[list[int]]]:
+        if degree < 1 or self.rdp % degree:
+            raise ValueError(f"{key}={degree} must divide the {self.rdp} data-parallel replicas of each stage"
+                             f"{' and tensor-parallel shard' if self.tp > 1 else ''} (world {self.world} / "
+                             f"(pipeline_parallel_degree={self.pp} x tensor_parallel_degree={self.tp})): launch a "
+                             "multiple of the degrees' product or choose a divisor")
+        return [[g[i:i + degree] for i in range(0, len(g), degree)] for g in self.rdp_groups()]
 
     def pp_rank(self, rank: int) -> int:
         """The pipeline stage of global ``rank`` (its index in its pipeline)."""

@@ -243,6 +243,14 @@ def test_ep_groups_are_consecutive_replicas_of_a_stage():
         t.ep_grid(3)
 
 
+def test_cp_groups_are_consecutive_replicas_of_a_stage():
+    t = Topology(8, 1, 2)  # 4 replicas of each tp rank
+    assert t.cp_grid(2) == [[g[:2], g[2:]] for g in t.rdp_groups()]
+    with pytest.raises(ValueError, match=r"context_parallel_degree=3 must divide the 4 data-parallel replicas of each "
+                                         r"stage and tensor-parallel shard"):
+        t.cp_grid(3)
+
+
 def test_sdp_grid_rows_replicate_and_columns_shard():
     t = Topology(8, 2)  # 4 replicas of each of 2 stages
     assert t.sdp_grid(4) == [[g] for g in t.rdp_groups()] and len(t.rdp_groups()[0]) == 4  # one sharding group
