@@ -27,7 +27,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from ..tp.collectives import Tokens
 
 __all__ = ["CPComm", "UnboundContextGroupError", "cp_scatter", "cp_gather", "cp_causal_mask", "cp_cross_entropy",
-           "CONTEXT_OPS"]
+           "cp_group_loss", "CONTEXT_OPS"]
 
 
 class UnboundContextGroupError(RuntimeError):
@@ -118,25 +118,32 @@ def cp_cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: torch.T
                      reduction: int = 1, ignore_index: int = -100, label_smoothing: float = 0.0, *,
                      comm: CPComm) -> torch.Tensor:
     """``aten.cross_entropy_loss`` over the tokens of the whole group, from this rank's (``reduction``: 0 none,
-    1 mean, 2 sum): the sum of this rank's losses all-reduced, divided, for the mean, by the group's weight of
-    targets that are not ignored, as one process's mean over the whole sequence divides it."""
+    1 mean, 2 sum): as :func:`cp_group_loss` makes of this rank's tokens' losses, the mean divided by the group's
+    weight of targets that are not ignored, as one process's mean over the whole sequence divides it."""
+    losses = F.cross_entropy(logits, target, weight, ignore_index=ignore_index, reduction="none",
+                             label_smoothing=label_smoothing)
+    kept = target != ignore_index
+    return cp_group_loss(losses, weight[target.clamp(min=0)] * kept if weight is not None else kept, reduction,
+                         comm=comm)
+
+
+def cp_group_loss(losses: torch.Tensor, kept: torch.Tensor, reduction: int = 1, *, comm: CPComm) -> torch.Tensor:
+    """The group's loss from this rank's tokens' ``losses`` (``reduction``: 0 none: those; 2 sum: their sum over the
+    group; 1 mean: that sum over the group's sum of ``kept``, each token's weight, 0 where its target is ignored).
+    The sum is all-reduced with autograd (its gradient all-reduced back), the weights without."""
     if reduction == 0:
-        return F.cross_entropy(logits, target, weight, ignore_index=ignore_index, reduction="none",
-                               label_smoothing=label_smoothing)
-    total = F.cross_entropy(logits, target, weight, ignore_index=ignore_index, reduction="sum",
-                            label_smoothing=label_smoothing)
-    if isinstance(logits, FakeTensor):
+        return losses
+    total = losses.sum()
+    if isinstance(losses, FakeTensor):
         return total
     group = comm.bound_group()
     total = funcol.all_reduce(total, "sum", group)
     if reduction == 2:
         return total
-    kept = target != ignore_index
-    count = (weight[target.clamp(min=0)] * kept).sum() if weight is not None else kept.sum()
-    count = count.to(total.dtype)
+    count = kept.sum().to(total.dtype)
     dist.all_reduce(count, group=group)
     return total / count
 
 
 # The context-parallel ops (partitioner.cp.context_program), priced by partitioner.cp.pricing.
-CONTEXT_OPS = frozenset({cp_scatter, cp_gather, cp_causal_mask, cp_cross_entropy})
+CONTEXT_OPS = frozenset({cp_scatter, cp_gather, cp_causal_mask, cp_cross_entropy, cp_group_loss})

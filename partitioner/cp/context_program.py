@@ -34,9 +34,19 @@ from ..capture.build import build_graph
 from ..capture.flops import op_name
 from ..capture.graph import OpGraph
 from ..capture.program import copy_graph
+from ..tp.collectives import (
+    copy_to,
+    gather_from,
+    reduce_from,
+    scatter_to,
+    tp_attention,
+    tp_dropout,
+    vocab_cross_entropy,
+    vocab_embedding,
+)
 from ..tp.shard_rules import node_args, value_of
 from ..tp.token_walk import TokenWalk, fake_like, ids_input, sequence_ids, token_layout
-from .comm import CPComm, cp_causal_mask, cp_cross_entropy, cp_gather, cp_scatter
+from .comm import CPComm, cp_causal_mask, cp_cross_entropy, cp_gather, cp_group_loss, cp_scatter
 from .pricing import context_seconds
 
 __all__ = ["ContextSharding", "context_parallel_graph", "cp_degree", "CP_COMM_ATTR"]
@@ -44,6 +54,8 @@ __all__ = ["ContextSharding", "context_parallel_graph", "cp_degree", "CP_COMM_AT
 CP_COMM_ATTR = "cp_comm"  # the attribute of a context-parallel program (and of its stage modules) holding its CPComm
 _SDPA = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
 _CROSS_ENTROPY = ("self", "target", "weight", "reduction", "ignore_index", "label_smoothing")
+_PER_TOKEN = (copy_to, reduce_from, tp_dropout)  # tensor parallelism's ops that act on each token alone
+_ALONG = (gather_from, scatter_to)  # ... and along another dimension of each token
 
 
 @dataclass(frozen=True)
@@ -82,7 +94,8 @@ class _ContextWalk(TokenWalk):
         self.comm, self.attentions = comm, 0
 
     def start(self, node: torch.fx.Node) -> bool:
-        if op_name(node) != "embedding" or ids_input(node, placeholder=True) is None:
+        if (op_name(node) != "embedding" and node.target is not vocab_embedding
+                or ids_input(node, placeholder=True) is None):
             return False
         ids, out = ids_input(node), value_of(node)
         at, tokens = token_layout(value_of(ids).shape, self.batch, self.seq), token_layout(out.shape, self.batch,
@@ -103,10 +116,22 @@ class _ContextWalk(TokenWalk):
                            f"{n.name}_cp_gather", self.whole[n.name], n, "gather")
 
     def special(self, node: torch.fx.Node, name: str, sliced: list[torch.fx.Node]) -> bool:
-        if name == "scaled_dot_product_attention":
+        if name == "scaled_dot_product_attention" or node.target is tp_attention:
             return self.attention(node)
         if name == "cross_entropy_loss":
             return self.cross_entropy(node)
+        if name == "matmul":
+            return self.attention_matmul(node)
+        if node.target is vocab_cross_entropy:
+            return self.vocab_cross_entropy(node)
+        x = node_args(node)[0]
+        if not isinstance(x, torch.fx.Node) or x.name not in self.tokens:
+            return False
+        tokens = self.tokens[x.name]
+        if node.target in _PER_TOKEN or (node.target in _ALONG
+                                         and node_args(node)[1] % value_of(node).dim() != tokens[0]):
+            self.slice(node, tokens)
+            return True
         return False
 
     def at_rows(self, n: Any, rows: int) -> bool:
@@ -139,6 +164,19 @@ class _ContextWalk(TokenWalk):
         self.slice(node, (value_of(node).dim() - 2, 1, 1))
         return True
 
+    def attention_matmul(self, node: torch.fx.Node) -> bool:
+        """Attention spelt out (``eager``): this rank's rows (queries, or their weights) times the group's keys or
+        values, gathered; False: the left operand's tokens are not its rows."""
+        a, b = node_args(node)[:2]
+        rows = value_of(a).dim() - 2
+        if not self.at_rows(a, rows) or not isinstance(b, torch.fx.Node) or b.name not in self.tokens:
+            return False
+        if self.tokens[b.name][0] == value_of(b).dim() - 1:  # the keys, transposed: one attention's scores
+            self.attentions += 1
+        node.replace_input_with(b, self.gathered(b))
+        self.slice(node, (value_of(node).dim() - 2, 1, 1))
+        return True
+
     def cross_entropy(self, node: torch.fx.Node) -> bool:
         """The loss over the group's tokens from this rank's logits (``(tokens, classes)``) and targets."""
         a = _call_args(node, _CROSS_ENTROPY)
@@ -157,6 +195,31 @@ class _ContextWalk(TokenWalk):
         node.kwargs = {"comm": self.comm}
         if reduction == 0:
             self.slice(node, tokens)
+        return True
+
+    def vocab_cross_entropy(self, node: torch.fx.Node) -> bool:
+        """Tensor parallelism's vocabulary-parallel loss on this rank's tokens, per token, then the group's
+        (:func:`partitioner.cp.comm.cp_group_loss`)."""
+        logits, target, start, reduction, ignore_index, tp_comm = node_args(node)
+        tokens = self.tokens.get(logits.name)
+        if tokens is None or tokens[0] != 0 or value_of(logits).dim() != 2:
+            return False
+        if target.name not in self.tokens:
+            target = self.scatter(node, target, tokens)
+        node.args = (logits, target, start, 0, ignore_index, tp_comm)
+        node.meta["val"] = fake_like(value_of(logits), [value_of(logits).shape[0] * self.degree])  # one per token
+        self.slice(node, tokens)
+        if reduction == 0:
+            return True
+        users = list(node.users)
+        with self.g.inserting_after(node):
+            kept = self.g.call_function(torch.ne, (target, ignore_index))
+        with self.g.inserting_after(kept):
+            loss = self.g.call_function(cp_group_loss, (node, kept, reduction), {"comm": self.comm})
+        kept.meta["val"] = fake_like(value_of(target), list(value_of(target).shape), torch.bool)
+        loss.meta["val"] = fake_like(value_of(node), [])
+        for user in users:
+            user.replace_input_with(node, loss)
         return True
 
 

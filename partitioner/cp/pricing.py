@@ -15,7 +15,7 @@ from ..capture.graph import OpGraph
 from ..cost.collectives import all_gather_s, all_reduce_s
 from ..cost.devices import DeviceRates
 from ..cost.precision import at_precision
-from .comm import cp_cross_entropy, cp_gather
+from .comm import cp_cross_entropy, cp_gather, cp_group_loss
 
 __all__ = ["context_seconds"]
 
@@ -38,7 +38,7 @@ def context_seconds(graph: OpGraph, rates: DeviceRates, dtype: str = "fp32",
             nbytes = float(at_precision(np.array([tensor_bytes(whole)]), np.array([float_bytes(whole)]), dtype)[0])
             fwd[op] += all_gather_s(nbytes, cp, rates)
             bwd[op] += all_gather_s(nbytes, cp, rates) if grad else 0.0
-        elif node.target is cp_cross_entropy:
+        elif node.target is cp_cross_entropy or node.target is cp_group_loss:
             fwd[op] += 2 * all_reduce_s(4.0, cp, rates)
             bwd[op] += all_reduce_s(4.0, cp, rates) if grad else 0.0
     return fwd, bwd

@@ -32,6 +32,7 @@ _REDUCE = {"mean", "sum", "amax", "amin"}
 _MATMUL = {"linear", "mm", "addmm"}
 _SPLITS = {"split", "split_with_sizes", "chunk"}
 _MOVES = {"unsqueeze", "transpose", "expand", "slice"}
+_SOFTMAX = {"softmax", "_softmax", "log_softmax", "_log_softmax"}
 
 
 def token_layout(shape: Any, batch: int, seq: int) -> Tokens | None:
@@ -196,7 +197,7 @@ class TokenWalk:
         cannot run on a slice)."""
         a, out, x = node_args(node), value_of(node), sliced[0]
         first = a[1] if name == "addmm" else a[0]
-        if name in VIEWS | _REDUCE | _MATMUL | _SPLITS | _MOVES and first is not x:
+        if name in VIEWS | _REDUCE | _MATMUL | _SPLITS | _MOVES | _SOFTMAX and first is not x:
             return None
         if name == "getitem":  # one tensor of a split along another dimension
             return self.tokens[x.name] if isinstance(self.whole[x.name], (list, tuple)) else None
@@ -235,6 +236,8 @@ class TokenWalk:
             if dim == d or any(p.name not in self.tokens or self.tokens[p.name] != (d, outer, inner) for p in parts):
                 return None
             return d, outer, inner
+        if name in _SOFTMAX:  # over another dimension: each token's own
+            return (d, outer, inner) if a[1] % len(ishape) != d else None
         if name in _REDUCE:
             dims = [k % len(ishape) for k in (a[1] if len(a) > 1 and a[1] is not None else range(len(ishape)))]
             keep = len(a) > 2 and bool(a[2]) or bool(node.kwargs.get("keepdim"))

@@ -192,6 +192,10 @@ def add_plan_args(p: argparse.ArgumentParser, *, microbatches_required: bool = F
                    help="expert-parallel degree: split every mixture-of-experts layer's experts over E data-parallel "
                         "ranks (tokens routed to them by all-to-all), plan ep rank 0's experts and price the "
                         "all-to-alls on --link (default 1); config key expert_parallel_degree")
+    p.add_argument("--cp", "--context-parallel-degree", dest="cp", metavar="C", type=positive_int, default=1,
+                   help="context-parallel degree: split every sequence over C data-parallel ranks (attention reads "
+                        "the group's gathered keys and values), plan cp rank 0's half of the tokens and price the "
+                        "gathers on --link (default 1); config key context_parallel_degree")
     p.add_argument("--sdp", "--sharded-data-parallel-degree", dest="sdp", metavar="D", type=positive_int, default=1,
                    help="sharded data-parallel degree: each stage's parameters sharded over D replicas (ZeRO-3, "
                         "SMP's sharded_data_parallel_degree): memory per rank with weights, gradients at rest and "
@@ -232,7 +236,8 @@ class Options:
     """A plan request: ``partitions`` stages under ``partition``, the :class:`partitioner.PartitionOptions`
     (microbatches and schedule included), for the pipeline SMP calls ``pipeline``; ``measure_stages`` also
     times each stage for real; ``max_actions`` bounds the simulation; ``tp``: the tensor-parallel degree
-    (:mod:`smp.cli.tensor_parallel`); ``ep``: the expert-parallel degree (:mod:`smp.cli.expert_parallel`); ``sdp``:
+    (:mod:`smp.cli.tensor_parallel`); ``ep``: the expert-parallel degree (:mod:`smp.cli.expert_parallel`); ``cp``:
+    the context-parallel degree (:mod:`smp.cli.context_parallel`); ``sdp``:
     the sharded data-parallel degree, ``sdp_threshold`` the elements
     below which a parameter stays whole (None: :data:`partitioner.sdp.shards.PERSISTENCE_THRESHOLD`;
     :mod:`smp.cli.sharded_dp`, :meth:`sharding`).
@@ -248,20 +253,26 @@ class Options:
     sdp: int
     sdp_threshold: int | None
     ep: int
+    cp: int
 
     def __init__(self, partitions: int, pipeline: str = "interleaved", *, measure_stages: bool = False,
                  max_actions: int = DEFAULT_MAX_ACTIONS, tp: int = 1, sdp: int = 1, sdp_threshold: int | None = None,
-                 ep: int = 1, **partition: Any) -> None:
+                 ep: int = 1, cp: int = 1, **partition: Any) -> None:
         from partitioner.cut.options import PartitionOptions
 
-        for flag, degree, what in (("--tp", tp, "tensor"), ("--sdp", sdp, "sharded data"), ("--ep", ep, "expert")):
+        for flag, degree, what in (("--tp", tp, "tensor"), ("--sdp", sdp, "sharded data"), ("--ep", ep, "expert"),
+                                   ("--cp", cp, "context")):
             if isinstance(degree, bool) or not isinstance(degree, int) or degree < 1:
                 raise CLIError(f"{flag} {degree!r}: the {what}-parallel degree must be a positive integer (1: no "
                                f"{what} parallelism)")
-        for flag, degree in (("--tp", tp), ("--sdp", sdp), ("--ep", ep)):
+        for flag, degree in (("--tp", tp), ("--sdp", sdp), ("--ep", ep), ("--cp", cp)):
             if degree > 1 and measure_stages:
                 raise CLIError(f"--measure times the stages in this process, but {flag} {degree} stages run "
                                f"collectives between ranks; measure with {flag} 1, or run the job and use smp report")
+        if cp > 1 and max(sdp, ep) > 1:
+            raise CLIError(f"--cp {cp} with {'--sdp ' + str(sdp) if sdp > 1 else '--ep ' + str(ep)}: context "
+                           "parallelism is not combined with sharded data or expert parallelism yet (the runtime "
+                           "refuses context_parallel_degree with them); drop one")
         if sdp_threshold is not None and (isinstance(sdp_threshold, bool) or not isinstance(sdp_threshold, int)
                                           or sdp_threshold < 1):
             raise CLIError(f"--sdp-threshold {sdp_threshold!r}: give a positive number of elements")
@@ -271,7 +282,7 @@ class Options:
             raise CLIError(str(exc)) from None
         for name, value in (("partitions", partitions), ("partition", options), ("pipeline", pipeline),
                             ("measure_stages", measure_stages), ("max_actions", max_actions), ("tp", tp),
-                            ("sdp", sdp), ("sdp_threshold", sdp_threshold), ("ep", ep)):
+                            ("sdp", sdp), ("sdp_threshold", sdp_threshold), ("ep", ep), ("cp", cp)):
             object.__setattr__(self, name, value)
 
     @classmethod
@@ -283,11 +294,11 @@ class Options:
         # Timed only where one tensor- and sdp-rank's graph runs in this process.
         given.setdefault("measure", hasattr(ns, "estimate") and times_ops(given.get("device", "cpu"),
                                                                            given.get("dtype", "fp32"), ns.estimate)
-                         and getattr(ns, "tp", 1) == 1 and getattr(ns, "sdp", 1) == 1 and getattr(ns, "ep", 1) == 1)
+                         and all(getattr(ns, axis, 1) == 1 for axis in ("tp", "sdp", "ep", "cp")))
         return cls(ns.partitions, ns.smp_pipeline, measure_stages=getattr(ns, "measure_stages", False),
                    max_actions=getattr(ns, "max_actions", DEFAULT_MAX_ACTIONS), tp=getattr(ns, "tp", 1),
                    sdp=getattr(ns, "sdp", 1), sdp_threshold=getattr(ns, "sdp_threshold", None),
-                   ep=getattr(ns, "ep", 1), **given)
+                   ep=getattr(ns, "ep", 1), cp=getattr(ns, "cp", 1), **given)
 
     def with_partition(self, **changes: Any) -> "Options":
         """These options with ``changes`` to the partitioner's (:class:`partitioner.PartitionOptions` fields)."""

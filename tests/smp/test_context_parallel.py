@@ -15,20 +15,22 @@ CP2 = {"pipeline_parallel_degree": 1, "ddp": True, "microbatches": 2, "context_p
 
 
 def causal_lm(kind: str) -> torch.nn.Module:
-    """A small ``transformers`` causal LM with random weights (seed 0): "llama", "qwen2" or "gpt2"."""
+    """A small ``transformers`` causal LM with random weights (seed 0): "llama", "qwen2", "gpt2" or "gpt2_eager"
+    (attention spelt out as matmuls and a softmax)."""
     import transformers as T
 
     torch.manual_seed(0)
-    if kind == "gpt2":
+    if kind.startswith("gpt2"):
         return T.GPT2LMHeadModel(T.GPT2Config(vocab_size=128, n_embd=32, n_layer=2, n_head=4, n_positions=64,
-                                              resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+                                              resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                              attn_implementation="eager" if kind == "gpt2_eager" else "sdpa"))
     shape = dict(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, max_position_embeddings=64)
     return T.Qwen2ForCausalLM(T.Qwen2Config(**shape)) if kind == "qwen2" else T.LlamaForCausalLM(T.LlamaConfig(**shape))
 
 
-def _batch(step: int, seq: int) -> torch.Tensor:
-    return torch.randint(0, 128, (4, seq), generator=torch.Generator().manual_seed(100 + step))
+def _batch(step: int, seq: int, rows: int = 4) -> torch.Tensor:
+    return torch.randint(0, 128, (rows, seq), generator=torch.Generator().manual_seed(100 + step))
 
 
 def _train(rank: int, world: int, config: dict, kind: str, seq: int, steps: int) -> dict:
@@ -48,23 +50,23 @@ def _train(rank: int, world: int, config: dict, kind: str, seq: int, steps: int)
         return out.loss
 
     worst: dict = {"loss": 0.0, "grad": 0.0, "param": 0.0}
-    cp = config["context_parallel_degree"]
+    # The ranks that run one batch: a cp group of consecutive replicas, of tp groups (which fill dp_rank's order).
+    group = config["context_parallel_degree"] * config.get("tensor_parallel_degree", 1)
     for k in range(steps):
-        ids = _batch(k, seq)
+        ids = _batch(k, seq, 2 * smp.dp_size())
         labels = ids.clone()
         labels[:, :3] = -100  # ignored targets: the mean is over the group's kept ones, not each rank's
         d, n = smp.dp_rank(), smp.dp_size()
         loss = train_step(model, ids.chunk(n)[d], labels.chunk(n)[d])
-        # one process on the cp group's batch (its ranks' batches in cp_rank order), microbatch by microbatch
-        m, group = config["microbatches"], d // cp
-        mine = [torch.cat(part.chunk(n)[group * cp:(group + 1) * cp]) for part in (ids, labels)]
-        outs = [reference(i, labels=t) for i, t in zip(mine[0].chunk(m), mine[1].chunk(m))]
-        groups = [[torch.cat(part.chunk(n)[g * cp:(g + 1) * cp]) for part in (ids, labels)] for g in range(n // cp)]
-        ref_loss = sum(reference(i, labels=t).loss for g in groups for i, t in zip(g[0].chunk(m), g[1].chunk(m)))
-        (ref_loss / (m * len(groups))).backward()
-        worst["loss"] = max(worst["loss"], abs(float(loss.reduce_mean()) - sum(float(o.loss) for o in outs) / m))
+        # one process on each group's batch; every microbatch keeps as many targets, so the mean of their means is
+        # the batch's mean, whatever order the group's rows are in
+        batches = [[torch.cat(part.chunk(n)[g * group:(g + 1) * group]) for part in (ids, labels)]
+                   for g in range(n // group)]
+        outs = [reference(i, labels=t).loss for i, t in batches]
+        (sum(outs) / len(outs)).backward()
+        worst["loss"] = max(worst["loss"], abs(float(loss.reduce_mean()) - float(outs[d // group])))
         for name, p in model.local_named_parameters():
-            off = float((p.grad - reference.get_parameter(name).grad).abs().max())
+            off = float((p.grad - _mine(model, name, reference.get_parameter(name).grad)).abs().max())
             if off > worst["grad"]:
                 worst["grad"], worst["grad_of"] = off, name
         opt.step()
@@ -72,15 +74,32 @@ def _train(rank: int, world: int, config: dict, kind: str, seq: int, steps: int)
         ref_opt.step()
         ref_opt.zero_grad()
     for name, p in model.local_named_parameters():
-        worst["param"] = max(worst["param"], float((p.detach() - reference.get_parameter(name).detach()).abs().max()))
+        worst["param"] = max(worst["param"], float((p.detach() - _mine(model, name, reference.get_parameter(name))
+                                                    ).abs().max()))
     context = model.partition_plan().traced_graph().fx.context  # what the ranks ran: each on its half of the tokens
     worst["context"] = (context.cp, context.sequence, context.attentions, context.notes)
     return worst
 
 
+def _mine(model, name: str, whole: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of a whole tensor of the reference: its tp shard (all of it without tensor parallelism)."""
+    import smp
+    from partitioner.capture.program import tensor_aliases
+    from partitioner.tp.shard_program import shard_tensor
+
+    fx = model.partition_plan().traced_graph().fx
+    if fx.sharding is None:
+        return whole.detach()
+    alias = tensor_aliases(fx.module)
+    shards = {alias.get(t, t): s for t, s in fx.sharding.params.items()}
+    spec = shards.get(alias.get(name, name))
+    return whole.detach() if spec is None else shard_tensor(whole.detach(), spec, smp.tp_size(), smp.tp_rank())
+
+
 @pytest.mark.parametrize("kind,seq", [("llama", 16), ("llama", 24), ("gpt2", 16),
                                       pytest.param("qwen2", 32, marks=pytest.mark.slow),
-                                      pytest.param("gpt2", 24, marks=pytest.mark.slow)])
+                                      pytest.param("gpt2", 24, marks=pytest.mark.slow),
+                                      pytest.param("gpt2_eager", 24, marks=pytest.mark.slow)])
 def test_cp2_trains_as_one_process(kind, seq):
     for w in run_ranks(_train, 2, CP2, kind, seq, 2, timeout=240):
         assert w["context"] == (2, seq, 2, ()), w  # both attentions gathered keys and values, nothing else whole
@@ -90,7 +109,15 @@ def test_cp2_trains_as_one_process(kind, seq):
 
 @pytest.mark.slow
 def test_pp2_cp2_trains_as_one_process():
-    config = {**CP2, "pipeline_parallel_degree": 2, "microbatches": 4}
+    config = {**CP2, "pipeline_parallel_degree": 2, "microbatches": 2}
     for w in run_ranks(_train, 4, config, "llama", 16, 2, timeout=400):
         assert w["context"] == (2, 16, 2, ()), w
+        assert w["loss"] < 1e-5 and w["grad"] < 1e-5 and w["param"] < 1e-4, w
+
+
+@pytest.mark.slow
+def test_tp2_cp2_trains_as_one_process():
+    config = {**CP2, "tensor_parallel_degree": 2}
+    for w in run_ranks(_train, 4, config, "llama", 16, 2, timeout=400):
+        assert w["context"] == (2, 16, 2, ()), w  # tensor parallelism's ops on each rank's tokens too
         assert w["loss"] < 1e-5 and w["grad"] < 1e-5 and w["param"] < 1e-4, w

@@ -12,6 +12,7 @@ from typing import Any
 
 from partitioner.units import format_seconds
 from smp.cli.analysis import analyse
+from smp.cli.context_parallel import context_target, cp_lines
 from smp.cli.drawing import write_graph, write_timeline
 from smp.cli.expert_parallel import ep_lines, expert_target
 from smp.cli.limits import check_actions, schedule_actions
@@ -61,7 +62,7 @@ def run(ns: argparse.Namespace) -> int:
     check_output(ns.timeline, "--timeline", (".png", ".json"))
     opts = Options.from_args(ns)
     check_work(opts)
-    with pricing_threads(opts.partition.device, opts.partitions * opts.tp * opts.sdp * opts.ep):
+    with pricing_threads(opts.partition.device, opts.partitions * opts.tp * opts.sdp * opts.ep * opts.cp):
         return _inspect(ns, opts)
 
 
@@ -73,7 +74,8 @@ def _inspect(ns: argparse.Namespace, opts: Options) -> int:
     graph, sharding = shard_target(whole, opts.tp, progress, getattr(ns, "sequence_parallel", False))
     if sharding is not None:
         warn(replicated_warnings(sharding))
-    graph = expert_target(graph, opts.ep, progress)
+    one_rank = graph  # what one process of the tp group runs on the whole sequence
+    graph = expert_target(context_target(graph, opts.cp, progress), opts.ep, progress)
     plan, sim = analyse(graph, opts, target=target, progress=progress)
     if opts.sdp > 1:
         progress(f"pricing parameters sharded over {opts.sdp} replicas")
@@ -94,6 +96,9 @@ def _inspect(ns: argparse.Namespace, opts: Options) -> int:
         whole_w, local_w = float(weight_bytes(whole, dtype).sum()), float(weight_bytes(graph, dtype).sum())
         print("\n".join(ep_lines(graph, whole_w, local_w, opts.partition.resolve_rates(), dtype, opts.microbatches,
                                  plan.extra["schedule"]["predicted_step_s"])))
+    if opts.cp > 1:
+        print("\n".join(cp_lines(graph, one_rank, opts.partition.resolve_rates(), opts.partition.dtype,
+                                  opts.microbatches, plan.extra["schedule"]["predicted_step_s"])))
     if opts.sdp > 1:
         print("\n".join(sdp_lines(plan.extra["sharded_data_parallel"], opts.microbatches,
                                    plan.extra["schedule"]["predicted_step_s"])))

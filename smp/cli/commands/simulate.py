@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from partitioner.units import format_bytes, format_seconds
+from smp.cli.context_parallel import context_target
 from smp.cli.errors import CLIError
 from smp.cli.expert_parallel import expert_target
 from smp.cli.limits import check_actions, schedule_actions
@@ -125,7 +126,7 @@ def run(ns: argparse.Namespace) -> int:
     """Run ``smp simulate`` on parsed arguments."""
     check_output(ns.json, "--json", (".json",))
     opts = Options.from_args(ns)
-    with pricing_threads(opts.partition.device, opts.partitions * opts.tp * opts.sdp * opts.ep):
+    with pricing_threads(opts.partition.device, opts.partitions * opts.tp * opts.sdp * opts.ep * opts.cp):
         return _simulate(ns, opts)
 
 
@@ -147,7 +148,7 @@ def _simulate(ns: argparse.Namespace, opts: Options) -> int:
     graph, sharding = shard_target(whole, opts.tp, progress, getattr(ns, "sequence_parallel", False))
     if sharding is not None:
         warn(replicated_warnings(sharding))
-    graph = expert_target(graph, opts.ep, progress)
+    graph = expert_target(context_target(graph, opts.cp, progress), opts.ep, progress)
     rpn //= opts.tp  # pipeline stages per node: each stage's tp group fills tp ranks of it
     progress(f"pricing {P} stages")
     rates = opts.partition.resolve_rates()
