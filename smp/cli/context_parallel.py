@@ -45,18 +45,19 @@ def cp_lines(graph: Any, whole: Any, rates: Any, dtype: str, microbatches: int, 
     context = graph.fx.context if graph.fx is not None else None
     if context is None:
         return []
+    from partitioner.cost.precision import at_precision
     from partitioner.cp.pricing import context_seconds
 
     fwd, bwd = context_seconds(graph, rates, dtype)
     per_mb = float(np.sum(fwd) + np.sum(bwd))
-    mine, theirs = float(graph.act_bytes.sum()), float(whole.act_bytes.sum())
+    mine, theirs = (float(np.sum(at_precision(g.act_bytes, g.act_float_bytes, dtype))) for g in (graph, whole))
     of_step = f", {100 * microbatches * per_mb / step_s:.1f}% of the predicted step" if step_s else ""
     return [f"context parallelism: degree {context.cp}, {context.sequence // context.cp} of each sequence's "
             f"{context.sequence} tokens per rank (chunks balanced for causal attention), {context.attentions} "
             "attention(s) reading the group's keys and values; every number above is per rank (cp rank 0)",
             f"  activations kept for backward per microbatch {format_bytes(mine)} of one process's "
-            f"{format_bytes(theirs)} ({mine / theirs:.3f}); the weights are whole on every rank" if theirs else
-            "  no activations kept for backward",
+            f"{format_bytes(theirs)} in {dtype} ({mine / theirs:.3f}); the weights are whole on every rank"
+            if theirs else "  no activations kept for backward",
             *(f"  reads the whole sequence: {note}" for note in context.notes),
             f"  gathers (keys and values forward, their gradients reduce-scattered backward; inside the stages' "
             f"fwd/bwd ms): {format_seconds(per_mb)} per microbatch, {format_seconds(microbatches * per_mb)} per "
