@@ -121,3 +121,62 @@ def test_tp2_cp2_trains_as_one_process():
     for w in run_ranks(_train, 4, config, "llama", 16, 2, timeout=400):
         assert w["context"] == (2, 16, 2, ()), w  # tensor parallelism's ops on each rank's tokens too
         assert w["loss"] < 1e-5 and w["grad"] < 1e-5 and w["param"] < 1e-4, w
+
+
+def _checkpoints(rank: int, world: int) -> dict:
+    """Two AdamW steps under cp 2 with a full checkpoint after the first; fresh models of other weights load it under
+    cp 2 and under plain data parallelism (cp 1: each rank its own rows, the same mean here, every row keeping as many
+    targets) and take the second step, which must end where the run that never stopped did; then a batch of another
+    sequence length, which context parallelism does not trace again, is refused with the reason."""
+    import smp
+    from smp.runtime import state
+
+    def run(config: dict, steps: range, load: tuple | None = None) -> tuple:
+        state.reset()
+        smp.init(config)
+        net = causal_lm("llama")
+        if load is not None:
+            with torch.no_grad():
+                for p in net.parameters():
+                    p.add_(1.0)
+        model = smp.DistributedModel(net)
+        opt = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+        if load is not None:
+            model.load_state_dict(load[0])
+            opt.load_state_dict(load[1])
+
+        @smp.step
+        def train_step(model, ids):
+            out = model(ids, labels=ids)
+            model.backward(out.loss)
+            return out.loss
+
+        saved = None
+        for k in steps:
+            train_step(model, _batch(k, 16).chunk(smp.dp_size())[smp.dp_rank()])
+            opt.step()
+            opt.zero_grad()
+            if k == 0:  # copies, as smp.save's files are
+                saved = copy.deepcopy((model.state_dict(), opt.state_dict()))
+        return model, train_step, saved
+
+    model, _, saved = run(CP2, range(2))
+    straight = model.state_dict()
+    out = {}
+    for cp in (1, 2):
+        # a copy each: torch's optimizer loads state tensors without copying them, and its steps update them
+        model, step, _ = run({**CP2, "context_parallel_degree": cp}, range(1, 2), copy.deepcopy(saved))
+        out[f"cp{cp}"] = max(float((model.state_dict()[k] - v).abs().max()) for k, v in straight.items())
+    try:
+        step(model, _batch(0, 24).chunk(2)[smp.dp_rank()])
+        out["refused"] = ""
+    except Exception as exc:  # noqa: BLE001 - the message is what the test reads
+        out["refused"] = str(exc)
+    return out
+
+
+@pytest.mark.slow
+def test_a_checkpoint_saved_under_cp2_resumes_under_cp2_and_cp1_and_other_lengths_are_refused():
+    for out in run_ranks(_checkpoints, 2, timeout=300):
+        assert out["cp2"] < 1e-6 and out["cp1"] < 1e-5, out
+        assert "context parallelism (degree 2)" in out["refused"], out["refused"]
