@@ -18,7 +18,7 @@ import torch.fx
 import torch.utils._pytree as pytree
 
 __all__ = ["TracedProgram", "flatten_inputs", "tensor_aliases", "set_device", "graph_modules", "copy_graph",
-           "DEVICE_ARGS"]
+           "rewritten_module", "DEVICE_ARGS"]
 
 DEVICE_ARGS = "smp_device_args"  # node.meta key: the args/kwargs of a node that hold the traced device
 
@@ -111,3 +111,27 @@ def _signature(spec: pytree.TreeSpec) -> tuple[int | None, list[str]]:
         return args_spec.num_children, list(kwargs_spec.context or [])
     except Exception:  # not an (args, kwargs) spec: leave the check to tree_flatten_spec
         return None, []
+
+
+def rewritten_module(source: torch.fx.GraphModule, graph: torch.fx.Graph,
+                     attrs: dict[str, Any]) -> torch.fx.GraphModule:
+    """A module running ``graph`` (a rewrite of ``source``'s) over ``source``'s tensors, with the attributes ``attrs``
+    (an axis's communication handle, bodies of fused regions) it reads too. ``GraphModule`` registers every tensor
+    it copies as a buffer; constants the export lifted (plain tensor attributes of ``source``, not the model's)
+    stay plain attributes, as in the traced program, so that no plan takes them for the model's buffers."""
+    for name, value in attrs.items():
+        setattr(source, name, value)
+    try:
+        module = torch.fx.GraphModule(source, graph)
+    finally:
+        for name in attrs:
+            delattr(source, name)
+    buffers = {name for name, _ in source.named_buffers(remove_duplicate=False)}
+    for name, _ in list(module.named_buffers(remove_duplicate=False)):
+        if name not in buffers:
+            owner, _, leaf = name.rpartition(".")
+            holder = module.get_submodule(owner)
+            value = getattr(holder, leaf)
+            delattr(holder, leaf)
+            setattr(holder, leaf, value)
+    return module

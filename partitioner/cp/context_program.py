@@ -33,7 +33,7 @@ import torch.fx
 from ..capture.build import build_graph
 from ..capture.flops import op_name
 from ..capture.graph import OpGraph
-from ..capture.program import copy_graph
+from ..capture.program import copy_graph, rewritten_module
 from ..tp.collectives import (
     copy_to,
     gather_from,
@@ -246,11 +246,7 @@ def context_parallel_graph(graph: OpGraph, cp: int, rank: int) -> OpGraph:
     walk = _ContextWalk(fx_graph, comm_node, cp, batch, seq)
     walk.walk()
     fx_graph.lint()
-    setattr(prog.module, CP_COMM_ATTR, comm)
-    try:
-        module = torch.fx.GraphModule(prog.module, fx_graph)
-    finally:
-        delattr(prog.module, CP_COMM_ATTR)
+    module = rewritten_module(prog.module, fx_graph, {CP_COMM_ATTR: comm})
     out = build_graph(module, prog.in_spec, prog.out_spec, prog.training, folded=prog.folded)
     keep = ("split_ops", "loss", "tp_comm", "sharding", "ep_comm", "experts")
     out.fx = dataclasses.replace(out.fx, **{k: getattr(prog, k) for k in keep},

@@ -25,7 +25,7 @@ import torch.fx
 from ..capture.build import build_graph
 from ..capture.flops import REGION_COST, op_flops_and_bytes
 from ..capture.graph import OpGraph
-from ..capture.program import copy_graph, tensor_aliases
+from ..capture.program import copy_graph, rewritten_module, tensor_aliases
 from .dispatch import EPComm, expert_parallel, expert_range
 from .experts import ExpertLayer, ExpertLayers, find_experts
 from .pricing import all_to_all_seconds
@@ -132,13 +132,7 @@ def expert_parallel_graph(graph: OpGraph, ep: int, rank: int) -> OpGraph:
     bodies = _rewrite(fx_graph, found, ep)
     fx_graph.lint()
     comm = EPComm(ep, rank)
-    for attr, value in [(EP_COMM_ATTR, comm), *bodies.items()]:
-        setattr(prog.module, attr, value)
-    try:
-        module = torch.fx.GraphModule(prog.module, fx_graph)
-    finally:
-        for attr in [EP_COMM_ATTR, *bodies]:
-            delattr(prog.module, attr)
+    module = rewritten_module(prog.module, fx_graph, {EP_COMM_ATTR: comm, **bodies})
     params: dict[str, tuple[int, int, int]] = {}
     canonical = tensor_aliases(prog.module)
     stacked = {p: x.experts for x in found.layers for p in x.params}
