@@ -2,7 +2,8 @@
 from it.
 
 Owns: ``tracing`` (torch.export, non-strict, -> :class:`~partitioner.OpGraph`), ``build`` (the exported FX graph
-folded into ops), ``program`` (the traced program the stages are cut from), ``graph`` (:class:`OpGraph`),
+folded into ops), ``program`` (the traced program the stages are cut from), ``group_handle`` (the process group a
+rewritten program's collectives run on, bound at run time), ``graph`` (:class:`OpGraph`),
 ``mutation`` (in-place updates as dependencies), ``flops`` (FLOPs and bytes of one op), ``autograd_saves`` (what
 each op keeps for backward), ``saved_activations`` (what autograd really saves, measured), ``split_points`` (the
 user's ``pipe_split()`` markers), ``plan_inputs`` (the example inputs a plan was made from), ``chunk`` (a heavy

@@ -16,7 +16,7 @@ program holds as an attribute; the runtime binds it to the process group (:meth:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -24,39 +24,25 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor
 
+from ..capture.group_handle import GroupHandle, UnboundHandleError
 from ..tp.collectives import Tokens
 
 __all__ = ["CPComm", "UnboundContextGroupError", "cp_scatter", "cp_gather", "cp_causal_mask", "cp_cross_entropy",
            "cp_group_loss", "CONTEXT_OPS"]
 
 
-class UnboundContextGroupError(RuntimeError):
+class UnboundContextGroupError(UnboundHandleError):
     """A context-parallel program ran before its :class:`CPComm` was bound to a process group."""
 
 
 @dataclass(eq=False)
-class CPComm:
+class CPComm(GroupHandle):
     """The context-parallel group a program's collectives run on: ``size`` and ``rank`` are fixed when the program
     is written for one cp rank, :meth:`bind` gives it the process group at run time."""
 
-    size: int
-    rank: int
-    group: Any = None
-
-    def bind(self, group: Any) -> None:
-        """Run the collectives on ``group`` (this rank's cp group, of ``size`` ranks, in which it is ``rank``)."""
-        if dist.get_world_size(group) != self.size or dist.get_rank(group) != self.rank:
-            raise ValueError(f"the program was written for cp rank {self.rank} of {self.size}, but this process is "
-                             f"rank {dist.get_rank(group)} of a cp group of {dist.get_world_size(group)}")
-        self.group = group
-
-    def bound_group(self) -> Any:
-        """The bound process group (raises :class:`UnboundContextGroupError` before :meth:`bind`)."""
-        if self.group is None:
-            raise UnboundContextGroupError(f"a program written for context parallelism (cp rank {self.rank} of "
-                                           f"{self.size}) ran without its process group: run it through the engine's "
-                                           "runner, which binds it (CPComm.bind)")
-        return self.group
+    axis: ClassVar[str] = "context"
+    short: ClassVar[str] = "cp"
+    unbound: ClassVar[type[UnboundHandleError]] = UnboundContextGroupError
 
     def positions(self, seq: int, device: Any = "cpu", rank: int | None = None) -> torch.Tensor:
         """The positions of a sequence of ``seq`` tokens that cp rank ``rank`` (default: this one) holds, in the

@@ -16,16 +16,18 @@ programs without any process, and the runtime binds it to this rank's ep process
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensor
 
+from ..capture.group_handle import GroupHandle, UnboundHandleError
+
 __all__ = ["EPComm", "UnboundExpertGroupError", "expert_parallel", "expert_range"]
 
 
-class UnboundExpertGroupError(RuntimeError):
+class UnboundExpertGroupError(UnboundHandleError):
     """An expert-parallel program ran before its :class:`EPComm` was bound to a process group."""
 
 
@@ -40,28 +42,13 @@ def expert_range(experts: int, ep: int, rank: int) -> tuple[int, int]:
 
 
 @dataclass(eq=False)
-class EPComm:
+class EPComm(GroupHandle):
     """The expert-parallel group an expert-parallel program's all-to-alls run on: ``size`` and ``rank`` are fixed
     when the program is written for one ep rank, :meth:`bind` gives it the process group at run time."""
 
-    size: int
-    rank: int
-    group: Any = None
-
-    def bind(self, group: Any) -> None:
-        """Run the all-to-alls on ``group`` (this rank's ep group, of ``size`` ranks, in which it is ``rank``)."""
-        if dist.get_world_size(group) != self.size or dist.get_rank(group) != self.rank:
-            raise ValueError(f"the program was written for ep rank {self.rank} of {self.size}, but this process is "
-                             f"rank {dist.get_rank(group)} of an ep group of {dist.get_world_size(group)}")
-        self.group = group
-
-    def bound_group(self) -> Any:
-        """The bound process group (raises :class:`UnboundExpertGroupError` before :meth:`bind`)."""
-        if self.group is None:
-            raise UnboundExpertGroupError(f"a program written for expert parallelism (ep rank {self.rank} of "
-                                          f"{self.size}) ran without its process group: run it through the engine's "
-                                          "runner, which binds it (EPComm.bind)")
-        return self.group
+    axis: ClassVar[str] = "expert"
+    short: ClassVar[str] = "ep"
+    unbound: ClassVar[type[UnboundHandleError]] = UnboundExpertGroupError
 
 
 def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Any) -> torch.Tensor:

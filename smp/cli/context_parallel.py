@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from partitioner.units import format_bytes, format_seconds
-from smp.cli.errors import CLIError
+from smp.cli.target import rank_target
 
 __all__ = ["context_target", "cp_lines"]
 
@@ -24,17 +24,10 @@ __all__ = ["context_target", "cp_lines"]
 def context_target(graph: Any, cp: int, progress: Callable[[str], None] = lambda m: None) -> Any:
     """The graph cp rank 0 of ``cp`` runs (``graph`` for 1), what cannot be split refused in the command line's
     terms."""
-    if cp == 1:
-        return graph
-    if graph.fx is None:
-        raise CLIError(f"--cp {cp} needs a traced model, not a synthetic graph")
     from partitioner.cp.context_program import context_parallel_graph
 
-    progress(f"splitting the sequence for context parallelism of degree {cp}")
-    try:
-        return context_parallel_graph(graph, cp, 0)
-    except ValueError as exc:
-        raise CLIError(f"--cp {cp}: {exc}") from None
+    return rank_target(graph, cp, "--cp", f"splitting the sequence for context parallelism of degree {cp}",
+                       context_parallel_graph, progress)
 
 
 def cp_lines(graph: Any, whole: Any, rates: Any, dtype: str, microbatches: int, step_s: float | None = None

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from partitioner.units import format_bytes, format_seconds
-from smp.cli.errors import CLIError
+from smp.cli.target import rank_target
 
 __all__ = ["expert_target", "ep_lines"]
 
@@ -23,17 +23,10 @@ __all__ = ["expert_target", "ep_lines"]
 def expert_target(graph: Any, ep: int, progress: Callable[[str], None] = lambda m: None) -> Any:
     """The graph ep rank 0 of ``ep`` runs (``graph`` for 1), what cannot be split refused in the command line's
     terms."""
-    if ep == 1:
-        return graph
-    if graph.fx is None:
-        raise CLIError(f"--ep {ep} needs a traced model, not a synthetic graph")
     from partitioner.ep.expert_program import expert_parallel_graph
 
-    progress(f"splitting the experts for expert parallelism of degree {ep}")
-    try:
-        return expert_parallel_graph(graph, ep, 0)
-    except ValueError as exc:
-        raise CLIError(f"--ep {ep}: {exc}") from None
+    return rank_target(graph, ep, "--ep", f"splitting the experts for expert parallelism of degree {ep}",
+                       expert_parallel_graph, progress)
 
 
 def ep_lines(graph: Any, whole_weights: float, local_weights: float, rates: Any, dtype: str, microbatches: int,

@@ -212,3 +212,19 @@ def trace_target(target: Target, progress: Callable[[str], None], opts: Any = No
                  "(--estimate: the cost model instead)")
         graph.timed = timed_costs(graph, target.args, target.kwargs, opts.partition.resolve_rates())
     return graph
+
+
+def rank_target(graph: Any, degree: int, flag: str, doing: str, write: Callable[[Any, int, int], Any],
+                progress: Callable[[str], None] = lambda m: None) -> Any:
+    """The graph rank 0 of an axis of ``degree`` runs (``graph`` for 1), written by ``write(graph, degree, 0)``
+    (``doing``: what the progress line says); what it cannot split refused in the command line's terms (``flag``:
+    the option, ``--ep``)."""
+    if degree == 1:
+        return graph
+    if graph.fx is None:
+        raise CLIError(f"{flag} {degree} needs a traced model, not a synthetic graph")
+    progress(doing)
+    try:
+        return write(graph, degree, 0)
+    except ValueError as exc:
+        raise CLIError(f"{flag} {degree}: {exc}") from None

@@ -173,12 +173,7 @@ class Topology:
         """Sharded data parallelism of degree ``sdp``: each reduced-data-parallel group as a grid of
         ``rdp / sdp`` rows (replicas of a whole shard set, SMP's hybrid case when more than one) by ``sdp`` columns
         (a sharding group: consecutive ``rdp_rank``, which share a node's links under the default placement)."""
-        if sdp < 1 or self.rdp % sdp:
-            raise ValueError(f"sharded_data_parallel_degree={sdp} must divide the {self.rdp} replicas of each "
-                             f"stage{' and tensor-parallel shard' if self.tp > 1 else ''} (world {self.world} / "
-                             f"(pipeline_parallel_degree={self.pp} x tensor_parallel_degree={self.tp})): "
-                             "launch a multiple of the degrees' product or choose a divisor")
-        return [[g[i:i + sdp] for i in range(0, len(g), sdp)] for g in self.rdp_groups()]
+        return self._replica_rows(sdp, "sharded_data_parallel_degree")
 
     def ep_grid(self, ep: int) -> list[list[list[int]]]:
         """Expert parallelism of degree ``ep``: each reduced-data-parallel group as rows of ``ep`` consecutive

@@ -146,3 +146,43 @@ def shard_grad_error(model, grads: dict) -> tuple[float, int]:
         expected = grads[name] if spec is None else shard_tensor(grads[name], spec, smp.tp_size(), smp.tp_rank())
         worst = max(worst, float((p.grad - expected).abs().max()) / scale)
     return worst, split
+
+
+def lm_run(config: dict, net: nn.Module, steps, batch, load: tuple | None = None, keep=None) -> tuple:
+    """A fresh ``smp.init(config)`` training the language model ``net`` (loss from ``labels=ids``) with AdamW
+    (lr 1e-2) on ``batch(k)`` for each step k of ``steps``: with ``load`` (a model and an optimizer state dict),
+    from those; ``keep(model, optimizer)`` after step 0 is returned deep-copied (as smp.save's files are: state
+    dicts hold live tensors that the next step updates). Returns (model, optimizer, step function, kept)."""
+    import smp
+    from smp.runtime import state
+
+    state.reset()
+    smp.init(config)
+    model = smp.DistributedModel(net)
+    opt = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    if load is not None:
+        model.load_state_dict(load[0])
+        opt.load_state_dict(load[1])
+
+    @smp.step
+    def train_step(model, ids):
+        out = model(ids, labels=ids)
+        model.backward(out.loss)
+        return out.loss
+
+    kept = None
+    for k in steps:
+        train_step(model, batch(k))
+        opt.step()
+        opt.zero_grad()
+        if k == 0 and keep is not None:
+            kept = copy.deepcopy(keep(model, opt))
+    return model, opt, train_step, kept
+
+
+def shifted(net: nn.Module) -> nn.Module:
+    """``net`` with every weight moved by 1: other weights, for a load to overwrite."""
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(1.0)
+    return net

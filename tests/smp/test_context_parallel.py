@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from smp.testing import run_ranks
+from tests.smp.features import lm_run, shifted
 
 CP2 = {"pipeline_parallel_degree": 1, "ddp": True, "microbatches": 2, "context_parallel_degree": 2}
 
@@ -137,36 +138,12 @@ def _checkpoints(rank: int, world: int) -> dict:
     targets) and take the second step, which must end where the run that never stopped did; then a batch of another
     sequence length, which context parallelism does not trace again, is refused with the reason."""
     import smp
-    from smp.runtime import state
 
     def run(config: dict, steps: range, load: tuple | None = None) -> tuple:
-        state.reset()
-        smp.init(config)
-        net = causal_lm("llama")
-        if load is not None:
-            with torch.no_grad():
-                for p in net.parameters():
-                    p.add_(1.0)
-        model = smp.DistributedModel(net)
-        opt = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
-        if load is not None:
-            model.load_state_dict(load[0])
-            opt.load_state_dict(load[1])
-
-        @smp.step
-        def train_step(model, ids):
-            out = model(ids, labels=ids)
-            model.backward(out.loss)
-            return out.loss
-
-        saved = None
-        for k in steps:
-            train_step(model, _batch(k, 16).chunk(smp.dp_size())[smp.dp_rank()])
-            opt.step()
-            opt.zero_grad()
-            if k == 0:  # copies, as smp.save's files are
-                saved = copy.deepcopy((model.state_dict(), opt.state_dict()))
-        return model, train_step, saved
+        net = causal_lm("llama") if load is None else shifted(causal_lm("llama"))
+        model, _, step, kept = lm_run(config, net, steps, lambda k: _batch(k, 16).chunk(smp.dp_size())[smp.dp_rank()],
+                                      load, lambda model, opt: (model.state_dict(), opt.state_dict()))
+        return model, step, kept
 
     model, _, saved = run(CP2, range(2))
     straight = model.state_dict()

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from smp.testing import run_ranks
+from tests.smp.features import lm_run, shifted
 
 EP2 = {"pipeline_parallel_degree": 1, "ddp": True, "microbatches": 2, "expert_parallel_degree": 2}
 
@@ -130,33 +131,13 @@ def _checkpoints(rank: int, world: int, resume_ep: int) -> dict:
     import torch.distributed as dist
 
     import smp
-    from smp.runtime import state
 
     def run(config: dict, steps: range, load: tuple | None = None) -> tuple:
-        state.reset()
-        smp.init(config)
-        net = moe_model("mixtral") if load is None else _other_weights(moe_model("mixtral"))
-        model = smp.DistributedModel(net)
-        opt = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
-        if load is not None:
-            model.load_state_dict(load[0])
-            opt.load_state_dict(load[1])
-
-        @smp.step
-        def train_step(model, ids):
-            out = model(ids, labels=ids)
-            model.backward(out.loss)
-            return out.loss
-
-        for k in steps:
-            train_step(model, _batch(k).chunk(smp.dp_size())[smp.dp_rank()])
-            opt.step()
-            opt.zero_grad()
-            if k == 0:
-                # copies, as smp.save's files are: a state dict holds live state tensors, which the next step updates
-                saved = copy.deepcopy((model.state_dict(), opt.state_dict(), model.local_state_dict(),
-                                       opt.local_state_dict()))
-        return model, opt, (saved if load is None else None)
+        net = moe_model("mixtral") if load is None else shifted(moe_model("mixtral"))
+        model, opt, _, saved = lm_run(
+            config, net, steps, lambda k: _batch(k).chunk(smp.dp_size())[smp.dp_rank()], load,
+            lambda model, opt: (model.state_dict(), opt.state_dict(), model.local_state_dict(), opt.local_state_dict()))
+        return model, opt, saved
 
     model, _, (full, opt_full, partial, opt_partial) = run(EP2, range(2))
     straight = model.state_dict()
@@ -177,13 +158,6 @@ def _checkpoints(rank: int, world: int, resume_ep: int) -> dict:
     except Exception as exc:  # noqa: BLE001 - the message is what the test reads
         out["refused"] = str(exc)
     return out
-
-
-def _other_weights(net: torch.nn.Module) -> torch.nn.Module:
-    with torch.no_grad():
-        for p in net.parameters():
-            p.add_(1.0)
-    return net
 
 
 @pytest.mark.slow

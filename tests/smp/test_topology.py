@@ -255,5 +255,6 @@ def test_sdp_grid_rows_replicate_and_columns_shard():
     t = Topology(8, 2)  # 4 replicas of each of 2 stages
     assert t.sdp_grid(4) == [[g] for g in t.rdp_groups()] and len(t.rdp_groups()[0]) == 4  # one sharding group
     assert t.sdp_grid(2) == [[g[:2], g[2:]] for g in t.rdp_groups()]  # hybrid: two sharding groups per stage
-    with pytest.raises(ValueError, match=r"sharded_data_parallel_degree=3 must divide the 4 replicas of each stage"):
+    with pytest.raises(ValueError, match=r"sharded_data_parallel_degree=3 must divide the 4 data-parallel replicas of "
+                                         r"each stage"):
         t.sdp_grid(3)
