@@ -15,6 +15,12 @@ global batch (:data:`benchmarks.published.ROWS`, the ``sc21-*`` rows; factory ``
 ``bf16``: the search ``benchmarks/published.py`` runs for the planner's best layout of each row. Goal (issue 40):
 each under 60 s, the chosen layout unchanged. Each row also gives the 1-minute load average when it started.
 
+Mixtures of experts (factories for ``smp plan``, not rows of the table): ``mixtral_8x7b`` and ``deepseek_v3``, the
+published shapes (:data:`MOE`) on the meta device with one sequence of :data:`MOE_SEQ` token ids, and
+``deepseek_v3_16_layers``, DeepSeek-V3's first 16 layers (3 dense, 13 of experts) with its embedding and head: the
+whole model cannot train on 64 H100s in any layout (its 653B parameters of experts hold 16 bytes each of
+mixed-precision Adam state, 163 GB a device over the 64 that pp x ep can split them across).
+
 Run: ``python benchmarks/plan_scale.py [--shapes 8b,70b,405b] [--devices 64,512,2048] [--goal] [--seq 8192]`` or
 ``python benchmarks/plan_scale.py --sc21 [18.4B,39.1B,...]``.
 """
@@ -37,7 +43,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import llama_on_meta, load_average  # noqa: E402
 from partitioner.units import format_bytes  # noqa: E402
 
-__all__ = ["LLAMA3", "SC21", "llama3", "llama3_8b", "llama3_70b", "llama3_405b", "sc21_gpt", "main"]
+__all__ = ["LLAMA3", "SC21", "MOE", "MOE_SEQ", "llama3", "llama3_8b", "llama3_70b", "llama3_405b", "sc21_gpt",
+           "moe_on_meta", "mixtral_8x7b", "deepseek_v3", "deepseek_v3_16_layers", "main"]
 
 REPO = Path(__file__).resolve().parents[1]
 # (layers, hidden, intermediate, heads, KV heads, vocabulary): Llama 3 / 3.1 (Dubey et al. 2024, "The Llama 3 Herd
@@ -48,6 +55,17 @@ SEQ = int(os.environ.get("PLAN_SCALE_SEQ", "8192"))  # the factories' sequence l
 # The SC'21 GPT rows of benchmarks/published.py that --sc21 plans (the smaller ones fit one node or eight).
 SC21 = ("18.4B", "39.1B", "76.1B", "145.6B", "310.1B", "529.6B", "1008B")
 TIME_GOAL_S, RSS_GOAL_BYTES = 60.0, 2e9
+# Published mixture-of-experts shapes, as transformers' config keywords: Mixtral 8x7B (Jiang et al. 2024,
+# arXiv:2401.04088) and DeepSeek-V3 (DeepSeek-AI 2024, arXiv:2412.19437: MLA attention, 256 routed experts and one
+# shared, top-8 in 8 groups of which 4 are chosen, the first 3 layers dense).
+MOE = {"mixtral": dict(num_hidden_layers=32, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+                       num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2, vocab_size=32000),
+       "deepseek_v3": dict(num_hidden_layers=61, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+                           n_routed_experts=256, n_shared_experts=1, num_experts_per_tok=8, n_group=8, topk_group=4,
+                           first_k_dense_replace=3, num_attention_heads=128, num_key_value_heads=128,
+                           q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
+                           v_head_dim=128, vocab_size=129280)}
+MOE_SEQ = 4096  # tokens per sequence of the mixture-of-experts factories (DeepSeek-V3's pre-training length)
 # The subprocess: run `smp plan`, then print its own peak RSS (KiB on Linux) on the last line of stderr.
 _RUN = ("import resource, sys; from smp.cli import main; rc = main(sys.argv[1:]); "
         "print('peak_rss_kib', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr); sys.exit(rc)")
@@ -78,6 +96,33 @@ def sc21_gpt() -> tuple:
     from benchmarks.published import build
 
     return build(_sc21_row(os.environ["PLAN_SCALE_SC21"]))
+
+
+def moe_on_meta(kind: str, **changes: int) -> tuple[torch.nn.Module, tuple]:
+    """A mixture-of-experts causal LM of :data:`MOE` (``kind``, its config keywords updated with ``changes``) on the
+    meta device, and one sequence of :data:`MOE_SEQ` token ids."""
+    import transformers
+
+    config = {"mixtral": transformers.MixtralConfig, "deepseek_v3": transformers.DeepseekV3Config}[kind]
+    cfg = config(**{**MOE[kind], **changes}, max_position_embeddings=MOE_SEQ, use_cache=False)
+    model = {"mixtral": transformers.MixtralForCausalLM, "deepseek_v3": transformers.DeepseekV3ForCausalLM}[kind]
+    with torch.device("meta"):
+        return model(cfg), (torch.zeros(1, MOE_SEQ, dtype=torch.long),)
+
+
+def mixtral_8x7b() -> tuple:
+    """The ``smp plan`` factory of Mixtral 8x7B's shape."""
+    return moe_on_meta("mixtral")
+
+
+def deepseek_v3() -> tuple:
+    """The ``smp plan`` factory of DeepSeek-V3's shape (671B parameters)."""
+    return moe_on_meta("deepseek_v3")
+
+
+def deepseek_v3_16_layers() -> tuple:
+    """The ``smp plan`` factory of DeepSeek-V3's first 16 layers (see the module docstring)."""
+    return moe_on_meta("deepseek_v3", num_hidden_layers=16)
 
 
 def _sc21_row(name: str) -> Any:
@@ -111,7 +156,8 @@ def _row(shape: str, devices: int, seq: int, batch: int | None = None) -> tuple[
             return failed, wall, rss
         data = json.loads(out.read_text())
     best, search = data["layouts"][0], data["search"]
-    layout = (f"pp{best['pp']} tp{best['tp']} dp{best['dp']} {best['microbatches']}x{best['microbatch_size']} "
+    ep = f" ep{best['ep']}" if best.get("ep", 1) > 1 else ""
+    layout = (f"pp{best['pp']} tp{best['tp']}{ep} dp{best['dp']} {best['microbatches']}x{best['microbatch_size']} "
               f"{best['schedule']}{' ckpt' if best['checkpointing'] != 'none' else ''}"
               f"{' zero1' if best['zero1'] else ''}: step {best['step_s']:.2f} s, MFU {100 * best['mfu']:.1f}%")
     return [shape, str(devices), f"{wall:.1f}", f"{cpu:.1f}", format_bytes(rss), load, str(search["enumerated"]),

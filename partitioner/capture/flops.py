@@ -37,8 +37,10 @@ NORM_OPS = frozenset({"layer_norm", "native_layer_norm", "batch_norm", "native_b
 LOSS_OPS = frozenset({"cross_entropy_loss", "nll_loss", "nll_loss_nd", "nll_loss2d", "mse_loss", "l1_loss",
                       "smooth_l1_loss", "huber_loss", "binary_cross_entropy", "binary_cross_entropy_with_logits",
                       "kl_div"})
+# A grouped matmul multiplies each row by one matrix; an expert layer run where its experts live (expert_parallel,
+# partitioner.ep.dispatch) is one op of its region, whose FLOPs are its grouped matmuls'.
 _MATMULS = frozenset({"addmm", "mm", "bmm", "baddbmm", "matmul", "linear",
-                      "_grouped_mm", "grouped_mm", "grouped_mm_fallback"})  # a grouped matmul: each row by one matrix
+                      "_grouped_mm", "grouped_mm", "grouped_mm_fallback", "expert_parallel"})
 _CONVS = frozenset({"conv1d", "conv2d", "conv3d", "convolution", "_convolution", "conv_transpose1d",
                     "conv_transpose2d", "conv_transpose3d"})
 # The ops of a tensor-parallel rank's graph (partitioner.tp.collectives) cost what the ATen op they replace costs on

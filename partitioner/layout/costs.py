@@ -15,7 +15,13 @@ trace, exactly as ``smp inspect`` prices it.
 Seconds follow: the roofline of :func:`partitioner.cost.roofline.estimate` on the graph at that size, plus the
 tensor-parallel
 collectives (:mod:`partitioner.tp.pricing`), whose seconds are affine in their bytes and so interpolated the same way.
-Each tp degree is a graph of tp rank 0 (:func:`partitioner.tp.shard_program.shard_graph`), sharded from each trace.
+Each tp degree is a graph of tp rank 0 (:func:`partitioner.tp.shard_program.shard_graph`), sharded from each trace as
+the runtime runs it by default: with sequence parallelism where it applies (the config's ``sequence_parallel`` None,
+:mod:`partitioner.tp.sequence`: the activations between tp regions on 1/tp of the sequence, each all-reduce a
+reduce-scatter and an all-gather); ``sequence_parallel=False`` prices tp without it. Each expert-parallel degree is
+ep rank 0's graph of that (:func:`partitioner.ep.expert_program.expert_parallel_graph`, as the runtime writes it over
+the tp rank's), built the first time a layout asks for it; its all-to-alls are priced on the link within a node, and on
+the inter-node link for the ep groups that span nodes (``across``).
 
 ``timed`` (planning for this machine's CPU, the model with its weights): the two traces run on real inputs (the
 example's rows repeated to the size) and every op is timed (:func:`partitioner.cost.op_times.timed_costs`, as ``smp
@@ -42,9 +48,13 @@ from ..capture.graph import OpGraph
 from ..capture.tracing import trace
 from ..cost.devices import DeviceRates
 from ..cost.op_times import timed_costs
-from ..cost.roofline import NodeCosts, estimate
+from ..cost.roofline import NodeCosts, estimate, needs_grad
 from ..cost.throughput import batch_counts
+from ..ep.expert_program import expert_parallel_graph
+from ..ep.experts import find_experts
+from ..ep.pricing import all_to_all_seconds
 from ..tp.rank_zero import thin_params
+from ..tp.sequence import SequenceParallelWarning
 from ..tp.shard_program import shard_graph
 from ..tp.sharding import find_sharding
 
@@ -175,35 +185,51 @@ def _at(lo: np.ndarray, hi: np.ndarray, line: tuple[int, int], size: int) -> np.
 
 
 class LayoutCosts:
-    """A model's graphs and per-op seconds per (tp degree, microbatch size), computed once each; ``skipped``: tp
-    degrees that cannot shard this model, and why; ``tokens_per_sample``: token ids per sample of the example
-    inputs (None when the input is not token ids)."""
+    """A model's graphs and per-op seconds per (tp degree, ep degree, microbatch size), computed once each;
+    ``skipped``: tp degrees that cannot shard this model, and why; ``tokens_per_sample``: token ids per sample of the
+    example inputs (None when the input is not token ids); ``experts``: the experts of each mixture-of-experts layer
+    expert parallelism splits (empty: a dense model, ep 1 only)."""
 
     def __init__(self, lines: dict[int, BatchLine], whole: BatchLine, rates: DeviceRates, dtype: str,
-                 skipped: dict[int, str], tokens_per_sample: float | None) -> None:
+                 skipped: dict[int, str], tokens_per_sample: float | None, experts: tuple[int, ...] = ()) -> None:
         self.lines, self.whole, self.rates, self.dtype, self.skipped = lines, whole, rates, dtype, skipped
-        self.tokens_per_sample = tokens_per_sample
-        self._costs: dict[tuple[int, int], NodeCosts] = {}
-        self._graphs: dict[tuple[int, int], OpGraph] = {}
+        self.tokens_per_sample, self.experts = tokens_per_sample, experts
+        self._ep_lines: dict[tuple[int, int], BatchLine] = {}
+        self._costs: dict[tuple[int, int, int, DeviceRates | None], NodeCosts] = {}
+        self._graphs: dict[tuple[int, int, int], OpGraph] = {}
 
     @property
     def tp_degrees(self) -> list[int]:
         """The tp degrees priced, ascending."""
         return sorted(self.lines)
 
-    def graph(self, tp: int, size: int) -> OpGraph:
-        """tp rank 0's graph at microbatch size ``size``."""
-        key = (tp, size)
+    def line(self, tp: int, ep: int = 1) -> BatchLine:
+        """The traces of tp rank 0 as ep rank 0 of ``ep`` runs them (written once, when first asked for)."""
+        if ep == 1:
+            return self.lines[tp]
+        if (tp, ep) not in self._ep_lines:
+            tp_line = self.lines[tp]
+            with _lean():
+                traced = {b: expert_parallel_graph(g, ep, 0) for b, g in tp_line.traced.items()}
+            self._ep_lines[(tp, ep)] = BatchLine(traced, tp_line.line)  # timed: scaled in costs(), as tp
+        return self._ep_lines[(tp, ep)]
+
+    def graph(self, tp: int, size: int, ep: int = 1) -> OpGraph:
+        """tp rank 0's graph at microbatch size ``size``, ep rank 0's of it for ``ep`` above 1."""
+        key = (tp, ep, size)
         if key not in self._graphs:
-            self._graphs[key] = self.lines[tp].graph(size)
+            self._graphs[key] = self.line(tp, ep).graph(size)
         return self._graphs[key]
 
-    def costs(self, tp: int, size: int) -> NodeCosts:
-        """tp rank 0's per-op seconds at microbatch size ``size`` (timed: see the module docstring)."""
-        key = (tp, size)
+    def costs(self, tp: int, size: int, ep: int = 1, across: DeviceRates | None = None) -> NodeCosts:
+        """Per-op seconds of :meth:`graph` (timed: see the module docstring), its all-to-alls on the link ``across``
+        (None: the link within a node) for an ep group that spans nodes."""
+        key = (tp, ep, size, across)
         if key not in self._costs:
-            costs = self.lines[tp].seconds(size, self.rates, self.dtype)
-            if tp > 1 and self.whole.timed is not None:  # the roofline, scaled to the whole model's timed seconds
+            costs = self.line(tp, ep).seconds(size, self.rates, self.dtype)
+            if across is not None and ep > 1:
+                costs = _all_to_alls_across(costs, self.line(tp, ep), size, self.rates, across, self.dtype)
+            if (tp > 1 or ep > 1) and self.whole.timed is not None:  # the roofline, scaled to the timed seconds
                 timed = self.whole.seconds(size, self.rates, self.dtype)
                 roof = BatchLine(self.whole.traced, self.whole.line).seconds(size, self.rates, self.dtype)
                 f = timed.forward_s.sum() / max(roof.forward_s.sum(), 1e-30)
@@ -247,15 +273,37 @@ def _lean() -> Iterator[None]:
         torch.fx.config.do_not_emit_stack_traces = traces
 
 
+def _all_to_alls_across(costs: NodeCosts, line: BatchLine, size: int, rates: DeviceRates, across: DeviceRates,
+                        dtype: str) -> NodeCosts:
+    """``costs`` (its all-to-alls priced on ``rates``' link) with them on ``across``'s instead: the difference at the
+    traced sizes, on the line through them at others (it is affine in the rows' bytes, as the collectives are)."""
+    def extra(b: int) -> tuple[np.ndarray, np.ndarray]:
+        g = line.traced[b]
+        needs = needs_grad(g)
+        (f0, b0), (f1, b1) = (all_to_all_seconds(g, r, dtype, needs) for r in (rates, across))
+        return f1 - f0, b1 - b0
+
+    if size in line.traced or line.line is None:
+        fwd, bwd = extra(size)
+    else:
+        (lo_f, lo_b), (hi_f, hi_b) = (extra(b) for b in line.line)
+        fwd, bwd = _at(lo_f, hi_f, line.line, size), _at(lo_b, hi_b, line.line, size)
+    tp_f = fwd if costs.tp_forward_s is None else costs.tp_forward_s + fwd
+    tp_b = bwd if costs.tp_backward_s is None else costs.tp_backward_s + bwd
+    return dataclasses.replace(costs, forward_s=costs.forward_s + fwd, backward_s=costs.backward_s + bwd,
+                               tp_forward_s=tp_f, tp_backward_s=tp_b)
+
+
 def _same_ops(a: OpGraph, b: OpGraph) -> bool:
     return a.names == b.names and a.kinds == b.kinds and np.array_equal(a.src, b.src) and np.array_equal(a.dst, b.dst)
 
 
-def _shard(graph: OpGraph, tp: int) -> tuple[OpGraph | None, str]:
-    """tp rank 0's graph of ``graph``, or None and why tensor parallelism of degree ``tp`` cannot split it."""
+def _shard(graph: OpGraph, tp: int, sequence: bool) -> tuple[OpGraph | None, str]:
+    """tp rank 0's graph of ``graph`` (``sequence``: with sequence parallelism where it applies, quietly, as the
+    runtime's default), or None and why tensor parallelism of degree ``tp`` cannot split it."""
     if graph.fx is None:
         return None, "the graph is synthetic (no traced program to shard)"
-    with warnings.catch_warnings():  # torch's deprecation notices while copying the graph
+    with warnings.catch_warnings():  # torch's deprecation notices while copying the graph; where sp does not apply
         warnings.simplefilter("ignore")
         sharding = find_sharding(graph.fx.module, tp)
         if not sharding.params:
@@ -263,15 +311,17 @@ def _shard(graph: OpGraph, tp: int) -> tuple[OpGraph | None, str]:
         thin = thin_params(sharding)
         if thin:
             return None, f"{thin[0][1]} has only {thin[0][0]} slices along its split dimension"
-        return shard_graph(graph, sharding, 0), ""
+        warnings.simplefilter("ignore", SequenceParallelWarning)
+        return shard_graph(graph, sharding, 0, sequence), ""
 
 
 def layout_costs(model: torch.nn.Module, args: tuple, kwargs: dict, *, sizes: Iterable[int], tp_degrees: Iterable[int],
                  rates: DeviceRates, dtype: str, progress: Callable[[str], None] = lambda m: None,
-                 timed: bool = False) -> LayoutCosts:
+                 timed: bool = False, sequence_parallel: bool = True) -> LayoutCosts:
     """Trace ``model`` (example inputs ``args``/``kwargs``: one microbatch) at the sizes :func:`trace_sizes` picks
     for microbatch ``sizes``, shard each trace for every degree of ``tp_degrees`` (those that cannot split the model
-    are skipped, with the reason), and return the :class:`LayoutCosts` that prices any of those sizes and degrees;
+    are skipped, with the reason; ``sequence_parallel``: with sequence parallelism where it applies), find its
+    mixture-of-experts layers, and return the :class:`LayoutCosts` that prices any of those sizes and degrees;
     ``timed``: the ops timed on this machine at the traced sizes (see the module docstring)."""
     wanted = sorted(set(sizes))
     batch = example_batch(args, kwargs)
@@ -301,7 +351,7 @@ def layout_costs(model: torch.nn.Module, args: tuple, kwargs: dict, *, sizes: It
             progress(f"sharding for tensor parallelism of degree {tp}")
             shards: dict[int, OpGraph] = {}
             for b, g in whole.items():
-                local, why = _shard(g, tp)
+                local, why = _shard(g, tp, sequence_parallel)
                 if local is None:
                     skipped[tp] = why
                     break
@@ -311,5 +361,6 @@ def layout_costs(model: torch.nn.Module, args: tuple, kwargs: dict, *, sizes: It
     first = whole[min(whole)]
     samples, tokens = batch_counts([dict(zip(first.fx.input_names, first.fx.input_meta))]) if first.fx else (0, None)
     per_sample = tokens / samples if tokens is not None and samples else None
+    experts = tuple(x.experts for x in find_experts(first.fx.module).layers) if first.fx else ()
     return LayoutCosts(lines, BatchLine(dict(whole), line, dict(times) if timed else None), rates, dtype, skipped,
-                       per_sample)
+                       per_sample, experts)

@@ -2,8 +2,10 @@
 
 A layout is SMP v1's rank grid, pp x tp x rdp = N (SMP's data-parallel degree is tp x rdp: tensor parallelism is
 carved out of the data-parallel ranks), of which ``sdp`` replicas shard their parameters (sharded data
-parallelism, ZeRO-3 style: a degree dividing rdp), with how each replica runs its share of the global batch: its
-``microbatches`` microbatches of ``microbatch_size`` samples, the pipeline schedule (:data:`SCHEDULES`: GPipe,
+parallelism, ZeRO-3 style: a degree dividing rdp) and ``ep`` replicas split each mixture-of-experts layer's experts
+(expert parallelism, :mod:`partitioner.ep`: groups of ``ep`` consecutive replicas, as
+:meth:`smp.runtime.topology.Topology.ep_grid` carves them), with how each replica runs its share of the global batch:
+its ``microbatches`` microbatches of ``microbatch_size`` samples, the pipeline schedule (:data:`SCHEDULES`: GPipe,
 Huang et al. 2019; 1F1B, Narayanan et al. 2021; interleaved 1F1B over ``virtual_stages`` model chunks per rank,
 Narayanan et al. SC'21; ZB-H1, Qi et al. 2023), activation checkpointing (:data:`CHECKPOINTING`), ZeRO-1
 (Rajbhandari et al. SC'20: the optimizer state sharded over the rdp replicas) and the placement of the axes on
@@ -41,7 +43,8 @@ class Layout:
     """One job: ``pp`` x ``tp`` x ``dp`` devices (``dp`` is SMP's rdp), ``sdp`` of the ``dp`` replicas sharding
     their parameters, each replica running ``microbatches`` microbatches of ``microbatch_size`` samples per step
     under ``schedule`` (``virtual_stages`` model chunks per rank for ``interleaved-virtual``), with
-    ``checkpointing``, ``zero1`` and ``placement`` as the module docstring says."""
+    ``checkpointing``, ``zero1`` and ``placement`` as the module docstring says; ``ep`` of the ``dp`` replicas split
+    the experts (1: none)."""
 
     pp: int
     tp: int
@@ -54,9 +57,10 @@ class Layout:
     zero1: bool = False
     placement: str = "DPT"
     sdp: int = 1
+    ep: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("pp", "tp", "dp", "microbatch_size", "microbatches", "virtual_stages", "sdp"):
+        for name in ("pp", "tp", "dp", "microbatch_size", "microbatches", "virtual_stages", "sdp", "ep"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"Layout.{name} must be a positive integer, got {value!r}")
@@ -77,6 +81,13 @@ class Layout:
         if self.zero1 and self.sdp > 1:
             raise ValueError("Layout: zero1 and sdp > 1 together; sharded data parallelism shards the optimizer "
                              "state already")
+        if self.dp % self.ep:
+            raise ValueError(f"Layout: ep={self.ep} must divide dp={self.dp} (the replicas that split the experts)")
+        # The runtime refuses ep with sdp; ZeRO-1's optimizer shards over every replica, whose experts differ under ep.
+        if self.ep > 1 and (self.sdp > 1 or self.zero1):
+            raise ValueError(f"Layout: ep={self.ep} with {'sdp > 1' if self.sdp > 1 else 'zero1'}; expert parallelism "
+                             "splits the experts over replicas that hold the other parameters and their optimizer "
+                             "state whole")
 
     @property
     def devices(self) -> int:
@@ -110,11 +121,12 @@ class Layout:
                 + (("gradients",) if self.microbatches == 1 else ())}
 
     def describe(self) -> str:
-        """One short line: ``pp4 tp2 dp8, 16 x 2 samples, 1f1b``."""
+        """One short line: ``pp4 tp2 dp8, 16 x 2 samples, 1f1b`` (``pp2 tp2 ep8 dp64, ...`` with experts split)."""
         sched = f"{self.schedule} v={self.virtual_stages}" if self.virtual_stages > 1 else self.schedule
         extra = "".join(f", {x}" for x, on in (("checkpointing", self.checkpointing != "none"),
                                                ("zero1", self.zero1), (f"sdp{self.sdp}", self.sdp > 1)) if on)
-        return (f"pp{self.pp} tp{self.tp} dp{self.dp}, {self.microbatches} x {self.microbatch_size} samples, "
+        ep = f" ep{self.ep}" if self.ep > 1 else ""
+        return (f"pp{self.pp} tp{self.tp}{ep} dp{self.dp}, {self.microbatches} x {self.microbatch_size} samples, "
                 f"{sched}{extra}, {self.placement}")
 
     def to_dict(self) -> dict[str, Any]:
@@ -132,7 +144,8 @@ class Score:
     :mod:`partitioner.cost.throughput`'s one definition (None without a peak). ``memory_bytes``: the largest device's
     peak; ``budget_bytes``: what it must fit (None: no limit). ``bubble``: the simulated pipeline's idle fraction.
     ``exposed_comm_s``: how much longer the step is than the same step with free communication (stage sends, tp
-    collectives and the gradient reduction). ``tp_comm_s``: the tp collectives per step on the busiest rank.
+    collectives and the gradient reduction). ``tp_comm_s``: the tp collectives (with the expert all-to-alls under
+    ep) per step on the busiest rank.
     """
 
     step_s: float

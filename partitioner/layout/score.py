@@ -26,6 +26,9 @@ What neither command prices, the layout adds, as the runtime runs it:
   sharded rank's peak; the sharding group's link is the intra-node one when its D replicas share a node; the
   collectives overlap compute as the runtime and FSDP run them (:mod:`partitioner.sdp.overlap`: what each pass
   exposes, and the reduce-scatters' tail after the pipeline);
+* expert parallelism (ep > 1, :mod:`partitioner.layout.experts`): ep rank 0's graph, its experts' weights, gradients
+  and optimizer state at 1/ep, its all-to-alls in the passes on the link the ep group crosses, its experts' gradients
+  averaged over the dp / ep replicas holding the same experts;
 * throughput and MFU over the job, by :func:`partitioner.cost.throughput.from_counts` (the one definition);
 * the memory budget less a headroom (:mod:`partitioner.layout.headroom`, ``Pricing.headroom``: 10% by default) is
   what a layout must fit (:attr:`LayoutScorer.budget`); its stages are cut under the budget whose partitioner's
@@ -56,9 +59,11 @@ from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
-from ..cost.collectives import after_pipeline_s, all_gather_s, all_reduce_s, gradient_all_reduce_s
+from ..capture.graph import OpGraph
+from ..cost.collectives import after_pipeline_s, all_gather_s, all_reduce_s
 from ..cost.devices import DeviceRates
 from ..cost.precision import activation_bytes, param_memory_parts
+from ..cost.roofline import NodeCosts
 from ..cost.throughput import from_counts, peak_of
 from ..cut.memory import StageMemory, stage_memory
 from ..cut.objective import MemoryBudgetError, stage_crossings
@@ -68,6 +73,7 @@ from ..cut.portfolio import partition
 from ..sdp.shards import PERSISTENCE_THRESHOLD, ShardedRank
 from .chain import Chain, chain_bottleneck
 from .costs import LayoutCosts
+from .experts import ep_link, expert_gradient_bytes, expert_params, gradient_reduce_s
 from .headroom import DEFAULT, Headroom
 from .layout import Layout, Score, global_rank, partition_pipeline, replicas_share_node
 from .sharded import SdpCache, sdp_links, sdp_passes
@@ -128,8 +134,9 @@ class Bound:
 
 
 class _Sums(NamedTuple):
-    """Per microbatch on tp rank 0: op seconds, forward seconds, the largest op (and with its recompute), and bytes
-    of parameter state (by kind, :func:`partitioner.cost.precision.param_memory_parts`) and activations."""
+    """Per microbatch on tp (and ep) rank 0: op seconds, forward seconds, the largest op (and with its recompute),
+    and bytes of parameter state (by kind, :func:`partitioner.cost.precision.param_memory_parts`), activations and the
+    experts' gradients."""
 
     seconds: float
     forward_s: float
@@ -137,6 +144,7 @@ class _Sums(NamedTuple):
     op_recompute_s: float
     parts: dict[str, float]
     activations: float
+    expert_gradients: float
 
 
 class LayoutScorer:
@@ -149,11 +157,11 @@ class LayoutScorer:
         self.rates = pricing.rates
         self.inter = dataclasses.replace(self.rates, link_bytes_per_s=self.rates.inter_node_bytes_per_s,
                                          link_latency_s=self.rates.inter_node_latency_s)
-        self._plans: dict[tuple[int, int, int, int, str, bool], PartitionPlan] = {}
+        self._plans: dict[tuple, PartitionPlan] = {}
         self._sdp = SdpCache()
         self.device_budget = pricing.options.budget(self.rates)  # the device's; a layout fits budget, less headroom
         self.budget = pricing.headroom.usable(self.device_budget)
-        self._totals: dict[tuple[int, int], _Sums] = {}
+        self._totals: dict[tuple, _Sums] = {}
         self._chains: dict[tuple, float] = {}
         self._ops: dict[tuple, Chain] = {}  # per (tp, size, checkpointing, shares): what its chains share
 
@@ -162,24 +170,35 @@ class LayoutScorer:
         """Stage partitions made so far (each once, whichever layouts share it)."""
         return len({id(plan) for plan in self._plans.values()})
 
+    def priced(self, layout: Layout) -> tuple[OpGraph, NodeCosts]:
+        """The graph the layout's stages are cut from (tp rank 0's at its microbatch size, ep rank 0's of it) and its
+        per-op seconds, the all-to-alls on the link its ep group crosses."""
+        return (self.costs.graph(layout.tp, layout.microbatch_size, layout.ep),
+                self.costs.costs(layout.tp, layout.microbatch_size, layout.ep, self.priced_across(layout)))
+
+    def priced_across(self, layout: Layout) -> DeviceRates | None:
+        """The inter-node link when the layout's ep group spans nodes, else None (:func:`ep_link`)."""
+        return ep_link(layout, self.rates, self.inter, self.pricing.ranks_per_node)
+
     # -- bounds ----------------------------------------------------------------------------------------------------
 
-    def _sums(self, tp: int, size: int) -> _Sums:
-        """The totals of tp rank 0's graph on one microbatch of ``size`` that the bounds read (cached)."""
-        key = (tp, size)
+    def _sums(self, layout: Layout) -> _Sums:
+        """The totals of the layout's graph on one microbatch that the bounds read (cached)."""
+        key = (layout.tp, layout.microbatch_size, layout.ep, self.priced_across(layout))
         if key not in self._totals:
-            c, g = self.costs.costs(tp, size), self.costs.graph(tp, size)
-            o = self.pricing.options
-            parts = {kind: float(v.sum()) for kind, v in param_memory_parts(g, o.dtype, o.optimizer).items()}
+            (g, c), o = self.priced(layout), self.pricing.options
+            per_param = param_memory_parts(g, o.dtype, o.optimizer)
+            parts = {kind: float(v.sum()) for kind, v in per_param.items()}
             self._totals[key] = _Sums(float(c.total_s.sum()), float(c.forward_s.sum()), float(c.total_s.max(initial=0)),
                                       float((c.total_s + c.forward_s).max(initial=0)), parts,
-                                      float(activation_bytes(g, o.dtype).sum()))
+                                      float(activation_bytes(g, o.dtype).sum()),
+                                      float(per_param["gradients"][expert_params(g)].sum()))
         return self._totals[key]
 
     def memory_bound(self, layout: Layout) -> float:
         """The lower bound on the largest device's memory of :meth:`bound`, alone (cheap: a layout over the budget
         needs no estimate)."""
-        t = self._sums(layout.tp, layout.microbatch_size)
+        t = self._sums(layout)
         m, pp, v = layout.microbatches, layout.pp, layout.virtual_stages
         shares = layout.state_shares()
         state = sum(x / shares.get(kind, 1) for kind, x in t.parts.items())
@@ -191,14 +210,16 @@ class LayoutScorer:
     def bound(self, layout: Layout) -> Bound:
         """Lower bounds on the step and the largest device's memory, and the estimate to order by (module
         docstring); nothing is partitioned or simulated."""
-        t = self._sums(layout.tp, layout.microbatch_size)
+        t = self._sums(layout)
         ckpt = layout.checkpointing == "full"
         work = t.seconds + t.forward_s if ckpt else t.seconds
         m, pp, v = layout.microbatches, layout.pp, layout.virtual_stages
         busy = m * max(work / pp, t.op_recompute_s if ckpt else t.op_s)
-        # Some rank holds at least the mean of the gradients, and reduces them at best over the intra-node link.
+        # Some rank holds at least the mean of the gradients, and reduces them at best over the intra-node link (the
+        # experts' over fewer replicas: left out).
         local = any(replicas_share_node(pp, layout.tp, layout.dp, layout.placement, self.pricing.ranks_per_node))
-        reduce = all_reduce_s(t.parts["gradients"] / pp, layout.dp, self.rates if local else self.inter)
+        reduce = all_reduce_s((t.parts["gradients"] - t.expert_gradients) / pp, layout.dp,
+                              self.rates if local else self.inter)
         if layout.sdp > 1:  # a reduce-scatter over the sharding group moves no less than an all-gather of the same
             reduce = min(all_gather_s(t.parts["gradients"] / pp, layout.sdp, link) for link in (self.rates, self.inter))
         fill = {"1f1b": pp - 1.0, "gpipe": pp - 1.0, "interleaved-virtual": (pp - 1.0) / v,
@@ -214,12 +235,12 @@ class LayoutScorer:
         ckpt, m, k = layout.checkpointing == "full", layout.microbatches, layout.stages
         flight = [1] * k if ckpt else [m] * k if layout.schedule == "gpipe" else [min(m, k - s) for s in range(k)]
         shares = layout.state_shares()
-        key = (layout.tp, layout.microbatch_size, k, ckpt, tuple(flight), tuple(sorted(shares.items())))
+        key = (layout.tp, layout.microbatch_size, k, ckpt, tuple(flight), tuple(sorted(shares.items())), layout.ep,
+               self.priced_across(layout))
         if key not in self._chains:
             ops = key[:2] + key[3:4] + key[5:]  # the chain's ops and memory: every stage count and flight shares them
             if ops not in self._ops:
-                c, g = (self.costs.costs(layout.tp, layout.microbatch_size),
-                        self.costs.graph(layout.tp, layout.microbatch_size))
+                g, c = self.priced(layout)
                 o = self.pricing.options
                 parts = param_memory_parts(g, o.dtype, o.optimizer)
                 state = np.sum([v / shares.get(kind, 1) for kind, v in parts.items()], axis=0)
@@ -236,17 +257,17 @@ class LayoutScorer:
         partitioner's memory budget, the plan for no budget (checkpointing or ZeRO-1 may still make it fit: the
         score says); under sdp, as ``smp simulate --sdp``, the plan for no budget (the sharded ranks are held to it)."""
         pipeline = partition_pipeline(layout.schedule)
-        key = (layout.tp, layout.microbatch_size, layout.stages, layout.microbatches, pipeline, layout.sdp > 1)
+        key = (layout.tp, layout.microbatch_size, layout.stages, layout.microbatches, pipeline, layout.ep,
+               self.priced_across(layout), layout.sdp > 1)
         if key not in self._plans:
-            graph = self.costs.graph(layout.tp, layout.microbatch_size)
-            costs = self.costs.costs(layout.tp, layout.microbatch_size)
+            graph, costs = self.priced(layout)
             cut = self.pricing.headroom.cut_budget(self.device_budget)
             opts = PartitionOptions.of(self.pricing.options, microbatches=layout.microbatches, pipeline=pipeline,
                                        **({} if cut == self.device_budget else {"device_memory": cut}))
             if layout.sdp == 1:
                 with contextlib.suppress(MemoryBudgetError):
                     self._plans[key] = partition(graph, layout.stages, opts, costs=costs)
-            free = key[:5] + (True,)  # the plan for no budget: the sdp layouts', and those no budgeted plan fits
+            free = key[:7] + (True,)  # the plan for no budget: the sdp layouts', and those no budgeted plan fits
             if key not in self._plans:
                 if free not in self._plans:
                     unlimited = PartitionOptions.of(opts, device_memory=UNLIMITED)
@@ -291,8 +312,7 @@ class LayoutScorer:
 
     def _quiet_step(self, layout: Layout) -> float:
         """The layout's pipeline step with free communication (no stage sends, tp collectives or sdp gathers)."""
-        plan, graph = self.plan(layout), self.costs.graph(layout.tp, layout.microbatch_size)
-        costs = self.costs.costs(layout.tp, layout.microbatch_size)
+        plan, (graph, costs) = self.plan(layout), self.priced(layout)
         k, ckpt = layout.stages, layout.checkpointing == "full"
         stage = plan.stage_of_ops(graph)
         fwd = np.array([s.forward_s for s in plan.stages])
@@ -306,9 +326,7 @@ class LayoutScorer:
     def score(self, layout: Layout, *, exposed: bool = True) -> Score:
         """The layout's :class:`partitioner.layout.layout.Score` (see the module docstring); ``exposed=False``:
         without its exposed communication (NaN), which takes a second simulation (:meth:`exposed` adds it)."""
-        plan, o = self.plan(layout), self.pricing.options
-        graph, costs = self.costs.graph(layout.tp, layout.microbatch_size), self.costs.costs(layout.tp,
-                                                                                            layout.microbatch_size)
+        plan, o, (graph, costs) = self.plan(layout), self.pricing.options, self.priced(layout)
         k, pp, m, ckpt = layout.stages, layout.pp, layout.microbatches, layout.checkpointing == "full"
         stage = plan.stage_of_ops(graph)
         fwd = np.array([s.forward_s for s in plan.stages])
@@ -326,7 +344,9 @@ class LayoutScorer:
         ranks = [[s for s in range(k) if s % pp == r] for r in range(pp)]
         held = [self._rank_memory(layout, [memory[s] for s in mine], [plan.stages[s].bytes_in for s in mine])
                 for mine in ranks]
-        reduce = [self._reduce_s(layout, r, [memory[s] for s in mine]) for r, mine in enumerate(ranks)]
+        experts = expert_gradient_bytes(plan, graph, o.dtype, o.optimizer)
+        reduce = [gradient_reduce_s(layout, [memory[s] for s in mine], float(experts[mine].sum()), self.rates,
+                                    self._replica_link(layout, r)) for r, mine in enumerate(ranks)]
         if layout.sdp > 1:  # the sharded ranks' state, and their reduce-scatter and all-reduce instead
             sharded = self.sharded(layout, plan, sim.peak_in_flight)
             held = [(r.peak_bytes - r.activation_bytes, acts) for r, (_, acts) in zip(sharded, held)]
@@ -378,14 +398,3 @@ class LayoutScorer:
         else:
             acts = sum(s.activation_bytes for s in mine)
         return float(state), float(acts)
-
-    def _reduce_s(self, layout: Layout, pipe_rank: int, mine: Sequence[StageMemory]) -> float:
-        """Seconds of a pipeline rank's data-parallel gradient all-reduce after the step (and ZeRO-1's all-gather of
-        the updated weights)."""
-        if layout.dp == 1:
-            return 0.0
-        link = self._replica_link(layout, pipe_rank)
-        seconds = gradient_all_reduce_s(sum(s.gradient_bytes for s in mine), layout.dp, self.rates, link)
-        if layout.zero1:
-            seconds += all_gather_s(sum(s.weights_bytes for s in mine), layout.dp, link)
-        return seconds

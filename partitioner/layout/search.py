@@ -6,7 +6,10 @@ replica's batch (the microbatch count follows), every schedule (interleaved with
 microbatches fill rounds of pp), activation checkpointing, ZeRO-1 and the placement of the axes where they make a
 difference (ZeRO-1 and placement need dp > 1), and the sharded data-parallel degree sdp (every divisor of dp; above 1
 only without ZeRO-1, which it subsumes, and only where it shards some parameter: a degree that shards nothing is the
-same layout under another name, :mod:`partitioner.layout.sharded`).
+same layout under another name, :mod:`partitioner.layout.sharded`), and for a mixture-of-experts model the
+expert-parallel degree ep (every divisor of dp that divides every layer's experts, :mod:`partitioner.layout.experts`;
+above 1 only with sdp 1 and without ZeRO-1: the runtime refuses ep with sdp, and ZeRO-1 would shard the optimizer
+state over replicas whose experts differ).
 
 :func:`search` is a branch and bound over that list, as Alpa (Zheng et al. OSDI'22) and Aceso (Liu et al.
 EuroSys'24) prune theirs: a layout whose lower bound on the largest device's memory exceeds the budget (the device's
@@ -25,12 +28,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from ..errors import EngineError
 from ..units import format_bytes
 from .costs import collector_paused
+from .experts import ep_choices
 from .layout import CHECKPOINTING, PLACEMENTS, Layout, Proposal
 from .score import LayoutScorer
 from .sharded import shards_nothing
@@ -57,8 +61,9 @@ def tp_choices(devices: int, ranks_per_node: int, heads: Iterable[int] = ()) -> 
 @dataclass(frozen=True)
 class SearchSpace:
     """What to search: ``devices`` and the ``global_batch`` (samples per step), with ``ranks_per_node``. Each tuple
-    lists the values to try; ``tp``, ``pp``, ``dp``, ``microbatch_size`` and ``sdp`` None: every value that divides
-    (:func:`candidates`; sdp divides dp). ``max_stages``: the most stages the model can be cut into (its ops)."""
+    lists the values to try; ``tp``, ``pp``, ``dp``, ``microbatch_size``, ``sdp`` and ``ep`` None: every value that
+    divides (:func:`candidates`; sdp and ep divide dp, ep the experts). ``max_stages``: the most stages the model can
+    be cut into (its ops)."""
 
     devices: int
     global_batch: int
@@ -74,6 +79,7 @@ class SearchSpace:
     placements: tuple[str, ...] = PLACEMENTS
     sdp: tuple[int, ...] | None = None
     max_stages: int | None = None
+    ep: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("devices", "global_batch", "ranks_per_node"):
@@ -86,10 +92,12 @@ def _allowed(values: tuple[int, ...] | None, x: int) -> bool:
     return values is None or x in values
 
 
-def candidates(space: SearchSpace, tp_degrees: Iterable[int], unsharded: Collection[int] = ()) -> Iterator[Layout]:
+def candidates(space: SearchSpace, tp_degrees: Iterable[int], unsharded: Collection[int] = (),
+               experts: Sequence[int] = ()) -> Iterator[Layout]:
     """Every layout of ``space`` with a tp degree of ``tp_degrees`` (those the model can shard), in a fixed order;
     with a tp degree of ``unsharded`` (where sdp would shard nothing: :func:`partitioner.layout.sharded.unsharded_tps`)
-    only sdp 1."""
+    only sdp 1; ``experts``: of each mixture-of-experts layer (:attr:`partitioner.layout.costs.LayoutCosts.experts`;
+    none: ep 1 only)."""
     n, batch = space.devices, space.global_batch
     most = space.max_stages or n
     for tp in sorted(t for t in set(tp_degrees) if _allowed(space.tp, t) and n % t == 0):
@@ -98,11 +106,12 @@ def candidates(space: SearchSpace, tp_degrees: Iterable[int], unsharded: Collect
             if not _allowed(space.dp, dp) or batch % dp:
                 continue
             for size in (s for s in divisors(batch // dp) if _allowed(space.microbatch_size, s)):
-                yield from _variants(space, pp, tp, dp, size, batch // dp // size, most, tp in unsharded)
+                for ep in (e for e in ep_choices(dp, experts) if _allowed(space.ep, e)):
+                    yield from _variants(space, pp, tp, dp, size, batch // dp // size, most, tp in unsharded, ep)
 
 
 def _variants(space: SearchSpace, pp: int, tp: int, dp: int, size: int, m: int, most: int,
-              unsharded: bool = False) -> Iterator[Layout]:
+              unsharded: bool = False, ep: int = 1) -> Iterator[Layout]:
     """The schedule, checkpointing, ZeRO-1, placement and sdp variants of one grid and microbatching, those that
     differ: with one stage, 1F1B, GPipe and ZB-H1 are one schedule (with one microbatch, 1F1B and GPipe are), and
     interleaving needs stages to interleave; ZeRO-1 needs dp > 1, the
@@ -119,13 +128,13 @@ def _variants(space: SearchSpace, pp: int, tp: int, dp: int, size: int, m: int, 
               if schedule == "interleaved-virtual" else [1])
         for v in vs:
             for ckpt in space.checkpointing:
-                for zero1 in (space.zero1 if dp > 1 else (False,)):
+                for zero1 in (z for z in (space.zero1 if dp > 1 else (False,)) if not (z and ep > 1)):
                     for placement in placements:
                         for sdp in (s for s in divisors(dp) if _allowed(space.sdp, s)
-                                    and not ((zero1 or unsharded) and s > 1)):
+                                    and not ((zero1 or unsharded or ep > 1) and s > 1)):
                             yield Layout(pp=pp, tp=tp, dp=dp, microbatch_size=size, microbatches=m, schedule=schedule,
                                          virtual_stages=v, checkpointing=ckpt, zero1=zero1, placement=placement,
-                                         sdp=sdp)
+                                         sdp=sdp, ep=ep)
 
 
 @dataclass
@@ -147,7 +156,7 @@ class SearchResult:
 def _order(lay: Layout) -> tuple:
     """A fixed order of layouts, for ties."""
     return (lay.pp, lay.tp, lay.dp, lay.microbatch_size, lay.schedule, lay.virtual_stages, lay.checkpointing,
-            lay.zero1, lay.placement, lay.sdp)
+            lay.zero1, lay.placement, lay.sdp, lay.ep)
 
 
 def _key(p: Proposal) -> tuple:
@@ -260,7 +269,7 @@ def _sdp_that_fits(lay: Layout, tried: set[object], scorer: LayoutScorer) -> Pro
     when none does."""
     for d in divisors(lay.dp)[1:]:
         if ("sdp", d) not in tried:
-            sharded = dataclasses.replace(lay, sdp=d, zero1=False)
+            sharded = dataclasses.replace(lay, sdp=d, zero1=False, ep=1)  # the runtime refuses ep with sdp
             if shards_nothing(sharded, scorer.plan(sharded), scorer.costs.graph(lay.tp, lay.microbatch_size),
                               scorer.pricing.sdp_threshold):
                 return None

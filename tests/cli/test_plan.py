@@ -44,8 +44,9 @@ def test_fixed_degrees_are_priced_as_smp_simulate_prices_them(tmp_path: Path) ->
     assert main(["plan", "zoo:gpt2", "--devices", "4", "--global-batch", "32", "--tp", "2", "--pp", "2", "--dp", "1",
                  "--microbatch-size", "4", "--schedules", "1f1b", "--checkpointing", "none", *H100,
                  "--json", str(plan), "-q"]) == 0
-    assert main(["simulate", "zoo:gpt2", "-p", "2", "-m", "8", "--tp", "2", *H100, "--schedules", "1f1b",
-                 "--json", str(sim), "-q"]) == 0
+    # tp layouts are priced with sequence parallelism, as the runtime runs them by default
+    assert main(["simulate", "zoo:gpt2", "-p", "2", "-m", "8", "--tp", "2", "--sequence-parallel", *H100,
+                 "--schedules", "1f1b", "--json", str(sim), "-q"]) == 0
     (row,) = json.loads(plan.read_text())["layouts"]
     assert (row["pp"], row["tp"], row["dp"], row["microbatches"]) == (2, 2, 1, 8)
     assert row["step_s"] == json.loads(sim.read_text())["predicted_step_s"]
@@ -151,6 +152,45 @@ def test_nothing_fits_says_what_would(capsys) -> None:
 ])
 def test_a_bad_request_says_what_is_wrong(argv: list[str], message: str, capsys) -> None:
     assert main(["plan", "zoo:gpt2", "--devices", "4", "--global-batch", "8", *H100, "-q", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+MOE = "benchmarks/expert_parallel.py:mixtral"  # 8 experts a layer
+SMALL_MOE = json.dumps({"layers": 2, "expert_width": 256, "batch": 4, "seq": 32})
+
+
+def test_a_mixture_of_experts_plan_searches_ep_and_writes_it_to_the_config(tmp_path: Path, capsys,
+                                                                            monkeypatch) -> None:
+    from smp.runtime.config import load_config
+
+    monkeypatch.setenv("SMP_BENCH_DIMS", SMALL_MOE)
+    out, cfg_path = tmp_path / "plan.json", tmp_path / "smp.json"
+    assert main(["plan", MOE, "--devices", "8", "--global-batch", "16", *H100, "--ep", "4", "--tp", "1",
+                 "--checkpointing", "none", "--json", str(out), "--config", str(cfg_path), "-q"]) == 0
+    printed = capsys.readouterr().out
+    rows = json.loads(out.read_text())["layouts"]
+    assert rows and all(r["ep"] == 4 and r["sdp"] == 1 and not r["zero1"] and r["dp"] % 4 == 0 for r in rows)
+    assert " ep " in printed.splitlines()[3] and "expert parallelism: the 8 experts of each of 2" in printed
+    assert "ep4 dp" in printed and "expert all-to-alls" in printed
+    cfg = json.loads(cfg_path.read_text())
+    assert cfg["expert_parallel_degree"] == 4 and load_config(cfg).expert_parallel_degree == 4
+    # Unfixed, every degree dividing dp and the experts is considered, never with sdp or ZeRO-1.
+    assert main(["plan", MOE, "--devices", "8", "--global-batch", "16", *H100, "--top", "50", "--exhaustive",
+                 "--json", str(out), "-q"]) == 0
+    rows = json.loads(out.read_text())["layouts"]
+    assert {r["ep"] for r in rows} > {1} and not any(r["ep"] > 1 and (r["sdp"] > 1 or r["zero1"]) for r in rows)
+
+
+@pytest.mark.parametrize("target, argv, message", [
+    ("zoo:gpt2", ["--ep", "2"], "--ep 2: this model has no mixture-of-experts layer"),
+    (MOE, ["--ep", "3", "--dp", "3"], "--ep 3 does not divide the [8] experts"),
+    ("zoo:gpt2", ["--ep", "2", "--sdp", "2"], "--ep 2 with --sdp 2"),
+    ("zoo:gpt2", ["--ep", "2", "--zero1", "on"], "--ep 2 with --zero1 on"),
+])
+def test_an_ep_the_model_cannot_take_is_refused(target: str, argv: list[str], message: str, capsys,
+                                                monkeypatch) -> None:
+    monkeypatch.setenv("SMP_BENCH_DIMS", SMALL_MOE)
+    assert main(["plan", target, "--devices", "6", "--global-batch", "6", *H100, "-q", *argv]) in (1, 2)
     assert message in capsys.readouterr().err
 
 

@@ -2,13 +2,14 @@
 
 The search is :mod:`partitioner.layout.search` over the layouts :func:`partitioner.layout.search.candidates` lists
 (pp x tp x dp = N, microbatching, schedule, activation checkpointing, ZeRO-1, placement, sharded data parallelism
-over a divisor of dp), each priced by
+over a divisor of dp, and for a mixture-of-experts model expert parallelism over a divisor of dp), each priced by
 :mod:`partitioner.layout.score` with the pipeline simulator of :func:`pipeline.stage_simulation.pipeline_simulator`
 (the schedules and the simulation ``smp simulate`` runs), on tp rank 0's graph at each microbatch size
-(:mod:`partitioner.layout.costs`: two traces on meta, whatever the number of sizes). Fixed degrees (``--tp``,
-``--pp``, ``--dp``, ``--sdp``, ``--microbatch-size``) narrow the search; with all of them, one schedule and no
-checkpointing, the layout is priced exactly as ``smp simulate`` prices it (with ``--sdp``, as ``smp simulate --sdp``
-with dp = sdp; on one node, as ``smp inspect``).
+(:mod:`partitioner.layout.costs`: two traces on meta, whatever the number of sizes; tp with sequence parallelism
+where it applies, as the runtime runs it by default). Fixed degrees (``--tp``, ``--pp``, ``--dp``, ``--sdp``,
+``--ep``, ``--microbatch-size``) narrow the search; with all of them, one schedule and no
+checkpointing, the layout is priced exactly as ``smp simulate`` prices it (``--sequence-parallel`` with tp above 1;
+with ``--sdp``, as ``smp simulate --sdp`` with dp = sdp; on one node, as ``smp inspect``).
 
 By default only what ``smp.init`` runs from a config is proposed: the 1F1B and GPipe pipelines (``--schedules`` adds
 interleaved virtual stages and zero bubble, which the pipeline runtime has and the smp config cannot select yet),
@@ -28,7 +29,6 @@ import time
 from typing import Any
 
 from partitioner.cost.devices import DEVICES, LINKS, PRECISIONS
-from partitioner.units import format_bytes, format_seconds
 from smp.cli.errors import CLIError
 from smp.cli.options import (
     RANKS_PER_NODE,
@@ -39,9 +39,9 @@ from smp.cli.options import (
     positive_int,
     times_ops,
 )
-from smp.cli.sharded_dp import whole_line
+from smp.cli.plan_output import print_plan
 from smp.cli.target import load_target, pricing_threads
-from smp.cli.text import Progress, table
+from smp.cli.text import Progress
 
 __all__ = ["register", "run", "smp_config", "CONFIG_SCHEDULES"]
 
@@ -77,6 +77,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--sdp", type=positive_int,
                    help="fix the sharded data-parallel degree (a divisor of dp; 1: no sharding; default: try every "
                         "divisor)")
+    p.add_argument("--ep", type=positive_int,
+                   help="fix the expert-parallel degree of a mixture-of-experts model (a divisor of dp and of every "
+                        "layer's experts; 1: none; default: try every such divisor)")
     p.add_argument("--sdp-threshold", "--sdp-param-persistence-threshold", dest="sdp_threshold", metavar="N",
                    type=positive_int,
                    help="under sdp, parameters of fewer than N elements stay whole on every replica (SMP's "
@@ -121,6 +124,8 @@ def smp_config(layout: Any, dtype: str, threshold: int | None = None) -> dict[st
                            "placement_strategy": _PLACEMENT_NAMES.get(layout.placement, layout.placement)}
     if layout.zero1:
         cfg["shard_optimizer_state"] = True
+    if layout.ep > 1:
+        cfg["expert_parallel_degree"] = layout.ep
     if layout.sdp > 1:
         cfg["sharded_data_parallel_degree"] = layout.sdp
         if threshold is not None:
@@ -159,6 +164,10 @@ def _space(ns: argparse.Namespace, rpn: int) -> Any:
     if ns.sdp is not None and ns.sdp > 1 and ns.zero1 == "on":
         raise CLIError(f"--sdp {ns.sdp} with --zero1 on: sharded data parallelism shards the optimizer state already; "
                        "drop one of them")
+    if ns.ep is not None and ns.ep > 1 and ((ns.sdp or 1) > 1 or ns.zero1 == "on"):
+        raise CLIError(f"--ep {ns.ep} with {'--sdp ' + str(ns.sdp) if (ns.sdp or 1) > 1 else '--zero1 on'}: expert "
+                       "parallelism splits the experts over replicas that hold the other parameters and their "
+                       "optimizer state whole (the runtime refuses sharded data parallelism with it); drop one of them")
     if ns.sdp is not None and ns.dp is not None and ns.dp % ns.sdp:
         raise CLIError(f"--sdp {ns.sdp} does not divide --dp {ns.dp}: the parameters are sharded over that many of "
                        "the dp replicas; choose a divisor of --dp")
@@ -168,7 +177,7 @@ def _space(ns: argparse.Namespace, rpn: int) -> Any:
         raise CLIError(f"{' x '.join(f'{f} {v}' for f, v in fixed)} = {product} does not make --devices "
                        f"{ns.devices}: pp x tp x dp must equal the devices")
     return SearchSpace(devices=ns.devices, global_batch=ns.global_batch, ranks_per_node=rpn, tp=_fixed(ns.tp),
-                       pp=_fixed(ns.pp), dp=_fixed(ns.dp), sdp=_fixed(ns.sdp),
+                       pp=_fixed(ns.pp), dp=_fixed(ns.dp), sdp=_fixed(ns.sdp), ep=_fixed(ns.ep),
                        microbatch_size=_fixed(ns.microbatch_size), schedules=schedules,
                        virtual_stages=(ns.virtual_stages,),
                        checkpointing=_names(ns.checkpointing, CHECKPOINTING, "--checkpointing"),
@@ -210,7 +219,7 @@ def _plan(ns: argparse.Namespace, target: Any, space: Any, options: Any, rpn: in
     if not tps:
         raise CLIError(f"no tensor-parallel degree divides --devices {ns.devices}, --ranks-per-node {rpn} and the "
                        f"model's attention heads {head_counts(target.model)}" + (f" (--tp {ns.tp})" if ns.tp else ""))
-    sizes = {lay.microbatch_size for lay in candidates(space, tps)}
+    sizes = {lay.microbatch_size for lay in candidates(dataclasses.replace(space, ep=None), tps)}  # experts unknown
     if not sizes:
         raise CLIError(f"no pp x tp x dp = {ns.devices} splits --global-batch {ns.global_batch} into equal "
                        "microbatches with these fixed degrees; change the batch, the devices or the degrees")
@@ -222,15 +231,18 @@ def _plan(ns: argparse.Namespace, target: Any, space: Any, options: Any, rpn: in
                          rates=pricing.rates, dtype=ns.dtype, progress=progress, timed=timed)
     for tp, why in sorted(costs.skipped.items()):
         progress(f"tp {tp} left out: {why}")
+    _check_ep(ns.ep, costs.experts)
     unsharded = _unsharded(ns, costs, pricing.sdp_threshold, progress)
     whole = next(iter(costs.whole.traced.values()))
     space = dataclasses.replace(space, max_stages=sum(k != "output" for k in whole.kinds))
     progress(f"searching layouts of {ns.devices} devices")
     scorer = LayoutScorer(costs, pricing, pipeline_simulator)
-    result = search(candidates(space, costs.tp_degrees, unsharded), scorer, ns.top, exhaustive=ns.exhaustive)
+    result = search(candidates(space, costs.tp_degrees, unsharded, costs.experts), scorer, ns.top,
+                    exhaustive=ns.exhaustive)
     elapsed = time.perf_counter() - start
-    _print(ns, target.spec, costs, scorer, result, rpn, elapsed)
     best = result.proposals[0]
+    print_plan(ns, target.spec, costs, scorer, result, rpn, elapsed,
+               _config_or_none(best.layout, ns.dtype, ns.sdp_threshold))
     if ns.json:
         rows = [{**p.to_dict(), "smp_config": _config_or_none(p.layout, ns.dtype, ns.sdp_threshold)}
                 for p in result.proposals]
@@ -248,6 +260,18 @@ def _plan(ns: argparse.Namespace, target: Any, space: Any, options: Any, rpn: in
     if ns.config:
         _write_config(ns.config, best.layout, ns.dtype, progress, _cut(scorer, best.layout), ns.sdp_threshold)
     return 0
+
+
+def _check_ep(ep: int | None, experts: tuple[int, ...]) -> None:
+    """Refuse a fixed ``--ep`` above 1 that the model's expert layers (``experts`` each) cannot be split over."""
+    if ep is None or ep == 1:
+        return
+    if not experts:
+        raise CLIError(f"--ep {ep}: this model has no mixture-of-experts layer expert parallelism can split; drop --ep")
+    odd = sorted({x for x in experts if x % ep})
+    if odd:
+        raise CLIError(f"--ep {ep} does not divide the {odd} experts of this model's layers: choose a divisor of "
+                       "every layer's experts")
 
 
 def _unsharded(ns: argparse.Namespace, costs: Any, threshold: int, progress: Any) -> set[int]:
@@ -273,11 +297,11 @@ def _unsharded(ns: argparse.Namespace, costs: Any, threshold: int, progress: Any
 
 
 def _cut(scorer: Any, layout: Any) -> Any:
-    """The partition the planner priced for ``layout`` (None for one stage, or with tensor parallelism, where a
-    run partitions its own shards), its example inputs at the layout's microbatch size."""
+    """The partition the planner priced for ``layout`` (None for one stage, or with tensor or expert parallelism,
+    where a run partitions its own shards), its example inputs at the layout's microbatch size."""
     from partitioner.capture.plan_inputs import record_at_batch
 
-    if layout.pp == 1 or layout.tp > 1:
+    if layout.pp == 1 or layout.tp > 1 or layout.ep > 1:
         return None
     plan = scorer.plan(layout)
     return dataclasses.replace(plan, inputs=record_at_batch(plan.inputs, layout.microbatch_size))
@@ -321,73 +345,3 @@ def _write_config(path: str, layout: Any, dtype: str, progress: Any, cut: Any, t
                      "block of the model in the script (the smp config has no key for it)")
     for note in notes:
         print(f"smp: {note}", file=sys.stderr)
-
-
-def _percent(x: float | None) -> str:
-    """MFU as a percentage, to two significant digits below 1%."""
-    if x is None:
-        return "-"
-    return f"{100 * x:.1f}%" if x >= 0.01 else f"{100 * x:.2g}%"
-
-
-def _print(ns: argparse.Namespace, spec: str, costs: Any, scorer: Any, result: Any, rpn: int, elapsed: float) -> None:
-    device, usable = scorer.device_budget, scorer.budget
-    nodes = math.ceil(ns.devices / rpn)
-    tokens = costs.tokens_per_sample
-    print(f"{spec}: {next(iter(costs.whole.traced.values())).describe()}")
-    print(f"{ns.devices} devices ({nodes} node(s) of {rpn}) {scorer.rates.name} in {ns.dtype}, global batch "
-          f"{ns.global_batch} samples" + (f" of {tokens:g} tokens" if tokens else "") + "; " + _budget_line(scorer))
-    unsharded = f", {result.unsharded} whose sdp would shard nothing" if result.unsharded else ""
-    print(f"searched {result.enumerated} layouts in {elapsed:.1f} s: {result.memory_pruned} over the memory budget "
-          f"(bound), {result.bound_pruned} ruled out by the step bound or estimate{unsharded}, {result.scored} priced "
-          f"({result.partitions} partitions)")
-    mfu = any(p.score.mfu is not None for p in result.proposals)  # none on a measured profile: no peak (cpu)
-    rows = []
-    for i, p in enumerate(result.proposals, 1):
-        lay, s = p.layout, p.score
-        sched = f"{lay.schedule} v={lay.virtual_stages}" if lay.virtual_stages > 1 else lay.schedule
-        share = f" ({100 * s.memory_bytes / device:.0f}%)" if device and usable else ""
-        rows.append([str(i), str(lay.pp), str(lay.tp), str(lay.dp), str(lay.sdp),
-                     f"{lay.microbatches} x {lay.microbatch_size}", sched, lay.checkpointing,
-                     "yes" if lay.zero1 else "no", lay.placement,
-                     format_seconds(s.step_s), f"{s.samples_per_s:,.1f}",
-                     "-" if s.tokens_per_s is None else f"{s.tokens_per_s:,.0f}",
-                     f"{s.flops_per_s_per_device / 1e12:,.2f}", *([_percent(s.mfu)] if mfu else []),
-                     format_bytes(s.memory_bytes) + share, f"{100 * s.bubble:.1f}%", format_seconds(s.exposed_comm_s)])
-    print("\n".join(table(["#", "pp", "tp", "dp", "sdp", "m x mb", "schedule", "ckpt", "zero1", "place", "step",
-                           "samples/s", "tokens/s", "TFLOP/s/dev", *(["MFU"] if mfu else []), "memory/device",
-                           "bubble", "exposed comm"], rows, left=(6, 7, 8, 9))))
-    best = result.proposals[0]
-    cfg = _config_or_none(best.layout, ns.dtype, ns.sdp_threshold)
-    print(f"best: {best.layout.describe()}; {_step_terms(best)}")
-    lay = best.layout
-    if lay.sdp > 1 and (whole := whole_line(scorer.costs.graph(lay.tp, lay.microbatch_size), scorer.plan(lay),
-                                            lay.sdp, scorer.pricing.sdp_threshold)):
-        print(whole)
-    if cfg is not None:
-        print(f"smp config: {json.dumps(cfg)}")
-
-
-def _budget_line(scorer: Any) -> str:
-    """``memory budget 74.5 GiB per device, 10% kept free for the allocator: plans use at most 67.1 GiB``."""
-    device, usable = scorer.device_budget, scorer.budget
-    if device is None or usable is None:
-        return "memory budget none"
-    line = f"memory budget {format_bytes(device)} per device"
-    if usable < device:
-        line += (f", {scorer.pricing.headroom.describe()} kept free for the allocator: plans use at most "
-                 f"{format_bytes(usable)}")
-    return line
-
-
-def _step_terms(best: Any) -> str:
-    """The best layout's step and what it is made of: the pipeline, the gradient reduction after it (none at dp 1)
-    and the tp collectives (none at tp 1)."""
-    lay, s = best.layout, best.score
-    if lay.dp > 1:
-        reduction = "reduce-scatter and all-reduce" if lay.sdp > 1 else "all-reduce"
-        text = (f"step {format_seconds(s.step_s)} = pipeline {format_seconds(s.pipeline_s)} + gradient {reduction} "
-                f"{format_seconds(s.dp_comm_s)}")
-    else:
-        text = f"step {format_seconds(s.step_s)}, the pipeline's (dp 1: no gradient reduction)"
-    return text + (f"; tp collectives {format_seconds(s.tp_comm_s)} per step" if lay.tp > 1 else "")

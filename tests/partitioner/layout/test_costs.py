@@ -1,6 +1,9 @@
 """``partitioner.layout.costs``: two traces price every microbatch size exactly (the line through them is the
-trace at that size), tensor-parallel degrees included; inputs are rescaled on their batch dimension only."""
+trace at that size), tensor-parallel degrees included (with sequence parallelism, as the runtime runs them); inputs
+are rescaled on their batch dimension only."""
 from __future__ import annotations
+
+import warnings
 
 import numpy as np
 import pytest
@@ -8,9 +11,15 @@ import torch
 
 from partitioner.capture.tracing import trace
 from partitioner.cost.devices import profile
+from partitioner.cost.precision import activation_bytes
 from partitioner.cost.roofline import estimate
+from partitioner.cut.options import PartitionOptions
 from partitioner.layout.costs import BatchLine, example_batch, head_counts, layout_costs, trace_sizes, with_batch
+from partitioner.layout.layout import Layout
+from partitioner.layout.score import LayoutScorer, Pricing
+from partitioner.tp.sequence import SequenceParallelWarning
 from partitioner.tp.shard_program import tensor_parallel_graph
+from pipeline.stage_simulation import pipeline_simulator
 from smp import zoo
 
 RATES = profile("h100-80gb")
@@ -67,7 +76,9 @@ def test_the_line_through_two_traces_is_the_trace_at_any_size(gpt2, costs) -> No
 
 def test_tensor_parallel_costs_interpolate_with_their_collectives(gpt2, costs) -> None:
     model, args, kwargs = gpt2
-    direct = tensor_parallel_graph(trace(model, *with_batch(args, kwargs, 2, 6)), 2, 0)
+    with warnings.catch_warnings():  # where sequence parallelism does not apply: the planner prices it quietly
+        warnings.simplefilter("ignore", SequenceParallelWarning)
+        direct = tensor_parallel_graph(trace(model, *with_batch(args, kwargs, 2, 6)), 2, 0, sequence=True)
     want, got = estimate(direct, RATES, "bf16"), costs.costs(2, 6)
     assert got.tp_forward_s is not None and want.tp_forward_s is not None and want.tp_forward_s.sum() > 0
     np.testing.assert_allclose(got.tp_forward_s, want.tp_forward_s, rtol=1e-9)
@@ -95,3 +106,21 @@ def test_traces_with_other_ops_are_not_interpolated() -> None:
 def test_head_counts_come_from_the_config(gpt2) -> None:
     assert head_counts(gpt2[0]) == (4,)
     assert head_counts(torch.nn.Linear(2, 2)) == ()
+
+
+def test_tensor_parallel_degrees_are_priced_with_sequence_parallelism_as_the_runtime_runs_them(gpt2, costs) -> None:
+    model, args, kwargs = gpt2
+    plain = layout_costs(model, args, kwargs, sizes=[2], tp_degrees=[1, 2], rates=RATES, dtype="bf16",
+                         sequence_parallel=False)
+    sp, whole = costs.graph(2, 2), plain.graph(2, 2)
+    assert sp.fx.sharding.sequence and not whole.fx.sharding.sequence
+    # The layer norms between tp regions keep half their activations: they run on half the sequence.
+    acts_sp, acts = (dict(zip(g.names, activation_bytes(g, "bf16"))) for g in (sp, whole))
+    norms = [n for n, k in zip(whole.names, whole.kinds) if k == "aten.layer_norm"]
+    assert len(norms) == 9 and all(acts_sp[n] == acts[n] / 2 for n in norms)
+    layout = Layout(pp=1, tp=2, dp=1, microbatch_size=2, microbatches=1)
+    scored = [LayoutScorer(c, Pricing(PartitionOptions(device="h100-80gb", dtype="bf16"), 8),
+                           pipeline_simulator).score(layout) for c in (costs, plain)]
+    assert scored[0].activation_bytes < scored[1].activation_bytes
+    # Each all-reduce becomes a reduce-scatter and an all-gather of the same bytes: latency more, never less.
+    assert scored[0].tp_comm_s >= scored[1].tp_comm_s > 0
