@@ -23,7 +23,6 @@ from typing import Any, Callable, Collection, Sequence
 
 import torch
 import torch.fx
-from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from ..capture.build import build_graph
@@ -44,6 +43,7 @@ from .collectives import (
     vocab_embedding,
 )
 from .pricing import collective_seconds
+from .rank_values import laid_out, storage_of, view_value
 from .sequence import SequenceParallelWarning, sequence_parallel
 from .shard_rules import node_args
 from .sharding import Shard, Sharding, find_sharding
@@ -99,20 +99,12 @@ def unshard_tensor(pieces: Sequence[torch.Tensor], s: Shard, tp: int) -> torch.T
     return torch.cat(parts, s.dim)
 
 
-def _fake(like: Any, shape: list[int] | tuple[int, ...], dtype: torch.dtype | None = None) -> torch.Tensor:
-    mode = getattr(like, "fake_mode", None)
-    if mode is None:
-        return torch.empty(tuple(shape), dtype=dtype or like.dtype, device=like.device)
-    # What torch.empty under the mode makes, without its dispatch (a fifth of the time; a rank's graph has thousands)
-    return FakeTensor(mode, torch.empty(tuple(shape), dtype=dtype or like.dtype, device="meta"), like.device)
-
-
 def _local_val(val: Any, s: Shard, tp: int, rank: int) -> Any:
     if not isinstance(val, torch.Tensor):
         return val
     shape = list(val.shape)
     shape[s.dim] = local_length(s, tp, rank)
-    return _fake(val, shape)
+    return laid_out(val, shape)
 
 
 class _Writer:
@@ -120,6 +112,8 @@ class _Writer:
 
     def __init__(self, graph: torch.fx.Graph, sharding: Sharding, rank: int):
         self.g, self.sh, self.rank, self.tp = graph, sharding, rank, sharding.tp
+        # the storage of each traced value, read before any is rewritten: which values are views of which
+        self.storage = {n.name: storage_of(n.meta.get("val")) for n in graph.nodes}
         first = next(iter(graph.nodes))
         with graph.inserting_before(first):
             self.comm = graph.get_attr(COMM_ATTR)
@@ -194,8 +188,21 @@ class _Writer:
         elif name == "_assert_tensor_metadata":
             node.kwargs = {k: v for k, v in node.kwargs.items() if k not in ("size", "stride")}
         if s is not None:
-            node.meta["val"] = _local_val(val, s, self.tp, self.rank)
+            node.meta["val"] = self.local(node, val, s)
         return None
+
+    def local(self, node: torch.fx.Node, val: Any, s: Shard) -> Any:
+        """``node``'s value on this rank: where the traced value is a view of an input's, that view of the input's
+        value on this rank (its storage, so a tensor that two ops save through views counts once, as autograd holds
+        it once); otherwise a new value laid out as the traced one."""
+        if not isinstance(val, torch.Tensor):
+            return val
+        shape = list(val.shape)
+        shape[s.dim] = self.length(s)
+        base = self.storage.get(node.name)
+        source = next((n for n in node.all_input_nodes if base is not None and self.storage.get(n.name) == base), None)
+        view = view_value(node, source, shape) if source is not None else None
+        return view if view is not None else laid_out(val, shape)
 
     def split(self, node: torch.fx.Node) -> None:
         src = self.sh.values[node_args(node)[0].name]

@@ -1,7 +1,8 @@
 """``benchmarks/sequence_parallel.py`` on its smallest shape (the Llama, 2 layers of hidden 256, 1 x 1,024 tokens):
 with sequence parallelism a tp2 rank holds fewer activations than without it, and ``smp inspect --tp 2
-[--sequence-parallel]`` predicts each within 25 %. Slow: two ranks trace and train the model twice (16 to 40 s on
-a shared 2-core machine)."""
+[--sequence-parallel]`` predicts each within 2 % (the issue's bar is 25 %; every storage is accounted for) and the
+saving too: the predicted on/off ratio within 0.02 of the measured one. Slow: two ranks trace and train the model
+twice (16 to 40 s on a shared 2-core machine)."""
 from __future__ import annotations
 
 import re
@@ -13,6 +14,7 @@ import pytest
 from tests.cli.helpers import REPO, smp_env
 
 ROW = re.compile(r"^llama\s+(off|on)\s+(\d+\.\d\d)\s+(\d+\.\d\d)\s+(\d+\.\d\d)\s+(\d+\.\d{3})\s+\d+\s+\d+\s+", re.M)
+RATIOS = re.compile(r"^llama\s+on/off: saved (\d+\.\d{3}), peak \d+\.\d{3}, predicted (\d+\.\d{3})$", re.M)
 
 
 @pytest.mark.slow
@@ -27,5 +29,9 @@ def test_sequence_parallelism_holds_fewer_activations_per_rank_as_predicted() ->
     (saved_off, peak_off, _, _), (saved_on, peak_on, _, _) = rows["off"], rows["on"]
     assert saved_on < saved_off and peak_on < peak_off, out
     for sp, (_, _, _, ratio) in rows.items():
-        assert 0.75 <= ratio <= 1.25, f"sp {sp}: predicted / measured {ratio}\n{out}"
+        assert 0.98 <= ratio <= 1.02, f"sp {sp}: predicted / measured {ratio}\n{out}"
+    ratios = RATIOS.search(out)
+    assert ratios, out
+    saved, predicted = (float(v) for v in ratios.groups())
+    assert abs(predicted - saved) <= 0.02, f"sp on/off: measured {saved}, predicted {predicted}\n{out}"
     assert out.count("load average") == 2, out
