@@ -47,6 +47,7 @@ from ..tp.collectives import (
 from ..tp.shard_rules import node_args, value_of
 from ..tp.token_walk import TokenWalk, fake_like, ids_input, sequence_ids, token_layout
 from .comm import CPComm, cp_causal_mask, cp_cross_entropy, cp_gather, cp_group_loss, cp_scatter
+from .mask_rows import mask_rows
 from .pricing import context_seconds
 
 __all__ = ["ContextSharding", "context_parallel_graph", "cp_degree", "CP_COMM_ATTR"]
@@ -92,6 +93,7 @@ class _ContextWalk(TokenWalk):
     def __init__(self, graph: torch.fx.Graph, comm: torch.fx.Node, cp: int, batch: int, seq: int):
         super().__init__(graph, cp, batch, seq)
         self.comm, self.attentions = comm, 0
+        self.mask_rows: dict[tuple[str, int], torch.fx.Node] = {}  # a mask's rows, by (value, dimension)
 
     def start(self, node: torch.fx.Node) -> bool:
         if (op_name(node) != "embedding" and node.target is not vocab_embedding
@@ -151,8 +153,8 @@ class _ContextWalk(TokenWalk):
         if isinstance(mask, torch.fx.Node):
             if mask.name in self.tokens:
                 return False
-            if value_of(mask).shape[-2] != 1:  # one row per query: this rank's rows
-                mask = self.scatter(node, mask, (value_of(mask).dim() - 2, 1, 1))
+            if value_of(mask).shape[-2] != 1:  # one row per query: this rank's rows, made where the mask is
+                mask = mask_rows(self, node, mask, value_of(mask).dim() - 2, self.mask_rows)
         elif a.get("is_causal"):
             keys = value_of(k).shape[-2]
             mask = self.insert(cp_causal_mask, (q, keys, self.comm), lambda: self.g.inserting_before(node),
@@ -223,6 +225,19 @@ class _ContextWalk(TokenWalk):
         return True
 
 
+def _drop_unread(graph: torch.fx.Graph, read: set[str]) -> None:
+    """Drop the ops that the rewrite left unread (a mask whose rows are now made apart, and what made it), with the
+    metadata checks on them: each would still compute a whole value. Ops unread before stay as traced."""
+    for node in reversed(list(graph.nodes)):
+        if node.op != "call_function" or node.name not in read:
+            continue
+        checks = [u for u in node.users if op_name(u) == "_assert_tensor_metadata"]
+        if len(checks) == len(node.users):
+            for check in checks:
+                graph.erase_node(check)
+            graph.erase_node(node)
+
+
 def context_parallel_graph(graph: OpGraph, cp: int, rank: int) -> OpGraph:
     """``graph`` as cp rank ``rank`` of ``cp`` runs it (see the module docstring); the program's ``context``
     (:class:`ContextSharding`) and ``cp_comm`` (the unbound :class:`~partitioner.cp.comm.CPComm`) say so. Raises
@@ -244,7 +259,9 @@ def context_parallel_graph(graph: OpGraph, cp: int, rank: int) -> OpGraph:
     with fx_graph.inserting_before(next(iter(fx_graph.nodes))):
         comm_node = fx_graph.get_attr(CP_COMM_ATTR)
     walk = _ContextWalk(fx_graph, comm_node, cp, batch, seq)
+    read = {n.name for n in fx_graph.nodes if n.users}
     walk.walk()
+    _drop_unread(fx_graph, read)
     fx_graph.lint()
     module = rewritten_module(prog.module, fx_graph, {CP_COMM_ATTR: comm})
     out = build_graph(module, prog.in_spec, prog.out_spec, prog.training, folded=prog.folded)

@@ -64,6 +64,9 @@ def test_llama_runs_on_half_the_tokens_with_gathered_keys_and_values():
     assert sum(n.target is cp_cross_entropy for n in nodes) == 1
     # every per-token activation is half the sequence; the ops and their FLOPs halve with it but attention's
     assert [tuple(n.meta["val"].shape) for n in nodes if n.name == "embedding"] == [(2, 8, 32)]
+    # the mask is made of this rank's rows from the positions up: no value of the sequence squared is left whole
+    squares = [n.name for n in nodes if tuple(getattr(n.meta.get("val"), "shape", ()))[-2:] == (16, 16)]
+    assert squares == [] and any(n.name.endswith("_cp_rows") for n in nodes), squares
     assert half.flops.sum() < 0.6 * graph.flops.sum()
     assert half.act_bytes.sum() < 0.65 * graph.act_bytes.sum()
     rates = profile("h100-80gb")
