@@ -43,8 +43,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import llama_on_meta, load_average  # noqa: E402
 from partitioner.units import format_bytes  # noqa: E402
 
-__all__ = ["LLAMA3", "SC21", "MOE", "MOE_SEQ", "llama3", "llama3_8b", "llama3_70b", "llama3_405b", "sc21_gpt",
-           "moe_on_meta", "mixtral_8x7b", "deepseek_v3", "deepseek_v3_16_layers", "main"]
+__all__ = ["LLAMA3", "SC21", "MOE", "MOE_SEQ", "llama3", "llama3_8b", "llama3_70b", "llama3_405b", "llama3_8b_128k",
+           "sc21_gpt", "moe_on_meta", "mixtral_8x7b", "deepseek_v3", "deepseek_v3_16_layers", "main"]
 
 REPO = Path(__file__).resolve().parents[1]
 # (layers, hidden, intermediate, heads, KV heads, vocabulary): Llama 3 / 3.1 (Dubey et al. 2024, "The Llama 3 Herd
@@ -89,6 +89,12 @@ def llama3_70b() -> tuple:
 def llama3_405b() -> tuple:
     """The ``smp plan`` factory of the 405B shape."""
     return llama3("405b")
+
+
+def llama3_8b_128k() -> tuple:
+    """The ``smp plan`` factory of the 8B shape on one sequence of 131,072 tokens (Llama 3.1's context): long enough
+    that the search splits it over ranks (context parallelism)."""
+    return llama3("8b", 131072)
 
 
 def sc21_gpt() -> tuple:

@@ -30,7 +30,7 @@ PARTITIONER_FOLDERS = {
     "partitioner.cut": {"partitioner.capture", "partitioner.cost", "partitioner.tp"},
     "partitioner.sdp": {"partitioner.capture", "partitioner.cost", "partitioner.cut"},
     "partitioner.layout": {"partitioner.capture", "partitioner.cost", "partitioner.cut", "partitioner.tp",
-                           "partitioner.ep", "partitioner.sdp"},
+                           "partitioner.ep", "partitioner.cp", "partitioner.sdp"},
 }
 
 # What each part of smp may import of smp (longest prefix wins; the SMP surface at the top level may import any

@@ -21,7 +21,9 @@ the runtime runs it by default: with sequence parallelism where it applies (the 
 reduce-scatter and an all-gather); ``sequence_parallel=False`` prices tp without it. Each expert-parallel degree is
 ep rank 0's graph of that (:func:`partitioner.ep.expert_program.expert_parallel_graph`, as the runtime writes it over
 the tp rank's), built the first time a layout asks for it; its all-to-alls are priced on the link within a node, and on
-the inter-node link for the ep groups that span nodes (``across``).
+the inter-node link for the ep groups that span nodes (``across``). Each context-parallel degree likewise is cp rank
+0's graph (:func:`partitioner.cp.context_program.context_parallel_graph`) of tp rank 0's without sequence
+parallelism, which the runtime turns off under it, its gathers priced as the all-to-alls are.
 
 ``timed`` (planning for this machine's CPU, the model with its weights): the two traces run on real inputs (the
 example's rows repeated to the size) and every op is timed (:func:`partitioner.cost.op_times.timed_costs`, as ``smp
@@ -50,6 +52,8 @@ from ..cost.devices import DeviceRates
 from ..cost.op_times import timed_costs
 from ..cost.roofline import NodeCosts, estimate, needs_grad
 from ..cost.throughput import batch_counts
+from ..cp.context_program import context_parallel_graph
+from ..cp.pricing import context_seconds
 from ..ep.expert_program import expert_parallel_graph
 from ..ep.experts import find_experts
 from ..ep.pricing import all_to_all_seconds
@@ -57,6 +61,7 @@ from ..tp.rank_zero import thin_params
 from ..tp.sequence import SequenceParallelWarning
 from ..tp.shard_program import shard_graph
 from ..tp.sharding import find_sharding
+from ..tp.token_walk import sequence_ids
 
 __all__ = ["BatchLine", "LayoutCosts", "layout_costs", "example_batch", "with_batch", "tiled", "trace_sizes",
            "head_counts", "collector_paused"]
@@ -185,51 +190,64 @@ def _at(lo: np.ndarray, hi: np.ndarray, line: tuple[int, int], size: int) -> np.
 
 
 class LayoutCosts:
-    """A model's graphs and per-op seconds per (tp degree, ep degree, microbatch size), computed once each;
+    """A model's graphs and per-op seconds per (tp degree, ep or cp degree, microbatch size), computed once each;
     ``skipped``: tp degrees that cannot shard this model, and why; ``tokens_per_sample``: token ids per sample of the
     example inputs (None when the input is not token ids); ``experts``: the experts of each mixture-of-experts layer
-    expert parallelism splits (empty: a dense model, ep 1 only)."""
+    expert parallelism splits (empty: a dense model, ep 1 only); ``sequence``: the tokens of each sequence context
+    parallelism splits (None: no embedding of the input ids says where they are, cp 1 only)."""
 
     def __init__(self, lines: dict[int, BatchLine], whole: BatchLine, rates: DeviceRates, dtype: str,
-                 skipped: dict[int, str], tokens_per_sample: float | None, experts: tuple[int, ...] = ()) -> None:
+                 skipped: dict[int, str], tokens_per_sample: float | None, experts: tuple[int, ...] = (),
+                 sequence: int | None = None) -> None:
         self.lines, self.whole, self.rates, self.dtype, self.skipped = lines, whole, rates, dtype, skipped
-        self.tokens_per_sample, self.experts = tokens_per_sample, experts
-        self._ep_lines: dict[tuple[int, int], BatchLine] = {}
-        self._costs: dict[tuple[int, int, int, DeviceRates | None], NodeCosts] = {}
-        self._graphs: dict[tuple[int, int, int], OpGraph] = {}
+        self.tokens_per_sample, self.experts, self.sequence = tokens_per_sample, experts, sequence
+        self._split_lines: dict[tuple[int, int, int], BatchLine] = {}
+        self._costs: dict[tuple[int, int, int, int, DeviceRates | None], NodeCosts] = {}
+        self._graphs: dict[tuple[int, int, int, int], OpGraph] = {}
 
     @property
     def tp_degrees(self) -> list[int]:
         """The tp degrees priced, ascending."""
         return sorted(self.lines)
 
-    def line(self, tp: int, ep: int = 1) -> BatchLine:
-        """The traces of tp rank 0 as ep rank 0 of ``ep`` runs them (written once, when first asked for)."""
-        if ep == 1:
+    def line(self, tp: int, ep: int = 1, cp: int = 1) -> BatchLine:
+        """The traces of tp rank 0 as ep rank 0 of ``ep``, or cp rank 0 of ``cp``, runs them (written once, when first
+        asked for; under cp, tp's without sequence parallelism, which the runtime turns off under it)."""
+        if ep == 1 and cp == 1:
             return self.lines[tp]
-        if (tp, ep) not in self._ep_lines:
-            tp_line = self.lines[tp]
+        if (tp, ep, cp) not in self._split_lines:
+            base = self.lines[tp] if cp == 1 or tp == 1 else self._plain_line(tp)
             with _lean():
-                traced = {b: expert_parallel_graph(g, ep, 0) for b, g in tp_line.traced.items()}
-            self._ep_lines[(tp, ep)] = BatchLine(traced, tp_line.line)  # timed: scaled in costs(), as tp
-        return self._ep_lines[(tp, ep)]
+                traced = {b: expert_parallel_graph(g, ep, 0) if ep > 1 else context_parallel_graph(g, cp, 0)
+                          for b, g in base.traced.items()}
+            self._split_lines[(tp, ep, cp)] = BatchLine(traced, base.line)  # timed: scaled in costs(), as tp
+        return self._split_lines[(tp, ep, cp)]
 
-    def graph(self, tp: int, size: int, ep: int = 1) -> OpGraph:
-        """tp rank 0's graph at microbatch size ``size``, ep rank 0's of it for ``ep`` above 1."""
-        key = (tp, ep, size)
+    def _plain_line(self, tp: int) -> BatchLine:
+        """tp rank 0's traces without sequence parallelism."""
+        with _lean():
+            traced = {b: _shard(g, tp, False)[0] for b, g in self.whole.traced.items()}
+        return BatchLine({b: g for b, g in traced.items() if g is not None}, self.whole.line)
+
+    def graph(self, tp: int, size: int, ep: int = 1, cp: int = 1) -> OpGraph:
+        """tp rank 0's graph at microbatch size ``size``, ep rank 0's of it for ``ep`` above 1 (cp rank 0's for
+        ``cp``)."""
+        key = (tp, ep, cp, size)
         if key not in self._graphs:
-            self._graphs[key] = self.line(tp, ep).graph(size)
+            self._graphs[key] = self.line(tp, ep, cp).graph(size)
         return self._graphs[key]
 
-    def costs(self, tp: int, size: int, ep: int = 1, across: DeviceRates | None = None) -> NodeCosts:
-        """Per-op seconds of :meth:`graph` (timed: see the module docstring), its all-to-alls on the link ``across``
-        (None: the link within a node) for an ep group that spans nodes."""
-        key = (tp, ep, size, across)
+    def costs(self, tp: int, size: int, ep: int = 1, across: DeviceRates | None = None, cp: int = 1) -> NodeCosts:
+        """Per-op seconds of :meth:`graph` (timed: see the module docstring), its all-to-alls (or gathers, under cp)
+        on the link ``across`` (None: the link within a node) for an ep (cp) group that spans nodes."""
+        key = (tp, ep, cp, size, across)
         if key not in self._costs:
-            costs = self.line(tp, ep).seconds(size, self.rates, self.dtype)
-            if across is not None and ep > 1:
-                costs = _all_to_alls_across(costs, self.line(tp, ep), size, self.rates, across, self.dtype)
-            if (tp > 1 or ep > 1) and self.whole.timed is not None:  # the roofline, scaled to the timed seconds
+            line = self.line(tp, ep, cp)
+            costs = line.seconds(size, self.rates, self.dtype)
+            if across is not None and max(ep, cp) > 1:
+                costs = _priced_across(costs, line, size, self.rates, across, self.dtype,
+                                       all_to_all_seconds if ep > 1 else context_seconds)
+            if (tp > 1 or ep > 1 or cp > 1) and self.whole.timed is not None:  # the roofline, scaled to the timed
                 timed = self.whole.seconds(size, self.rates, self.dtype)
                 roof = BatchLine(self.whole.traced, self.whole.line).seconds(size, self.rates, self.dtype)
                 f = timed.forward_s.sum() / max(roof.forward_s.sum(), 1e-30)
@@ -273,14 +291,15 @@ def _lean() -> Iterator[None]:
         torch.fx.config.do_not_emit_stack_traces = traces
 
 
-def _all_to_alls_across(costs: NodeCosts, line: BatchLine, size: int, rates: DeviceRates, across: DeviceRates,
-                        dtype: str) -> NodeCosts:
-    """``costs`` (its all-to-alls priced on ``rates``' link) with them on ``across``'s instead: the difference at the
-    traced sizes, on the line through them at others (it is affine in the rows' bytes, as the collectives are)."""
+def _priced_across(costs: NodeCosts, line: BatchLine, size: int, rates: DeviceRates, across: DeviceRates, dtype: str,
+                   pricing: Callable[..., tuple[np.ndarray, np.ndarray]]) -> NodeCosts:
+    """``costs`` (the collectives ``pricing`` prices, an ep group's all-to-alls or a cp group's gathers, on ``rates``'
+    link) with them on ``across``'s instead: the difference at the traced sizes, on the line through them at others
+    (it is affine in the bytes, as the collectives are)."""
     def extra(b: int) -> tuple[np.ndarray, np.ndarray]:
         g = line.traced[b]
         needs = needs_grad(g)
-        (f0, b0), (f1, b1) = (all_to_all_seconds(g, r, dtype, needs) for r in (rates, across))
+        (f0, b0), (f1, b1) = (pricing(g, r, dtype, needs) for r in (rates, across))
         return f1 - f0, b1 - b0
 
     if size in line.traced or line.line is None:
@@ -363,4 +382,5 @@ def layout_costs(model: torch.nn.Module, args: tuple, kwargs: dict, *, sizes: It
     per_sample = tokens / samples if tokens is not None and samples else None
     experts = tuple(x.experts for x in find_experts(first.fx.module).layers) if first.fx else ()
     return LayoutCosts(lines, BatchLine(dict(whole), line, dict(times) if timed else None), rates, dtype, skipped,
-                       per_sample, experts)
+                       per_sample, experts,
+                       ids[1] if first.fx and (ids := sequence_ids(first.fx.module.graph)) else None)

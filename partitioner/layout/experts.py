@@ -3,12 +3,12 @@
 Expert parallelism of degree ``ep`` (:mod:`partitioner.ep`) splits each mixture-of-experts layer's experts over ``ep``
 consecutive data-parallel replicas of a tp rank, as :meth:`smp.runtime.topology.Topology.ep_grid` carves them: a
 degree divides the replicas and every layer's experts (:func:`ep_choices`). The group's all-to-alls run on the link
-within a node when its ``ep`` replicas share one (replicas are pp x tp ranks apart under "DPT", tp under "PDT"), else
-on the inter-node link (:func:`ep_link`). After the step, the gradients of the parameters every replica holds whole
-are averaged over the dp replicas and those of a rank's experts over the ``dp / ep`` replicas holding the same experts
-(the expert-data-parallel group, :mod:`smp.engine.grad_averaging`): :func:`gradient_reduce_s` prices both, one after
-the other as the runtime issues them; :func:`expert_gradient_bytes` says how much of each stage's gradients are the
-experts'.
+within a node when its ``ep`` replicas share one, else on the inter-node link
+(:func:`~partitioner.layout.layout.group_link`). After the step, the gradients of the parameters every replica holds
+whole are averaged over the dp replicas and those of a rank's experts over the ``dp / ep`` replicas holding the same
+experts (the expert-data-parallel group, :mod:`smp.engine.grad_averaging`): :func:`gradient_reduce_s` prices both,
+one after the other as the runtime issues them; :func:`expert_gradient_bytes` says how much of each stage's gradients
+are the experts'.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from ..cut.objective import stage_params
 from ..cut.plan import PartitionPlan
 from .layout import Layout
 
-__all__ = ["ep_choices", "ep_link", "expert_params", "expert_gradient_bytes", "gradient_reduce_s"]
+__all__ = ["ep_choices", "expert_params", "expert_gradient_bytes", "gradient_reduce_s"]
 
 
 def ep_choices(dp: int, experts: Sequence[int]) -> list[int]:
@@ -34,13 +34,6 @@ def ep_choices(dp: int, experts: Sequence[int]) -> list[int]:
     if not experts:
         return [1]
     return [e for e in range(1, dp + 1) if dp % e == 0 and all(x % e == 0 for x in experts)]
-
-
-def ep_link(layout: Layout, rates: DeviceRates, inter: DeviceRates, ranks_per_node: int) -> DeviceRates | None:
-    """The link ``layout``'s ep groups cross when it is not the one within a node (``inter``), else None (``rates``'
-    own link, the one :func:`partitioner.layout.costs.LayoutCosts.costs` prices by default)."""
-    apart = layout.tp * (layout.pp if layout.placement == "DPT" else 1)
-    return inter if layout.ep > 1 and layout.ep * apart > ranks_per_node else None
 
 
 def expert_params(graph: OpGraph) -> np.ndarray:

@@ -4,7 +4,9 @@ A layout is SMP v1's rank grid, pp x tp x rdp = N (SMP's data-parallel degree is
 carved out of the data-parallel ranks), of which ``sdp`` replicas shard their parameters (sharded data
 parallelism, ZeRO-3 style: a degree dividing rdp) and ``ep`` replicas split each mixture-of-experts layer's experts
 (expert parallelism, :mod:`partitioner.ep`: groups of ``ep`` consecutive replicas, as
-:meth:`smp.runtime.topology.Topology.ep_grid` carves them), with how each replica runs its share of the global batch:
+:meth:`smp.runtime.topology.Topology.ep_grid` carves them) or ``cp`` replicas split every sequence of the batch they
+share (context parallelism, :mod:`partitioner.cp`, carved alike), with how each replica runs its share of the global
+batch:
 its ``microbatches`` microbatches of ``microbatch_size`` samples, the pipeline schedule (:data:`SCHEDULES`: GPipe,
 Huang et al. 2019; 1F1B, Narayanan et al. 2021; interleaved 1F1B over ``virtual_stages`` model chunks per rank,
 Narayanan et al. SC'21; ZB-H1, Qi et al. 2023), activation checkpointing (:data:`CHECKPOINTING`), ZeRO-1
@@ -19,8 +21,10 @@ import functools
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from ..cost.devices import DeviceRates
+
 __all__ = ["Layout", "Score", "Proposal", "SCHEDULES", "CHECKPOINTING", "PLACEMENTS", "partition_pipeline",
-           "global_rank", "replicas_share_node"]
+           "global_rank", "replicas_share_node", "group_link"]
 
 # The schedules a layout may run, by the names of `smp simulate --schedules` (pipeline.schedule accepts them all).
 SCHEDULES = ("1f1b", "gpipe", "interleaved-virtual", "zero-bubble")
@@ -44,7 +48,8 @@ class Layout:
     their parameters, each replica running ``microbatches`` microbatches of ``microbatch_size`` samples per step
     under ``schedule`` (``virtual_stages`` model chunks per rank for ``interleaved-virtual``), with
     ``checkpointing``, ``zero1`` and ``placement`` as the module docstring says; ``ep`` of the ``dp`` replicas split
-    the experts (1: none)."""
+    the experts (1: none); ``cp`` of them split the sequences of one batch (1: none; each group of ``cp`` runs the
+    microbatches of one replica's share)."""
 
     pp: int
     tp: int
@@ -58,9 +63,10 @@ class Layout:
     placement: str = "DPT"
     sdp: int = 1
     ep: int = 1
+    cp: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("pp", "tp", "dp", "microbatch_size", "microbatches", "virtual_stages", "sdp", "ep"):
+        for name in ("pp", "tp", "dp", "microbatch_size", "microbatches", "virtual_stages", "sdp", "ep", "cp"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"Layout.{name} must be a positive integer, got {value!r}")
@@ -88,6 +94,9 @@ class Layout:
             raise ValueError(f"Layout: ep={self.ep} with {'sdp > 1' if self.sdp > 1 else 'zero1'}; expert parallelism "
                              "splits the experts over replicas that hold the other parameters and their optimizer "
                              "state whole")
+        if self.dp % self.cp or (self.cp > 1 and (self.sdp > 1 or self.ep > 1)):
+            raise ValueError(f"Layout: cp={self.cp} must divide dp={self.dp}, with sdp and ep 1 (the runtime refuses "
+                             "context parallelism with them)")
 
     @property
     def devices(self) -> int:
@@ -105,9 +114,19 @@ class Layout:
         return self.microbatch_size * self.microbatches
 
     @property
+    def groups(self) -> int:
+        """Replicas that run batches of their own: dp / cp (a cp group runs one)."""
+        return self.dp // self.cp
+
+    @property
+    def split(self) -> tuple[int, int]:
+        """(ep, cp): how the graph each rank runs is split beside tp (what its costs are keyed by)."""
+        return self.ep, self.cp
+
+    @property
     def global_batch(self) -> int:
-        """Samples per step over every replica."""
-        return self.replica_batch * self.dp
+        """Samples per step over every replica (each cp group's once)."""
+        return self.replica_batch * self.groups
 
     def state_shares(self) -> dict[str, int]:
         """By kind of parameter state, what divides it on a rank at best: ZeRO-1 the optimizer state by dp; sdp every
@@ -125,7 +144,7 @@ class Layout:
         sched = f"{self.schedule} v={self.virtual_stages}" if self.virtual_stages > 1 else self.schedule
         extra = "".join(f", {x}" for x, on in (("checkpointing", self.checkpointing != "none"),
                                                ("zero1", self.zero1), (f"sdp{self.sdp}", self.sdp > 1)) if on)
-        ep = f" ep{self.ep}" if self.ep > 1 else ""
+        ep = f" ep{self.ep}" if self.ep > 1 else f" cp{self.cp}" if self.cp > 1 else ""
         return (f"pp{self.pp} tp{self.tp}{ep} dp{self.dp}, {self.microbatches} x {self.microbatch_size} samples, "
                 f"{sched}{extra}, {self.placement}")
 
@@ -200,3 +219,12 @@ def replicas_share_node(pp: int, tp: int, dp: int, placement: str, ranks_per_nod
     probe = Layout(pp=pp, tp=tp, dp=dp, microbatch_size=1, microbatches=pp, placement=placement)
     return tuple(global_rank(probe, r, 0) // ranks_per_node == global_rank(probe, r, dp - 1) // ranks_per_node
                  for r in range(pp))
+
+
+def group_link(layout: Layout, rates: DeviceRates, inter: DeviceRates, ranks_per_node: int) -> DeviceRates | None:
+    """The link ``layout``'s ep or cp groups (consecutive replicas) cross when it is not the one within a node
+    (``inter``), else None (``rates``' own link, the one :meth:`partitioner.layout.costs.LayoutCosts.costs` prices
+    by default): replicas are pp x tp ranks apart under "DPT", tp under "PDT"."""
+    apart = layout.tp * (layout.pp if layout.placement == "DPT" else 1)
+    size = max(layout.ep, layout.cp)
+    return inter if size > 1 and size * apart > ranks_per_node else None

@@ -73,9 +73,9 @@ from ..cut.portfolio import partition
 from ..sdp.shards import PERSISTENCE_THRESHOLD, ShardedRank
 from .chain import Chain, chain_bottleneck
 from .costs import LayoutCosts
-from .experts import ep_link, expert_gradient_bytes, expert_params, gradient_reduce_s
+from .experts import expert_gradient_bytes, expert_params, gradient_reduce_s
 from .headroom import DEFAULT, Headroom
-from .layout import Layout, Score, global_rank, partition_pipeline, replicas_share_node
+from .layout import Layout, Score, global_rank, group_link, partition_pipeline, replicas_share_node
 from .sharded import SdpCache, sdp_links, sdp_passes
 
 __all__ = ["SimOutcome", "PipelineSimulator", "Pricing", "Bound", "LayoutScorer", "global_rank", "chain_bottleneck"]
@@ -173,18 +173,18 @@ class LayoutScorer:
     def priced(self, layout: Layout) -> tuple[OpGraph, NodeCosts]:
         """The graph the layout's stages are cut from (tp rank 0's at its microbatch size, ep rank 0's of it) and its
         per-op seconds, the all-to-alls on the link its ep group crosses."""
-        return (self.costs.graph(layout.tp, layout.microbatch_size, layout.ep),
-                self.costs.costs(layout.tp, layout.microbatch_size, layout.ep, self.priced_across(layout)))
+        return (self.costs.graph(layout.tp, layout.microbatch_size, *layout.split),
+                self.costs.costs(layout.tp, layout.microbatch_size, layout.ep, self.priced_across(layout), layout.cp))
 
     def priced_across(self, layout: Layout) -> DeviceRates | None:
-        """The inter-node link when the layout's ep group spans nodes, else None (:func:`ep_link`)."""
-        return ep_link(layout, self.rates, self.inter, self.pricing.ranks_per_node)
+        """The inter-node link when the layout's ep or cp group spans nodes, else None (:func:`group_link`)."""
+        return group_link(layout, self.rates, self.inter, self.pricing.ranks_per_node)
 
     # -- bounds ----------------------------------------------------------------------------------------------------
 
     def _sums(self, layout: Layout) -> _Sums:
         """The totals of the layout's graph on one microbatch that the bounds read (cached)."""
-        key = (layout.tp, layout.microbatch_size, layout.ep, self.priced_across(layout))
+        key = (layout.tp, layout.microbatch_size, layout.split, self.priced_across(layout))
         if key not in self._totals:
             (g, c), o = self.priced(layout), self.pricing.options
             per_param = param_memory_parts(g, o.dtype, o.optimizer)
@@ -235,7 +235,7 @@ class LayoutScorer:
         ckpt, m, k = layout.checkpointing == "full", layout.microbatches, layout.stages
         flight = [1] * k if ckpt else [m] * k if layout.schedule == "gpipe" else [min(m, k - s) for s in range(k)]
         shares = layout.state_shares()
-        key = (layout.tp, layout.microbatch_size, k, ckpt, tuple(flight), tuple(sorted(shares.items())), layout.ep,
+        key = (layout.tp, layout.microbatch_size, k, ckpt, tuple(flight), tuple(sorted(shares.items())), layout.split,
                self.priced_across(layout))
         if key not in self._chains:
             ops = key[:2] + key[3:4] + key[5:]  # the chain's ops and memory: every stage count and flight shares them
@@ -257,7 +257,7 @@ class LayoutScorer:
         partitioner's memory budget, the plan for no budget (checkpointing or ZeRO-1 may still make it fit: the
         score says); under sdp, as ``smp simulate --sdp``, the plan for no budget (the sharded ranks are held to it)."""
         pipeline = partition_pipeline(layout.schedule)
-        key = (layout.tp, layout.microbatch_size, layout.stages, layout.microbatches, pipeline, layout.ep,
+        key = (layout.tp, layout.microbatch_size, layout.stages, layout.microbatches, pipeline, layout.split,
                self.priced_across(layout), layout.sdp > 1)
         if key not in self._plans:
             graph, costs = self.priced(layout)
@@ -358,7 +358,7 @@ class LayoutScorer:
         tp_step = m * max(sum(tp_f[s] + tp_b[s] + (tp_f[s] if ckpt else 0.0) for s in mine) for mine in ranks)
         samples = layout.global_batch
         per_sample = self.costs.tokens_per_sample
-        flops = self.costs.model_flops(layout.microbatch_size) * m * layout.dp * 3  # a training step
+        flops = self.costs.model_flops(layout.microbatch_size) * m * layout.groups * 3  # a training step
         out = from_counts(step, samples, None if per_sample is None else round(samples * per_sample), flops,
                           layout.devices, peak_of(self.rates, o.dtype))
         return Score(step_s=step, pipeline_s=sim.step_s, dp_comm_s=after, samples_per_s=out.samples_per_s,

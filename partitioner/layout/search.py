@@ -9,7 +9,11 @@ only without ZeRO-1, which it subsumes, and only where it shards some parameter:
 same layout under another name, :mod:`partitioner.layout.sharded`), and for a mixture-of-experts model the
 expert-parallel degree ep (every divisor of dp that divides every layer's experts, :mod:`partitioner.layout.experts`;
 above 1 only with sdp 1 and without ZeRO-1: the runtime refuses ep with sdp, and ZeRO-1 would shard the optimizer
-state over replicas whose experts differ).
+state over replicas whose experts differ), and for a model whose sequence an embedding of its ids says, the
+context-parallel degree cp (every divisor of dp that divides the sequence, by default only for sequences of
+:data:`LONG_SEQUENCE` tokens or more: below, attention's share of the activations is small and tp with sequence
+parallelism shrinks the rest; above 1 only with sdp and ep 1, as the runtime allows; a cp group runs one replica's
+share of the batch, so dp / cp replicas divide it).
 
 :func:`search` is a branch and bound over that list, as Alpa (Zheng et al. OSDI'22) and Aceso (Liu et al.
 EuroSys'24) prune theirs: a layout whose lower bound on the largest device's memory exceeds the budget (the device's
@@ -39,7 +43,10 @@ from .layout import CHECKPOINTING, PLACEMENTS, Layout, Proposal
 from .score import LayoutScorer
 from .sharded import shards_nothing
 
-__all__ = ["SearchSpace", "SearchResult", "NoLayoutFitsError", "candidates", "search", "divisors", "tp_choices"]
+__all__ = ["SearchSpace", "SearchResult", "NoLayoutFitsError", "candidates", "search", "divisors", "tp_choices",
+           "cp_choices", "LONG_SEQUENCE"]
+
+LONG_SEQUENCE = 16384  # tokens per sequence from which context parallelism is searched unless asked for
 
 
 class NoLayoutFitsError(EngineError, ValueError):
@@ -52,6 +59,16 @@ def divisors(n: int) -> list[int]:
     return sorted(set(small + [n // d for d in small]))
 
 
+def cp_choices(dp: int, sequence: int | None, asked: tuple[int, ...] | None = None) -> list[int]:
+    """The context-parallel degrees of ``dp`` replicas for sequences of ``sequence`` tokens (None: the model's are
+    unknown, 1 only): the divisors of ``dp`` that divide the sequence, those ``asked`` for, else 1 and, from
+    :data:`LONG_SEQUENCE` tokens, every one."""
+    if sequence is None:
+        return [1]
+    return [c for c in divisors(dp) if sequence % c == 0
+            and (c in asked if asked is not None else c == 1 or sequence >= LONG_SEQUENCE)]
+
+
 def tp_choices(devices: int, ranks_per_node: int, heads: Iterable[int] = ()) -> list[int]:
     """The tp degrees to try: dividing the devices and the ranks of a node (a tp group shares a node's links, as
     ``smp simulate --tp`` requires) and every head count in ``heads``."""
@@ -62,8 +79,8 @@ def tp_choices(devices: int, ranks_per_node: int, heads: Iterable[int] = ()) -> 
 class SearchSpace:
     """What to search: ``devices`` and the ``global_batch`` (samples per step), with ``ranks_per_node``. Each tuple
     lists the values to try; ``tp``, ``pp``, ``dp``, ``microbatch_size``, ``sdp`` and ``ep`` None: every value that
-    divides (:func:`candidates`; sdp and ep divide dp, ep the experts). ``max_stages``: the most stages the model can
-    be cut into (its ops)."""
+    divides (:func:`candidates`; sdp and ep divide dp, ep the experts); ``cp`` None: :func:`cp_choices`'
+    default. ``max_stages``: the most stages the model can be cut into (its ops)."""
 
     devices: int
     global_batch: int
@@ -80,6 +97,7 @@ class SearchSpace:
     sdp: tuple[int, ...] | None = None
     max_stages: int | None = None
     ep: tuple[int, ...] | None = None
+    cp: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("devices", "global_batch", "ranks_per_node"):
@@ -93,25 +111,28 @@ def _allowed(values: tuple[int, ...] | None, x: int) -> bool:
 
 
 def candidates(space: SearchSpace, tp_degrees: Iterable[int], unsharded: Collection[int] = (),
-               experts: Sequence[int] = ()) -> Iterator[Layout]:
+               experts: Sequence[int] = (), sequence: int | None = None) -> Iterator[Layout]:
     """Every layout of ``space`` with a tp degree of ``tp_degrees`` (those the model can shard), in a fixed order;
     with a tp degree of ``unsharded`` (where sdp would shard nothing: :func:`partitioner.layout.sharded.unsharded_tps`)
     only sdp 1; ``experts``: of each mixture-of-experts layer (:attr:`partitioner.layout.costs.LayoutCosts.experts`;
-    none: ep 1 only)."""
+    none: ep 1 only); ``sequence``: the tokens per sequence context parallelism splits (None: cp 1 only)."""
     n, batch = space.devices, space.global_batch
     most = space.max_stages or n
     for tp in sorted(t for t in set(tp_degrees) if _allowed(space.tp, t) and n % t == 0):
         for pp in (p for p in divisors(n // tp) if _allowed(space.pp, p) and p <= most):
             dp = n // (tp * pp)
-            if not _allowed(space.dp, dp) or batch % dp:
+            if not _allowed(space.dp, dp):
                 continue
-            for size in (s for s in divisors(batch // dp) if _allowed(space.microbatch_size, s)):
-                for ep in (e for e in ep_choices(dp, experts) if _allowed(space.ep, e)):
-                    yield from _variants(space, pp, tp, dp, size, batch // dp // size, most, tp in unsharded, ep)
+            for cp in (c for c in cp_choices(dp, sequence, space.cp) if batch % (dp // c) == 0):
+                groups = dp // cp  # the replicas with a batch of their own
+                for size in (s for s in divisors(batch // groups) if _allowed(space.microbatch_size, s)):
+                    for ep in (e for e in ep_choices(dp, experts) if _allowed(space.ep, e) and (cp == 1 or e == 1)):
+                        yield from _variants(space, pp, tp, dp, size, batch // groups // size, most, tp in unsharded,
+                                             ep, cp)
 
 
 def _variants(space: SearchSpace, pp: int, tp: int, dp: int, size: int, m: int, most: int,
-              unsharded: bool = False, ep: int = 1) -> Iterator[Layout]:
+              unsharded: bool = False, ep: int = 1, cp: int = 1) -> Iterator[Layout]:
     """The schedule, checkpointing, ZeRO-1, placement and sdp variants of one grid and microbatching, those that
     differ: with one stage, 1F1B, GPipe and ZB-H1 are one schedule (with one microbatch, 1F1B and GPipe are), and
     interleaving needs stages to interleave; ZeRO-1 needs dp > 1, the
@@ -131,10 +152,10 @@ def _variants(space: SearchSpace, pp: int, tp: int, dp: int, size: int, m: int, 
                 for zero1 in (z for z in (space.zero1 if dp > 1 else (False,)) if not (z and ep > 1)):
                     for placement in placements:
                         for sdp in (s for s in divisors(dp) if _allowed(space.sdp, s)
-                                    and not ((zero1 or unsharded or ep > 1) and s > 1)):
+                                    and not ((zero1 or unsharded or ep > 1 or cp > 1) and s > 1)):
                             yield Layout(pp=pp, tp=tp, dp=dp, microbatch_size=size, microbatches=m, schedule=schedule,
                                          virtual_stages=v, checkpointing=ckpt, zero1=zero1, placement=placement,
-                                         sdp=sdp, ep=ep)
+                                         sdp=sdp, ep=ep, cp=cp)
 
 
 @dataclass
@@ -156,7 +177,7 @@ class SearchResult:
 def _order(lay: Layout) -> tuple:
     """A fixed order of layouts, for ties."""
     return (lay.pp, lay.tp, lay.dp, lay.microbatch_size, lay.schedule, lay.virtual_stages, lay.checkpointing,
-            lay.zero1, lay.placement, lay.sdp, lay.ep)
+            lay.zero1, lay.placement, lay.sdp, lay.ep, lay.cp)
 
 
 def _key(p: Proposal) -> tuple:
@@ -267,7 +288,7 @@ def _no_fit(budget: float | None, least: tuple[float, Layout] | None, closest: P
 def _sdp_that_fits(lay: Layout, tried: set[object], scorer: LayoutScorer) -> Proposal | None:
     """``lay`` with the least sharded data-parallel degree the space did not try that makes it fit, priced; None
     when none does."""
-    for d in divisors(lay.dp)[1:]:
+    for d in divisors(lay.dp)[1:] if lay.cp == 1 else []:  # the runtime refuses cp with sdp
         if ("sdp", d) not in tried:
             sharded = dataclasses.replace(lay, sdp=d, zero1=False, ep=1)  # the runtime refuses ep with sdp
             if shards_nothing(sharded, scorer.plan(sharded), scorer.costs.graph(lay.tp, lay.microbatch_size),

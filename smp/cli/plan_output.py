@@ -1,5 +1,6 @@
 """What ``smp plan`` prints: the search's summary, the table of the best layouts (an ``ep`` column for a
-mixture-of-experts model), and the best layout's step, what it is made of and its smp config."""
+mixture-of-experts model, a ``cp`` column where context parallelism is among them), and the best layout's step, what
+it is made of and its smp config."""
 from __future__ import annotations
 
 import argparse
@@ -37,20 +38,22 @@ def print_plan(ns: argparse.Namespace, spec: str, costs: Any, scorer: Any, resul
           f"({result.partitions} partitions)")
     mfu = any(p.score.mfu is not None for p in result.proposals)  # none on a measured profile: no peak (cpu)
     ep = bool(costs.experts)  # a mixture of experts: the degree its experts are split over
+    cp = any(p.layout.cp > 1 for p in result.proposals)  # long sequences: the degree they are split over
+    axes = [name for name, on in (("ep", ep), ("cp", cp)) if on]
     rows = []
     for i, p in enumerate(result.proposals, 1):
         lay, s = p.layout, p.score
         sched = f"{lay.schedule} v={lay.virtual_stages}" if lay.virtual_stages > 1 else lay.schedule
         share = f" ({100 * s.memory_bytes / device:.0f}%)" if device and usable else ""
-        rows.append([str(i), str(lay.pp), str(lay.tp), *([str(lay.ep)] if ep else []), str(lay.dp), str(lay.sdp),
+        rows.append([str(i), str(lay.pp), str(lay.tp), *(str(getattr(lay, a)) for a in axes), str(lay.dp), str(lay.sdp),
                      f"{lay.microbatches} x {lay.microbatch_size}", sched, lay.checkpointing,
                      "yes" if lay.zero1 else "no", lay.placement,
                      format_seconds(s.step_s), f"{s.samples_per_s:,.1f}",
                      "-" if s.tokens_per_s is None else f"{s.tokens_per_s:,.0f}",
                      f"{s.flops_per_s_per_device / 1e12:,.2f}", *([_percent(s.mfu)] if mfu else []),
                      format_bytes(s.memory_bytes) + share, f"{100 * s.bubble:.1f}%", format_seconds(s.exposed_comm_s)])
-    left = (7, 8, 9, 10) if ep else (6, 7, 8, 9)
-    print("\n".join(table(["#", "pp", "tp", *(["ep"] if ep else []), "dp", "sdp", "m x mb", "schedule", "ckpt", "zero1",
+    left = tuple(range(6 + len(axes), 10 + len(axes)))
+    print("\n".join(table(["#", "pp", "tp", *axes, "dp", "sdp", "m x mb", "schedule", "ckpt", "zero1",
                            "place", "step", "samples/s", "tokens/s", "TFLOP/s/dev", *(["MFU"] if mfu else []),
                            "memory/device", "bubble", "exposed comm"], rows, left=left)))
     best = result.proposals[0]
@@ -59,6 +62,8 @@ def print_plan(ns: argparse.Namespace, spec: str, costs: Any, scorer: Any, resul
     print(f"best: {lay.describe()}; {_step_terms(best, graph)}")
     if lay.ep > 1:
         print(_experts_line(lay, graph, scorer))
+    if lay.cp > 1:
+        print(_context_line(lay, graph, scorer))
     if lay.sdp > 1 and (whole := whole_line(graph, scorer.plan(lay), lay.sdp, scorer.pricing.sdp_threshold)):
         print(whole)
     if config is not None:
@@ -88,8 +93,8 @@ def _step_terms(best: Any, graph: Any) -> str:
                 f"{format_seconds(s.dp_comm_s)}")
     else:
         text = f"step {format_seconds(s.step_s)}, the pipeline's (dp 1: no gradient reduction)"
-    what = " and ".join(name for name, on in (("tp collectives", lay.tp > 1), ("expert all-to-alls", lay.ep > 1))
-                        if on)
+    what = " and ".join(name for name, on in (("tp collectives", lay.tp > 1), ("expert all-to-alls", lay.ep > 1),
+                                              ("context gathers", lay.cp > 1)) if on)
     sharding = graph.fx.sharding if graph.fx is not None else None
     sequence = " (sequence parallel)" if lay.tp > 1 and sharding is not None and sharding.sequence else ""
     return text + (f"; {what} {format_seconds(s.tp_comm_s)} per step{sequence}" if what else "")
@@ -106,3 +111,13 @@ def _experts_line(lay: Any, graph: Any, scorer: Any) -> str:
     return (f"expert parallelism: the {experts} experts of each of {len(found.layers)} mixture-of-experts layers split "
             f"over {lay.ep} of the {lay.dp} replicas, {experts // lay.ep} per rank (their weights, gradients and "
             f"optimizer state at 1/{lay.ep}); all-to-alls {link}; {average}")
+
+
+def _context_line(lay: Any, graph: Any, scorer: Any) -> str:
+    """What the best layout's context parallelism splits, where its gathers run and what a group shares."""
+    context = graph.fx.context
+    link = "between nodes" if scorer.priced_across(lay) else "within a node"
+    return (f"context parallelism: each sequence's {context.sequence} tokens split over {lay.cp} of the {lay.dp} "
+            f"replicas, {context.sequence // lay.cp} per rank (the activations of its tokens; {context.attentions} "
+            f"attentions reading the group's gathered keys and values); gathers {link}; each group of {lay.cp} runs "
+            f"one replica's share of the batch")

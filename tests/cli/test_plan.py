@@ -186,12 +186,29 @@ def test_a_mixture_of_experts_plan_searches_ep_and_writes_it_to_the_config(tmp_p
     (MOE, ["--ep", "3", "--dp", "3"], "--ep 3 does not divide the [8] experts"),
     ("zoo:gpt2", ["--ep", "2", "--sdp", "2"], "--ep 2 with --sdp 2"),
     ("zoo:gpt2", ["--ep", "2", "--zero1", "on"], "--ep 2 with --zero1 on"),
+    ("zoo:gpt2", ["--cp", "2", "--sdp", "2"], "--cp 2 with --sdp 2"),
 ])
 def test_an_ep_the_model_cannot_take_is_refused(target: str, argv: list[str], message: str, capsys,
                                                 monkeypatch) -> None:
     monkeypatch.setenv("SMP_BENCH_DIMS", SMALL_MOE)
     assert main(["plan", target, "--devices", "6", "--global-batch", "6", *H100, "-q", *argv]) in (1, 2)
     assert message in capsys.readouterr().err
+
+
+def test_a_fixed_cp_splits_the_sequences_and_writes_its_config(tmp_path: Path, capsys) -> None:
+    from smp.runtime.config import load_config
+
+    out, cfg_path = tmp_path / "plan.json", tmp_path / "smp.json"
+    assert main(["plan", "zoo:gpt2", "--devices", "4", "--global-batch", "2", *H100, "--cp", "2", "--pp", "1",
+                 "--json", str(out), "--config", str(cfg_path), "-q"]) == 0
+    printed = capsys.readouterr().out
+    rows = json.loads(out.read_text())["layouts"]
+    # a cp group of 2 runs one replica's share: dp / 2 replicas divide the global batch of 2
+    assert rows and all(r["cp"] == 2 and r["sdp"] == 1 and r["dp"] % 2 == 0 for r in rows)
+    assert " cp " in printed.splitlines()[3] and "context gathers" in printed
+    assert "context parallelism: each sequence's 32 tokens split over 2" in printed
+    cfg = json.loads(cfg_path.read_text())
+    assert cfg["context_parallel_degree"] == 2 and load_config(cfg).context_parallel_degree == 2
 
 
 def test_a_pipelines_config_carries_the_cut_that_was_priced(tmp_path: Path, capsys) -> None:

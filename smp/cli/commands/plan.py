@@ -80,6 +80,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ep", type=positive_int,
                    help="fix the expert-parallel degree of a mixture-of-experts model (a divisor of dp and of every "
                         "layer's experts; 1: none; default: try every such divisor)")
+    p.add_argument("--cp", type=positive_int,
+                   help="fix the context-parallel degree (a divisor of dp and of the sequence; 1: none; default: try "
+                        "every such divisor for sequences of 16,384 tokens or more, else 1)")
     p.add_argument("--sdp-threshold", "--sdp-param-persistence-threshold", dest="sdp_threshold", metavar="N",
                    type=positive_int,
                    help="under sdp, parameters of fewer than N elements stay whole on every replica (SMP's "
@@ -126,12 +129,15 @@ def smp_config(layout: Any, dtype: str, threshold: int | None = None) -> dict[st
         cfg["shard_optimizer_state"] = True
     if layout.ep > 1:
         cfg["expert_parallel_degree"] = layout.ep
+    if layout.cp > 1:
+        cfg["context_parallel_degree"] = layout.cp
     if layout.sdp > 1:
         cfg["sharded_data_parallel_degree"] = layout.sdp
         if threshold is not None:
             cfg["sdp_param_persistence_threshold"] = threshold
-    if layout.tp > 1 and layout.replica_batch % layout.tp:
-        cfg["prescaled_batch"] = True  # the tp group reads one batch: it does not split into tp equal parts
+    if layout.tp > 1 and layout.replica_batch % layout.tp or \
+            layout.cp > 1 and layout.replica_batch % (layout.tp * layout.cp * layout.microbatches):
+        cfg["prescaled_batch"] = True  # the tp (cp) group reads one batch: its ranks' shares would not split
     if dtype in ("bf16", "fp16"):
         cfg[dtype] = True
     return cfg
@@ -168,6 +174,10 @@ def _space(ns: argparse.Namespace, rpn: int) -> Any:
         raise CLIError(f"--ep {ns.ep} with {'--sdp ' + str(ns.sdp) if (ns.sdp or 1) > 1 else '--zero1 on'}: expert "
                        "parallelism splits the experts over replicas that hold the other parameters and their "
                        "optimizer state whole (the runtime refuses sharded data parallelism with it); drop one of them")
+    if ns.cp is not None and ns.cp > 1 and ((ns.sdp or 1) > 1 or (ns.ep or 1) > 1):
+        raise CLIError(f"--cp {ns.cp} with {'--sdp ' + str(ns.sdp) if (ns.sdp or 1) > 1 else '--ep ' + str(ns.ep)}: "
+                       "context parallelism is not combined with sharded data or expert parallelism yet (the runtime "
+                       "refuses context_parallel_degree with them); drop one of them")
     if ns.sdp is not None and ns.dp is not None and ns.dp % ns.sdp:
         raise CLIError(f"--sdp {ns.sdp} does not divide --dp {ns.dp}: the parameters are sharded over that many of "
                        "the dp replicas; choose a divisor of --dp")
@@ -177,7 +187,7 @@ def _space(ns: argparse.Namespace, rpn: int) -> Any:
         raise CLIError(f"{' x '.join(f'{f} {v}' for f, v in fixed)} = {product} does not make --devices "
                        f"{ns.devices}: pp x tp x dp must equal the devices")
     return SearchSpace(devices=ns.devices, global_batch=ns.global_batch, ranks_per_node=rpn, tp=_fixed(ns.tp),
-                       pp=_fixed(ns.pp), dp=_fixed(ns.dp), sdp=_fixed(ns.sdp), ep=_fixed(ns.ep),
+                       pp=_fixed(ns.pp), dp=_fixed(ns.dp), sdp=_fixed(ns.sdp), ep=_fixed(ns.ep), cp=_fixed(ns.cp),
                        microbatch_size=_fixed(ns.microbatch_size), schedules=schedules,
                        virtual_stages=(ns.virtual_stages,),
                        checkpointing=_names(ns.checkpointing, CHECKPOINTING, "--checkpointing"),
@@ -237,7 +247,7 @@ def _plan(ns: argparse.Namespace, target: Any, space: Any, options: Any, rpn: in
     space = dataclasses.replace(space, max_stages=sum(k != "output" for k in whole.kinds))
     progress(f"searching layouts of {ns.devices} devices")
     scorer = LayoutScorer(costs, pricing, pipeline_simulator)
-    result = search(candidates(space, costs.tp_degrees, unsharded, costs.experts), scorer, ns.top,
+    result = search(candidates(space, costs.tp_degrees, unsharded, costs.experts, costs.sequence), scorer, ns.top,
                     exhaustive=ns.exhaustive)
     elapsed = time.perf_counter() - start
     best = result.proposals[0]

@@ -12,8 +12,8 @@ import torch
 from partitioner.cost.precision import param_memory_parts
 from partitioner.cut.options import PartitionOptions
 from partitioner.layout.costs import layout_costs
-from partitioner.layout.experts import ep_choices, ep_link, expert_params
-from partitioner.layout.layout import Layout
+from partitioner.layout.experts import ep_choices, expert_params
+from partitioner.layout.layout import Layout, group_link
 from partitioner.layout.score import LayoutScorer, Pricing
 from partitioner.layout.search import SearchSpace, candidates, search
 from pipeline.stage_simulation import pipeline_simulator
@@ -71,8 +71,8 @@ def test_all_to_alls_cost_time_that_grows_with_the_tokens_and_across_nodes(costs
     assert costs.costs(1, 3, 2, inter).tp_forward_s.sum() > comm[3]
     # A group of ep replicas spans nodes when they are more ranks apart than a node has.
     wide = Layout(pp=4, tp=1, dp=4, microbatch_size=2, microbatches=4, ep=4)
-    assert ep_link(wide, scorer.rates, inter, 8) is inter
-    assert ep_link(dataclasses.replace(wide, placement="PDT"), scorer.rates, inter, 8) is None
+    assert group_link(wide, scorer.rates, inter, 8) is inter
+    assert group_link(dataclasses.replace(wide, placement="PDT"), scorer.rates, inter, 8) is None
     s = scorer.score(Layout(pp=1, tp=1, dp=4, microbatch_size=2, microbatches=2, ep=2))
     assert s.tp_comm_s == pytest.approx(2 * (costs.costs(1, 2, 2).tp_forward_s.sum()
                                              + costs.costs(1, 2, 2).tp_backward_s.sum()))

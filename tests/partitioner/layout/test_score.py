@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 from partitioner.cut.options import PartitionOptions
 from partitioner.layout.costs import layout_costs
@@ -208,3 +209,21 @@ def test_plans_keep_the_headroom_free_and_are_cut_for_it(costs) -> None:
     assert DEFAULT.cut_budget(80e9) == 80e9  # the partitioner's own 10% line is the plans' limit
     assert Headroom(fraction=0.28).cut_budget(80e9) == pytest.approx(64e9)  # its line at 80e9 x 0.72
     assert Headroom(nbytes=1e9).cut_budget(80e9) == 80e9  # less than 10%: the budget itself
+
+
+def test_a_context_parallel_rank_holds_the_activations_of_its_tokens_and_pays_the_gathers() -> None:
+    from tests.smp.test_context_parallel import causal_lm
+
+    ids = torch.randint(0, 128, (1, 64), generator=torch.Generator().manual_seed(0))
+    costs = layout_costs(causal_lm("llama"), (ids,), {"labels": ids}, sizes=[1, 2], tp_degrees=[1, 2],
+                         rates=OPTIONS.resolve_rates(), dtype="bf16")
+    assert costs.sequence == 64
+    scorer = LayoutScorer(costs, Pricing(OPTIONS, 8), pipeline_simulator)
+    one = Layout(pp=1, tp=1, dp=4, microbatch_size=1, microbatches=2)
+    whole, split = (scorer.score(dataclasses.replace(one, cp=cp)) for cp in (1, 4))
+    assert split.activation_bytes < 0.5 * whole.activation_bytes  # a quarter of the tokens, keys and values whole
+    assert split.parameter_bytes == whole.parameter_bytes  # the weights whole on every rank
+    assert whole.tp_comm_s == 0 < split.tp_comm_s  # the gathers of keys and values
+    assert split.samples_per_s == pytest.approx(2 / split.step_s)  # one cp group of 4: its 2 samples per step
+    graph = scorer.priced(dataclasses.replace(one, tp=2, cp=2))[0]
+    assert graph.fx.context.cp == 2 and not graph.fx.sharding.sequence  # tp without sequence parallelism under cp

@@ -11,7 +11,15 @@ from partitioner.layout.costs import layout_costs
 from partitioner.layout.headroom import DEFAULT, Headroom
 from partitioner.layout.layout import SCHEDULES
 from partitioner.layout.score import LayoutScorer, Pricing
-from partitioner.layout.search import NoLayoutFitsError, SearchSpace, candidates, divisors, search, tp_choices
+from partitioner.layout.search import (
+    NoLayoutFitsError,
+    SearchSpace,
+    candidates,
+    cp_choices,
+    divisors,
+    search,
+    tp_choices,
+)
 from partitioner.layout.sharded import shards_nothing
 from pipeline.stage_simulation import pipeline_simulator
 from smp import zoo
@@ -161,3 +169,17 @@ def test_a_sharded_degree_that_shards_nothing_is_not_proposed(costs) -> None:
     result = search(candidates(space, [1]), scorer(costs), top=3)  # the search drops them itself
     assert [p.layout.sdp for p in result.proposals] == [1] and result.unsharded == 2
     assert unsharded_tps(costs, 1000) == {}  # a threshold of 1,000 shards the layers
+
+
+def test_context_parallelism_is_searched_for_long_sequences_or_when_asked(costs) -> None:
+    assert cp_choices(8, 32768) == [1, 2, 4, 8] and cp_choices(8, 2048) == [1] and cp_choices(8, None) == [1]
+    assert cp_choices(8, 2048, (2, 4)) == [2, 4] and cp_choices(6, 20000) == [1, 2]  # 3 and 6 do not divide it
+    space = dataclasses.replace(SPACE, cp=(1, 2))
+    assert {lay.cp for lay in candidates(SPACE, [1, 2], sequence=costs.sequence)} == {1}  # zoo gpt2: 32 tokens
+    layouts = list(candidates(space, [1, 2], sequence=costs.sequence))
+    split = [lay for lay in layouts if lay.cp > 1]
+    assert split and all(lay.global_batch == SPACE.global_batch for lay in layouts)
+    # a cp group runs one replica's share of the batch: dp / cp replicas divide it; never with sdp
+    assert all(lay.replica_batch == SPACE.global_batch * lay.cp // lay.dp and lay.sdp == 1 for lay in split)
+    with pytest.raises(ValueError, match="cp=2 must divide dp=4, with sdp and ep 1"):
+        dataclasses.replace(split[0], dp=4, sdp=2)
