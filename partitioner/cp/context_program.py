@@ -14,10 +14,11 @@ uses (:class:`partitioner.tp.token_walk.TokenWalk`): the ids an embedding looks 
 (:func:`partitioner.cp.comm.cp_scatter`, the load-balanced chunks of :meth:`CPComm.positions`), and the slice is
 followed through every op that works token by token. What every rank computes whole from no tokens (positions,
 rotary angles, masks, the labels and their shift) stays whole and is cut alike where it meets the slice, so
-positions stay global. ``scaled_dot_product_attention`` reads the keys and values gathered (:func:`cp_gather`),
-its mask's rows of this rank's queries, and ``is_causal`` becomes the global-position mask of those rows
-(:func:`cp_causal_mask`); ``aten.cross_entropy_loss`` becomes :func:`cp_cross_entropy`, the group's sum over the
-group's count of targets. An op that mixes positions otherwise gets the whole sequence gathered first (correct,
+positions stay global. ``scaled_dot_product_attention`` reads the keys and values gathered (:func:`cp_gather`;
+before grouped-query attention repeats their heads, so the key-value heads travel, not their copies) and its mask's
+rows of this rank's queries (:mod:`partitioner.cp.mask_rows`); ``is_causal`` becomes the global-position mask of
+those rows (:func:`cp_causal_mask`); ``aten.cross_entropy_loss`` becomes :func:`cp_cross_entropy`, the group's sum
+over the group's count of targets. An op that mixes positions otherwise gets the whole sequence gathered first (correct,
 not cheaper; :attr:`ContextSharding.notes` names each), and so do the graph's outputs. Parameters stay whole on every
 rank; their gradients are this rank's share, averaged over the data-parallel ranks as a replica's.
 """
@@ -55,6 +56,7 @@ __all__ = ["ContextSharding", "context_parallel_graph", "cp_degree", "CP_COMM_AT
 CP_COMM_ATTR = "cp_comm"  # the attribute of a context-parallel program (and of its stage modules) holding its CPComm
 _SDPA = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
 _CROSS_ENTROPY = ("self", "target", "weight", "reduction", "ignore_index", "label_smoothing")
+_REPEAT = {"unsqueeze", "expand", "reshape", "view", "_unsafe_view"}  # how keys and values get their heads repeated
 _PER_TOKEN = (copy_to, reduce_from, tp_dropout)  # tensor parallelism's ops that act on each token alone
 _ALONG = (gather_from, scatter_to)  # ... and along another dimension of each token
 
@@ -149,7 +151,7 @@ class _ContextWalk(TokenWalk):
         if not self.at_rows(q, rows) or any(x.name in self.tokens and not self.at_rows(x, value_of(x).dim() - 2)
                                             for x in (k, v)):
             return False
-        k, v = (self.gathered(x) if x.name in self.tokens else x for x in (k, v))
+        k, v = (self.gathered_early(x, node) if x.name in self.tokens else x for x in (k, v))
         if isinstance(mask, torch.fx.Node):
             if mask.name in self.tokens:
                 return False
@@ -165,6 +167,24 @@ class _ContextWalk(TokenWalk):
         self.attentions += 1
         self.slice(node, (value_of(node).dim() - 2, 1, 1))
         return True
+
+    def gathered_early(self, x: torch.fx.Node, node: torch.fx.Node) -> torch.fx.Node:
+        """The whole sequence of keys or values ``x`` that ``node`` reads, gathered before the views and expands that
+        made ``x`` from fewer heads (grouped-query attention's ``repeat_kv``) and those replayed on the whole: the
+        gather moves the key-value heads, not their copies."""
+        chain = []
+        while (x.op == "call_function" and op_name(x) in _REPEAT and len(x.users) == 1
+               and isinstance(src := node_args(x)[0], torch.fx.Node) and src.name in self.tokens):
+            chain.append(x)
+            x = src
+        out = self.gathered(x)
+        for op in reversed(chain):  # each as traced, on the whole sequence
+            args = (out, list(self.whole[op.name].shape)) if op_name(op) != "unsqueeze" else (out, node_args(op)[1])
+            with self.g.inserting_before(node):
+                out = self.g.create_node("call_function", op.target, args, dict(op.kwargs), name=f"{op.name}_cp_whole")
+            out.meta = {k: v for k, v in op.meta.items() if k in ("nn_module_stack", "stack_trace")}
+            out.meta["val"] = self.whole[op.name]
+        return out
 
     def attention_matmul(self, node: torch.fx.Node) -> bool:
         """Attention spelt out (``eager``): this rank's rows (queries, or their weights) times the group's keys or

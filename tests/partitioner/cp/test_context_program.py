@@ -61,6 +61,8 @@ def test_llama_runs_on_half_the_tokens_with_gathered_keys_and_values():
     assert (ctx.cp, ctx.sequence, ctx.attentions, ctx.notes) == (2, 16, 2, ())
     nodes = list(half.fx.module.graph.nodes)
     assert sum(n.target is cp_gather for n in nodes) == 2 * 2 + 1  # keys and values of each layer, the logits
+    # gathered with their 2 key-value heads, repeated to the 4 query heads after (grouped-query attention)
+    assert sorted(tuple(n.meta["val"].shape) for n in nodes if n.target is cp_gather)[:4] == [(2, 2, 16, 8)] * 4
     assert sum(n.target is cp_cross_entropy for n in nodes) == 1
     # every per-token activation is half the sequence; the ops and their FLOPs halve with it but attention's
     assert [tuple(n.meta["val"].shape) for n in nodes if n.name == "embedding"] == [(2, 8, 32)]
