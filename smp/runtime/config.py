@@ -174,7 +174,7 @@ _NO_EFFECT = {
 }
 _SMP_V1_FLAGS = ("fp16", "bf16", "delayed_parameter_initialization", "prescaled_batch", "checkpoint_attentions",
               "skip_tracing", "static_mode", "fast_mode", "fp16_params", "_fp32_grad_accumulation", "_match_weights",
-              "overlapping_allreduce")
+              "overlapping_allreduce", "shard_optimizer_state", "offload_activations")
 
 
 def _check(cond: bool, key: str, value: Any, allowed: str) -> None:
@@ -292,8 +292,6 @@ def _validate(c: Config) -> None:
            "memory_weight", c.memory_weight, "a number in [0, 1]")
     _check(c.active_microbatches is None or (_is_int(c.active_microbatches) and c.active_microbatches >= 1),
            "active_microbatches", c.active_microbatches, "a positive integer")
-    _check(isinstance(c.shard_optimizer_state, bool), "shard_optimizer_state", c.shard_optimizer_state, "True or False")
-    _check(isinstance(c.offload_activations, bool), "offload_activations", c.offload_activations, "True or False")
     _check(c.sequence_parallel is None or isinstance(c.sequence_parallel, bool), "sequence_parallel",
            c.sequence_parallel, "True, False or None (on where it applies)")
     _check(isinstance(c.timeout_s, (int, float)) and not isinstance(c.timeout_s, bool) and 0 < c.timeout_s < 1e9,
@@ -308,9 +306,10 @@ def _validate(c: Config) -> None:
         _check(_is_int(degree) and degree >= 1, key, degree, "a positive integer")
         _check(degree == 1 or c.ddp is True, key, degree,
                f"a degree above 1 {what}; add \"ddp\": True to the smp config")
-    _check(c.expert_parallel_degree == 1 or c.sharded_data_parallel_degree == 1,
-           "expert_parallel_degree", c.expert_parallel_degree, "1 with sharded_data_parallel_degree above 1 (experts "
-           "are split over replicas that hold their parameters whole, for now)")
+    _check(c.expert_parallel_degree == 1 or (c.sharded_data_parallel_degree == 1 and not c.shard_optimizer_state),
+           "expert_parallel_degree", c.expert_parallel_degree, "1 with sharded_data_parallel_degree above 1 or "
+           "shard_optimizer_state (experts are split over replicas that hold their parameters and optimizer state "
+           "whole, for now)")
     cp = c.context_parallel_degree
     _check(cp == 1 or (c.sharded_data_parallel_degree == 1 and c.expert_parallel_degree == 1),
            "context_parallel_degree", cp,

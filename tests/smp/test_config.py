@@ -87,6 +87,7 @@ def test_smp_gpt2_example_config_loads():
     ({**BASE, "ddp": True, "expert_parallel_degree": 0}, "'expert_parallel_degree'=0 is not valid: a positive"),
     ({**BASE, "ddp": True, "expert_parallel_degree": 2, "sharded_data_parallel_degree": 2},
      "1 with sharded_data_parallel_degree above 1"),
+    ({**BASE, "ddp": True, "expert_parallel_degree": 2, "shard_optimizer_state": True}, "or shard_optimizer_state"),
     ({**BASE, "context_parallel_degree": 2}, "splits each sequence over data-parallel ranks and needs 'ddp': True"),
     ({**BASE, "ddp": True, "context_parallel_degree": 1.5}, "'context_parallel_degree'=1.5 is not valid: a positive"),
     ({**BASE, "ddp": True, "context_parallel_degree": 2, "expert_parallel_degree": 2},
