@@ -18,7 +18,7 @@ import torch.fx
 import torch.utils._pytree as pytree
 
 __all__ = ["TracedProgram", "flatten_inputs", "tensor_aliases", "set_device", "graph_modules", "copy_graph",
-           "rewritten_module", "DEVICE_ARGS"]
+           "rewritten_module", "keep_plain_constants", "DEVICE_ARGS"]
 
 DEVICE_ARGS = "smp_device_args"  # node.meta key: the args/kwargs of a node that hold the traced device
 
@@ -116,9 +116,7 @@ def _signature(spec: pytree.TreeSpec) -> tuple[int | None, list[str]]:
 def rewritten_module(source: torch.fx.GraphModule, graph: torch.fx.Graph,
                      attrs: dict[str, Any]) -> torch.fx.GraphModule:
     """A module running ``graph`` (a rewrite of ``source``'s) over ``source``'s tensors, with the attributes ``attrs``
-    (an axis's communication handle, bodies of fused regions) it reads too. ``GraphModule`` registers every tensor
-    it copies as a buffer; constants the export lifted (plain tensor attributes of ``source``, not the model's)
-    stay plain attributes, as in the traced program, so that no plan takes them for the model's buffers."""
+    (an axis's communication handle, bodies of fused regions) it reads too (:func:`keep_plain_constants`)."""
     for name, value in attrs.items():
         setattr(source, name, value)
     try:
@@ -126,6 +124,14 @@ def rewritten_module(source: torch.fx.GraphModule, graph: torch.fx.Graph,
     finally:
         for name in attrs:
             delattr(source, name)
+    keep_plain_constants(module, source)
+    return module
+
+
+def keep_plain_constants(module: torch.nn.Module, source: torch.nn.Module) -> None:
+    """``GraphModule`` registers every tensor it copies as a buffer; constants the export lifted (plain tensor
+    attributes of ``source``, not the model's) stay plain attributes of ``module``, as in the traced program, so that
+    no plan takes them for the model's buffers."""
     buffers = {name for name, _ in source.named_buffers(remove_duplicate=False)}
     for name, _ in list(module.named_buffers(remove_duplicate=False)):
         if name not in buffers:
@@ -134,4 +140,3 @@ def rewritten_module(source: torch.fx.GraphModule, graph: torch.fx.Graph,
             value = getattr(holder, leaf)
             delattr(holder, leaf)
             setattr(holder, leaf, value)
-    return module

@@ -28,7 +28,7 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 from ..capture.build import build_graph
 from ..capture.flops import op_name
 from ..capture.graph import OpGraph
-from ..capture.program import copy_graph, tensor_aliases
+from ..capture.program import copy_graph, keep_plain_constants, tensor_aliases
 from .collectives import (
     FOLDED,
     TPComm,
@@ -257,19 +257,6 @@ def _dropout_p(node: torch.fx.Node) -> float:
     return float(p)
 
 
-def _keep_plain_constants(module: torch.nn.Module, source: torch.nn.Module) -> None:
-    """``GraphModule`` registers every tensor it copies as a buffer; constants the export lifted (plain tensor
-    attributes of ``source``, not the model's) stay plain attributes, as they are in the traced program."""
-    buffers = {name for name, _ in source.named_buffers(remove_duplicate=False)}
-    for name, _ in list(module.named_buffers(remove_duplicate=False)):
-        if name not in buffers:
-            owner, _, leaf = name.rpartition(".")
-            holder = module.get_submodule(owner)
-            value = getattr(holder, leaf)
-            delattr(holder, leaf)
-            setattr(holder, leaf, value)
-
-
 def shard_graph(graph: OpGraph, sharding: Sharding, rank: int, sequence: bool = False,
                 defer_weights: bool = True) -> OpGraph:
     """The op graph of tp rank ``rank`` (see the module docstring), over a new module that holds this rank's
@@ -303,7 +290,7 @@ def shard_graph(graph: OpGraph, sharding: Sharding, rank: int, sequence: bool = 
         module = _LazyGraphModule(prog.module, fx_graph)
     finally:
         delattr(prog.module, COMM_ATTR)
-    _keep_plain_constants(module, prog.module)
+    keep_plain_constants(module, prog.module)
     made: dict[str, torch.nn.Parameter] = {}
     canonical = tensor_aliases(prog.module)
     shards = {canonical[t]: s for t, s in sharding.params.items()}
