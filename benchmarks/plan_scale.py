@@ -40,7 +40,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import llama_on_meta, load_average  # noqa: E402
+from benchmarks.common import LossOnly, llama_on_meta, load_average  # noqa: E402
 from partitioner.units import format_bytes  # noqa: E402
 
 __all__ = ["LLAMA3", "SC21", "MOE", "MOE_SEQ", "llama3", "llama3_8b", "llama3_70b", "llama3_405b", "llama3_8b_128k",
@@ -92,9 +92,11 @@ def llama3_405b() -> tuple:
 
 
 def llama3_8b_128k() -> tuple:
-    """The ``smp plan`` factory of the 8B shape on one sequence of 131,072 tokens (Llama 3.1's context): long enough
-    that the search splits it over ranks (context parallelism)."""
-    return llama3("8b", 131072)
+    """The ``smp plan`` factory of the 8B shape on one sequence of 131,072 tokens (Llama 3.1's context), long enough
+    that the search splits it over ranks (context parallelism), its loss computed in the model and the only output
+    (a context-parallel run would gather any output whole: the logits of 131,072 tokens are 34 GB in bf16)."""
+    model, (ids,) = llama3("8b", 131072)
+    return LossOnly(model), (ids, ids)
 
 
 def sc21_gpt() -> tuple:
