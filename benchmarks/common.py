@@ -1,12 +1,17 @@
 """Helpers shared by the multi-process benchmarks."""
 from __future__ import annotations
 
+import contextlib
+import io
+import json
 import os
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["load_average", "pin", "llama_on_meta", "LossOnly"]
+__all__ = ["load_average", "pin", "llama_on_meta", "LossOnly", "inspect_memory"]
 
 
 class LossOnly(torch.nn.Module):
@@ -55,3 +60,24 @@ def load_average() -> str:
         return "load average " + " ".join(f"{v:.2f}" for v in os.getloadavg()) + f" on {os.cpu_count()} cores"
     except OSError:
         return "load average unavailable"
+
+
+def inspect_memory(factory: str, options: list[str], dims: dict[str, int]) -> dict[str, Any]:
+    """The one stage's ``memory`` record of ``smp inspect FACTORY --partitions 1 OPTIONS --estimate --json`` (its
+    Python entry, :func:`smp.cli.entry.main`), with ``dims`` in ``SMP_BENCH_DIMS`` (JSON) for the factory."""
+    from smp.cli.entry import main as smp
+
+    saved = os.environ.get("SMP_BENCH_DIMS")
+    os.environ["SMP_BENCH_DIMS"] = json.dumps(dims)
+    try:
+        with tempfile.TemporaryDirectory() as tmp, contextlib.redirect_stdout(io.StringIO()):
+            out = Path(tmp) / "plan.json"
+            argv = ["inspect", factory, "--partitions", "1", *options, "--estimate", "--json", str(out), "-q"]
+            if smp(argv):
+                raise RuntimeError(f"smp {' '.join(argv)} failed")
+            return dict(json.loads(out.read_text())["memory"][0])
+    finally:
+        if saved is None:
+            os.environ.pop("SMP_BENCH_DIMS")
+        else:
+            os.environ["SMP_BENCH_DIMS"] = saved

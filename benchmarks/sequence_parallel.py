@@ -35,12 +35,9 @@ depend on it).
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import json
 import os
 import sys
-import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -50,7 +47,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import LossOnly, load_average  # noqa: E402
+from benchmarks.common import LossOnly, inspect_memory, load_average  # noqa: E402
 from benchmarks.tensor_parallel import peak_allocated, quiet_stderr, state_tensors, storage_bytes  # noqa: E402
 from smp.testing import run_ranks  # noqa: E402
 
@@ -156,24 +153,8 @@ def measure(name: str, dims: dict[str, int]) -> list[dict[bool, dict[str, Any]]]
 
 def predict(name: str, dims: dict[str, int], sp: bool) -> int:
     """Activation bytes per rank that ``smp inspect --tp 2`` (``--sequence-parallel``) predicts for the model."""
-    from smp.cli.entry import main as smp
-
-    saved = os.environ.get("SMP_BENCH_DIMS")
-    os.environ["SMP_BENCH_DIMS"] = json.dumps(dims)
-    try:
-        with tempfile.TemporaryDirectory() as tmp, contextlib.redirect_stdout(io.StringIO()):
-            out = Path(tmp) / "plan.json"
-            argv = ["inspect", f"{Path(__file__).resolve()}:{name}", "--partitions", "1", "--tp", "2",
-                    *(["--sequence-parallel"] if sp else []), "--estimate", "--json", str(out), "-q"]
-            if smp(argv):
-                raise RuntimeError(f"smp {' '.join(argv)} failed")
-            memory = json.loads(out.read_text())["memory"][0]
-    finally:
-        if saved is None:
-            os.environ.pop("SMP_BENCH_DIMS")
-        else:
-            os.environ["SMP_BENCH_DIMS"] = saved
-    return int(memory["activation_bytes"])
+    options = ["--tp", "2", *(["--sequence-parallel"] if sp else [])]
+    return int(inspect_memory(f"{Path(__file__).resolve()}:{name}", options, dims)["activation_bytes"])
 
 
 def main(argv: list[str] | None = None) -> dict[str, dict[bool, dict[str, float]]]:
