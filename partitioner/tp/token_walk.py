@@ -24,6 +24,7 @@ import torch.fx
 
 from ..capture.flops import op_name
 from .collectives import Tokens, vocab_embedding
+from .rank_values import laid_out, storage_of, view_value
 from .shard_rules import ELEMENTWISE, VIEWS, node_args, node_inputs, value_of
 
 __all__ = ["TokenWalk", "token_layout", "view_tokens", "sequence_ids", "fake_like"]
@@ -105,6 +106,8 @@ class TokenWalk:
         self.whole: dict[str, Any] = {}           # node -> its whole value (meta['val'] before the slice)
         self.made: dict[tuple[str, Any], torch.fx.Node] = {}  # (value, how) -> the node that made it so
         self.notes: list[str] = []
+        # the storage of each traced value, read before any is sliced: which values are views of which
+        self.storage = {n.name: storage_of(n.meta.get("val")) for n in graph.nodes}
 
     # What an axis says ------------------------------------------------------------------------------------------
     def start(self, node: torch.fx.Node) -> bool:
@@ -140,16 +143,25 @@ class TokenWalk:
         return made
 
     def slice(self, node: torch.fx.Node, tokens: Tokens) -> None:
-        """Record that ``node`` now holds this rank's slice of the sequence (each of its tensors, for a split)."""
+        """Record that ``node`` now holds this rank's slice of the sequence (each of its tensors, for a split): where
+        the traced value is a view of an input's, that view of the input's slice (its storage, which autograd keeps
+        once however many ops save views of it), else a new value laid out as the traced one
+        (:mod:`partitioner.tp.rank_values`)."""
         val = value_of(node)
         self.whole[node.name], self.tokens[node.name] = val, tokens
 
-        def local(v: torch.Tensor) -> torch.Tensor:
+        def shape_of(v: torch.Tensor) -> list[int]:
             shape = list(v.shape)
             shape[tokens[0]] //= self.degree
-            return fake_like(v, shape)
+            return shape
 
-        node.meta["val"] = [local(v) for v in val] if isinstance(val, (list, tuple)) else local(val)
+        if isinstance(val, (list, tuple)):
+            node.meta["val"] = [laid_out(v, shape_of(v)) for v in val]
+            return
+        base = self.storage.get(node.name)
+        source = next((n for n in node.all_input_nodes if base is not None and self.storage.get(n.name) == base), None)
+        view = view_value(node, source, shape_of(val)) if source is not None else None
+        node.meta["val"] = view if view is not None else laid_out(val, shape_of(val))
 
     def sliced_shape(self, n: torch.fx.Node, tokens: Tokens) -> list[int]:
         """The shape of this rank's slice of the whole value ``n`` along ``tokens``."""
