@@ -10,11 +10,17 @@ data-parallel average of the layout planner (:mod:`partitioner.layout.score`).
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Iterator, Sequence
+from typing import Any
 
+import numpy as np
+
+from ..capture.flops import float_bytes, tensor_bytes
+from ..capture.graph import OpGraph
 from .devices import DeviceRates
+from .precision import at_precision
 
-__all__ = ["all_reduce_s", "all_gather_s", "gradient_all_reduce_s", "after_pipeline_s"]
+__all__ = ["all_reduce_s", "all_gather_s", "gradient_all_reduce_s", "after_pipeline_s", "calls_of", "bytes_at"]
 
 
 def all_reduce_s(nbytes: float, tp: int, rates: DeviceRates) -> float:
@@ -53,3 +59,21 @@ def after_pipeline_s(rank_end_s: Sequence[float], after_s: Sequence[float]) -> f
     if not rank_end_s or not any(x > 0 for x in after_s):
         return 0.0
     return max(0.0, max(end + x for end, x in zip(rank_end_s, after_s)) - max(rank_end_s))
+
+
+def calls_of(graph: OpGraph, targets: Collection[Any], needs_grad: np.ndarray | None = None
+             ) -> Iterator[tuple[int, Any, bool]]:
+    """The calls of ``targets`` (an axis's collective ops) in ``graph``'s program: (op index, fx node, whether the op's
+    backward runs; ``needs_grad`` None: every one's does)."""
+    prog = graph.fx
+    if prog is None:
+        return
+    for node in prog.module.graph.nodes:
+        if node.op == "call_function" and node.target in targets and node.name in prog.op_of:
+            op = prog.op_of[node.name]
+            yield op, node, needs_grad is None or bool(needs_grad[op])
+
+
+def bytes_at(value: Any, dtype: str) -> float:
+    """Bytes of a traced ``value`` at the training precision ``dtype`` (:mod:`partitioner.cost.precision`)."""
+    return float(at_precision(np.array([tensor_bytes(value)]), np.array([float_bytes(value)]), dtype)[0])

@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..capture.flops import float_bytes, tensor_bytes
 from ..capture.graph import OpGraph
-from ..cost.collectives import all_gather_s, all_reduce_s
+from ..cost.collectives import all_gather_s, all_reduce_s, bytes_at, calls_of
 from ..cost.devices import DeviceRates
-from ..cost.precision import at_precision
 from .comm import cp_cross_entropy, cp_gather, cp_group_loss
 
 __all__ = ["context_seconds"]
@@ -24,21 +22,15 @@ def context_seconds(graph: OpGraph, rates: DeviceRates, dtype: str = "fp32",
                     needs_grad: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Per op, the forward and the backward seconds of its context-parallel collectives (zeros for other ops)."""
     fwd, bwd = np.zeros(graph.num_nodes), np.zeros(graph.num_nodes)
-    prog = graph.fx
-    if prog is None or prog.cp_comm is None:
+    if graph.fx is None or graph.fx.cp_comm is None:
         return fwd, bwd
-    cp = prog.cp_comm.size
-    for node in prog.module.graph.nodes:
-        if node.op != "call_function" or node.name not in prog.op_of:
-            continue
-        op = prog.op_of[node.name]
-        grad = needs_grad is None or bool(needs_grad[op])
-        if node.target is cp_gather:
-            whole = node.meta.get("val")
-            nbytes = float(at_precision(np.array([tensor_bytes(whole)]), np.array([float_bytes(whole)]), dtype)[0])
-            fwd[op] += all_gather_s(nbytes, cp, rates)
-            bwd[op] += all_gather_s(nbytes, cp, rates) if grad else 0.0
-        elif node.target is cp_cross_entropy or node.target is cp_group_loss:
-            fwd[op] += 2 * all_reduce_s(4.0, cp, rates)
-            bwd[op] += all_reduce_s(4.0, cp, rates) if grad else 0.0
+    cp = graph.fx.cp_comm.size
+    for op, node, grad in calls_of(graph, {cp_gather, cp_cross_entropy, cp_group_loss}, needs_grad):
+        if node.target is cp_gather:  # the whole value's bytes, gathered forward and reduce-scattered backward
+            one = all_gather_s(bytes_at(node.meta.get("val"), dtype), cp, rates)
+        else:  # the loss: two scalars all-reduced forward, the sum's gradient backward
+            one = all_reduce_s(4.0, cp, rates)
+            fwd[op] += one
+        fwd[op] += one
+        bwd[op] += one if grad else 0.0
     return fwd, bwd

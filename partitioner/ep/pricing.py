@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..capture.flops import float_bytes, tensor_bytes
 from ..capture.graph import OpGraph
-from ..cost.collectives import all_gather_s
+from ..cost.collectives import all_gather_s, bytes_at, calls_of
 from ..cost.devices import DeviceRates
-from ..cost.precision import at_precision
 from .dispatch import expert_parallel
 
 __all__ = ["all_to_all_seconds"]
@@ -25,17 +23,11 @@ def all_to_all_seconds(graph: OpGraph, rates: DeviceRates, dtype: str = "fp32",
                        needs_grad: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Per op, the forward and the backward seconds of its expert all-to-alls (zeros for other ops)."""
     fwd, bwd = np.zeros(graph.num_nodes), np.zeros(graph.num_nodes)
-    prog = graph.fx
-    if prog is None or prog.ep_comm is None:
+    if graph.fx is None or graph.fx.ep_comm is None:
         return fwd, bwd
-    ep = prog.ep_comm.size
-    for node in prog.module.graph.nodes:
-        if node.op != "call_function" or node.target is not expert_parallel or node.name not in prog.op_of:
-            continue
-        op, rows = prog.op_of[node.name], node.args[2].meta.get("val")
-        nbytes = float(at_precision(np.array([tensor_bytes(rows)]), np.array([float_bytes(rows)]), dtype)[0])
-        one = all_gather_s(nbytes, ep, rates)
+    ep = graph.fx.ep_comm.size
+    for op, node, grad in calls_of(graph, {expert_parallel}, needs_grad):
+        one = all_gather_s(bytes_at(node.args[2].meta.get("val"), dtype), ep, rates)
         fwd[op] += 2 * one + all_gather_s(8.0 * ep, ep, rates)
-        if needs_grad is None or bool(needs_grad[op]):
-            bwd[op] += 2 * one
+        bwd[op] += 2 * one if grad else 0.0
     return fwd, bwd

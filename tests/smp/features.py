@@ -186,3 +186,31 @@ def shifted(net: nn.Module) -> nn.Module:
         for p in net.parameters():
             p.add_(1.0)
     return net
+
+
+def with_reference(config: dict, net: nn.Module) -> tuple:
+    """``smp.init(config)``, then ``net`` as an ``smp.DistributedModel`` with an AdamW (lr 1e-2) and an untouched copy
+    of it with its own: (model, optimizer, reference, reference optimizer), to train side by side."""
+    import smp
+
+    smp.init(config)
+    reference = copy.deepcopy(net)
+    model = smp.DistributedModel(net)
+    opt = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    return model, opt, reference, torch.optim.AdamW(reference.parameters(), lr=1e-2)
+
+
+def refusal(fn, *args) -> str:
+    """The message ``fn(*args)`` raises, or "" when it does not raise (the message is what a test reads)."""
+    try:
+        fn(*args)
+    except Exception as exc:  # noqa: BLE001 - any refusal: its message is the result
+        return str(exc)
+    return ""
+
+
+def advance(*optimizers) -> None:
+    """One step of each optimizer, then its gradients zeroed (a model and its reference, side by side)."""
+    for opt in optimizers:
+        opt.step()
+        opt.zero_grad()

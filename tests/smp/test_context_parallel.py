@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from smp.testing import run_ranks
-from tests.smp.features import lm_run, shifted
+from tests.smp.features import advance, lm_run, refusal, shifted, with_reference
 
 CP2 = {"pipeline_parallel_degree": 1, "ddp": True, "microbatches": 2, "context_parallel_degree": 2}
 
@@ -41,12 +41,7 @@ def _batch(step: int, seq: int, rows: int = 4) -> torch.Tensor:
 def _train(rank: int, world: int, config: dict, kind: str, seq: int, steps: int) -> dict:
     import smp
 
-    smp.init(config)
-    net = causal_lm(kind)
-    reference = copy.deepcopy(net)
-    model = smp.DistributedModel(net)
-    opt = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    model, opt, reference, ref_opt = with_reference(config, causal_lm(kind))
 
     @smp.step
     def train_step(model, ids, labels):
@@ -74,10 +69,7 @@ def _train(rank: int, world: int, config: dict, kind: str, seq: int, steps: int)
             off = float((p.grad - _mine(model, name, reference.get_parameter(name).grad)).abs().max())
             if off > worst["grad"]:
                 worst["grad"], worst["grad_of"] = off, name
-        opt.step()
-        opt.zero_grad()
-        ref_opt.step()
-        ref_opt.zero_grad()
+        advance(opt, ref_opt)
     for name, p in model.local_named_parameters():
         worst["param"] = max(worst["param"], float((p.detach() - _mine(model, name, reference.get_parameter(name))
                                                     ).abs().max()))
@@ -152,11 +144,7 @@ def _checkpoints(rank: int, world: int) -> dict:
         # a copy each: torch's optimizer loads state tensors without copying them, and its steps update them
         model, step, _ = run({**CP2, "context_parallel_degree": cp}, range(1, 2), copy.deepcopy(saved))
         out[f"cp{cp}"] = max(float((model.state_dict()[k] - v).abs().max()) for k, v in straight.items())
-    try:
-        step(model, _batch(0, 24).chunk(2)[smp.dp_rank()])
-        out["refused"] = ""
-    except Exception as exc:  # noqa: BLE001 - the message is what the test reads
-        out["refused"] = str(exc)
+    out["refused"] = refusal(step, model, _batch(0, 24).chunk(2)[smp.dp_rank()])
     return out
 
 

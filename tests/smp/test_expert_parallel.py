@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from smp.testing import run_ranks
-from tests.smp.features import lm_run, shifted
+from tests.smp.features import advance, lm_run, refusal, shifted, with_reference
 
 EP2 = {"pipeline_parallel_degree": 1, "ddp": True, "microbatches": 2, "expert_parallel_degree": 2}
 
@@ -49,12 +49,7 @@ def _batch(step: int) -> torch.Tensor:
 def _train(rank: int, world: int, config: dict, kind: str, steps: int) -> dict:
     import smp
 
-    smp.init(config)
-    net = moe_model(kind)
-    reference = copy.deepcopy(net)
-    model = smp.DistributedModel(net)
-    opt = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    model, opt, reference, ref_opt = with_reference(config, moe_model(kind))
 
     @smp.step
     def train_step(model, ids):
@@ -87,10 +82,7 @@ def _train(rank: int, world: int, config: dict, kind: str, steps: int) -> dict:
             off = float((p.grad - want).abs().max())
             if off > worst["grad"]:
                 worst["grad"], worst["grad_of"] = off, name
-        opt.step()
-        opt.zero_grad()
-        ref_opt.step()
-        ref_opt.zero_grad()
+        advance(opt, ref_opt)
     for name, p in model.local_named_parameters():
         want = reference.get_parameter(name).detach()
         if name in spec:
@@ -152,11 +144,7 @@ def _checkpoints(rank: int, world: int, resume_ep: int) -> dict:
     out["partial"] = max(float((p.detach() - partial[n]).abs().max()) for n, p in model.local_named_parameters())
     theirs: list = [None, None]
     dist.all_gather_object(theirs, partial, group=dist.group.WORLD)
-    try:
-        model.load_state_dict(theirs[1 - rank])
-        out["refused"] = ""
-    except Exception as exc:  # noqa: BLE001 - the message is what the test reads
-        out["refused"] = str(exc)
+    out["refused"] = refusal(model.load_state_dict, theirs[1 - rank])
     return out
 
 
