@@ -42,11 +42,11 @@ def test_simulate_takes_cp(tmp_path: Path) -> None:
     assert json.loads((tmp_path / "sim.json").read_text())
 
 
+@pytest.mark.slow  # each a subprocess; the partitioner's refusals are tested in-process (tests/partitioner/cp)
 @pytest.mark.parametrize("target,args,needles", [
     (TARGET, ("--cp", "3"), ("--cp 3", "32 tokens does not split over context_parallel_degree=3")),
-    pytest.param("zoo:mlp", ("--cp", "2"), ("--cp 2", "no embedding looks up the model's input ids"),
-                 marks=pytest.mark.slow),
-    pytest.param(TARGET, ("--cp", "2", "--sdp", "2"), ("--cp 2 with --sdp 2", "not combined"), marks=pytest.mark.slow),
+    ("zoo:mlp", ("--cp", "2"), ("--cp 2", "no embedding looks up the model's input ids")),
+    (TARGET, ("--cp", "2", "--sdp", "2"), ("--cp 2 with --sdp 2", "not combined")),
 ])
 def test_bad_degrees_are_refused_in_one_line(target: str, args: tuple, needles: tuple) -> None:
     one_line_error(smp("inspect", target, "-p", "1", "--estimate", "-q", *args), *needles)

@@ -50,6 +50,7 @@ def test_simulate_takes_ep(tmp_path: Path) -> None:
     assert json.loads((tmp_path / "sim.json").read_text())
 
 
+@pytest.mark.slow  # each a subprocess; smp plan's ep refusals run in-process (tests/cli/test_plan.py)
 @pytest.mark.parametrize("args,needles", [
     (("--ep", "3"), ("--ep 3", "does not divide the [8] experts")),
     (("--ep", "0"), ("--ep",)),

@@ -138,6 +138,7 @@ def test_an_unwritable_cache_still_gives_rates(tmp_path, monkeypatch):
     assert calibrate().flops_per_s > 0
 
 
+@pytest.mark.slow  # the portfolio's two-process test (tests/partitioner/cut/test_portfolio.py) runs by default
 def test_two_processes_make_the_same_plan(tmp_path):
     """The same model and options give the same plan JSON from one process to the next (the second process
     reads the profile the first one measured)."""
