@@ -10,7 +10,7 @@ data-parallel average of the layout planner (:mod:`partitioner.layout.score`).
 """
 from __future__ import annotations
 
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import numpy as np
@@ -20,7 +20,7 @@ from ..capture.graph import OpGraph
 from .devices import DeviceRates
 from .precision import at_precision
 
-__all__ = ["all_reduce_s", "all_gather_s", "gradient_all_reduce_s", "after_pipeline_s", "calls_of", "bytes_at"]
+__all__ = ["all_reduce_s", "all_gather_s", "gradient_all_reduce_s", "after_pipeline_s", "priced_calls", "bytes_at"]
 
 
 def all_reduce_s(nbytes: float, tp: int, rates: DeviceRates) -> float:
@@ -61,17 +61,21 @@ def after_pipeline_s(rank_end_s: Sequence[float], after_s: Sequence[float]) -> f
     return max(0.0, max(end + x for end, x in zip(rank_end_s, after_s)) - max(rank_end_s))
 
 
-def calls_of(graph: OpGraph, targets: Collection[Any], needs_grad: np.ndarray | None = None
-             ) -> Iterator[tuple[int, Any, bool]]:
-    """The calls of ``targets`` (an axis's collective ops) in ``graph``'s program: (op index, fx node, whether the op's
-    backward runs; ``needs_grad`` None: every one's does)."""
+def priced_calls(graph: OpGraph, targets: Collection[Any], price: Callable[[Any], tuple[float, float]],
+                 needs_grad: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Per op of ``graph``, the forward and the backward seconds of its calls of ``targets`` (an axis's collective
+    ops), ``price(node)`` each; the backward only where the op's runs (``needs_grad`` None: every one's)."""
+    fwd, bwd = np.zeros(graph.num_nodes), np.zeros(graph.num_nodes)
     prog = graph.fx
     if prog is None:
-        return
+        return fwd, bwd
     for node in prog.module.graph.nodes:
         if node.op == "call_function" and node.target in targets and node.name in prog.op_of:
             op = prog.op_of[node.name]
-            yield op, node, needs_grad is None or bool(needs_grad[op])
+            f, b = price(node)
+            fwd[op] += f
+            bwd[op] += b if needs_grad is None or bool(needs_grad[op]) else 0.0
+    return fwd, bwd
 
 
 def bytes_at(value: Any, dtype: str) -> float:

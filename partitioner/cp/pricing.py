@@ -8,10 +8,12 @@ at the training precision (:mod:`partitioner.cost.precision`), on the link the g
 """
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from ..capture.graph import OpGraph
-from ..cost.collectives import all_gather_s, all_reduce_s, bytes_at, calls_of
+from ..cost.collectives import all_gather_s, all_reduce_s, bytes_at, priced_calls
 from ..cost.devices import DeviceRates
 from .comm import cp_cross_entropy, cp_gather, cp_group_loss
 
@@ -21,16 +23,15 @@ __all__ = ["context_seconds"]
 def context_seconds(graph: OpGraph, rates: DeviceRates, dtype: str = "fp32",
                     needs_grad: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Per op, the forward and the backward seconds of its context-parallel collectives (zeros for other ops)."""
-    fwd, bwd = np.zeros(graph.num_nodes), np.zeros(graph.num_nodes)
-    if graph.fx is None or graph.fx.cp_comm is None:
-        return fwd, bwd
-    cp = graph.fx.cp_comm.size
-    for op, node, grad in calls_of(graph, {cp_gather, cp_cross_entropy, cp_group_loss}, needs_grad):
+    comm = graph.fx.cp_comm if graph.fx is not None else None
+    cp = comm.size if comm is not None else 1
+
+    def price(node: Any) -> tuple[float, float]:
         if node.target is cp_gather:  # the whole value's bytes, gathered forward and reduce-scattered backward
             one = all_gather_s(bytes_at(node.meta.get("val"), dtype), cp, rates)
-        else:  # the loss: two scalars all-reduced forward, the sum's gradient backward
-            one = all_reduce_s(4.0, cp, rates)
-            fwd[op] += one
-        fwd[op] += one
-        bwd[op] += one if grad else 0.0
-    return fwd, bwd
+            return one, one
+        one = all_reduce_s(4.0, cp, rates)  # the loss: two scalars forward, the sum's gradient backward
+        return 2 * one, one
+
+    return priced_calls(graph, {cp_gather, cp_cross_entropy, cp_group_loss} if comm is not None else (), price,
+                        needs_grad)

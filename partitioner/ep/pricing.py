@@ -9,10 +9,12 @@ share. Bytes are the traced rows' at the training precision (:mod:`partitioner.c
 """
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from ..capture.graph import OpGraph
-from ..cost.collectives import all_gather_s, bytes_at, calls_of
+from ..cost.collectives import all_gather_s, bytes_at, priced_calls
 from ..cost.devices import DeviceRates
 from .dispatch import expert_parallel
 
@@ -22,12 +24,11 @@ __all__ = ["all_to_all_seconds"]
 def all_to_all_seconds(graph: OpGraph, rates: DeviceRates, dtype: str = "fp32",
                        needs_grad: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Per op, the forward and the backward seconds of its expert all-to-alls (zeros for other ops)."""
-    fwd, bwd = np.zeros(graph.num_nodes), np.zeros(graph.num_nodes)
-    if graph.fx is None or graph.fx.ep_comm is None:
-        return fwd, bwd
-    ep = graph.fx.ep_comm.size
-    for op, node, grad in calls_of(graph, {expert_parallel}, needs_grad):
+    comm = graph.fx.ep_comm if graph.fx is not None else None
+    ep = comm.size if comm is not None else 1
+
+    def price(node: Any) -> tuple[float, float]:  # the rows there and back, and the counts forward
         one = all_gather_s(bytes_at(node.args[2].meta.get("val"), dtype), ep, rates)
-        fwd[op] += 2 * one + all_gather_s(8.0 * ep, ep, rates)
-        bwd[op] += 2 * one if grad else 0.0
-    return fwd, bwd
+        return 2 * one + all_gather_s(8.0 * ep, ep, rates), 2 * one
+
+    return priced_calls(graph, {expert_parallel} if comm is not None else (), price, needs_grad)
