@@ -95,7 +95,6 @@ class _ContextWalk(TokenWalk):
     def __init__(self, graph: torch.fx.Graph, comm: torch.fx.Node, cp: int, batch: int, seq: int):
         super().__init__(graph, cp, batch, seq)
         self.comm, self.attentions = comm, 0
-        self.mask_rows: dict[tuple[str, int], torch.fx.Node] = {}  # a mask's rows, by (value, dimension)
 
     def start(self, node: torch.fx.Node) -> bool:
         if (op_name(node) != "embedding" and node.target is not vocab_embedding
@@ -156,7 +155,7 @@ class _ContextWalk(TokenWalk):
             if mask.name in self.tokens:
                 return False
             if value_of(mask).shape[-2] != 1:  # one row per query: this rank's rows, made where the mask is
-                mask = mask_rows(self, node, mask, value_of(mask).dim() - 2, self.mask_rows)
+                mask = mask_rows(self, node, mask, value_of(mask).dim() - 2)
         elif a.get("is_causal"):
             keys = value_of(k).shape[-2]
             mask = self.insert(cp_causal_mask, (q, keys, self.comm), lambda: self.g.inserting_before(node),
@@ -180,10 +179,8 @@ class _ContextWalk(TokenWalk):
         out = self.gathered(x)
         for op in reversed(chain):  # each as traced, on the whole sequence
             args = (out, list(self.whole[op.name].shape)) if op_name(op) != "unsqueeze" else (out, node_args(op)[1])
-            with self.g.inserting_before(node):
-                out = self.g.create_node("call_function", op.target, args, dict(op.kwargs), name=f"{op.name}_cp_whole")
-            out.meta = {k: v for k, v in op.meta.items() if k in ("nn_module_stack", "stack_trace")}
-            out.meta["val"] = self.whole[op.name]
+            out = self.insert(op.target, args, lambda: self.g.inserting_before(node), f"{op.name}_cp_whole",
+                              self.whole[op.name], op, "whole", dict(op.kwargs))
         return out
 
     def attention_matmul(self, node: torch.fx.Node) -> bool:

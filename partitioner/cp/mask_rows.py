@@ -28,52 +28,44 @@ _BROADCAST = ELEMENTWISE | {"le", "lt", "ge", "gt", "eq", "ne", "__and__", "__or
                             "logical_and", "logical_or", "logical_not", "bitwise_not"}
 
 
-def mask_rows(walk: TokenWalk, consumer: torch.fx.Node, mask: torch.fx.Node, dim: int,
-              made: dict[tuple[str, int], torch.fx.Node]) -> torch.fx.Node:
+def mask_rows(walk: TokenWalk, consumer: torch.fx.Node, mask: torch.fx.Node, dim: int) -> torch.fx.Node:
     """A node for this rank's rows (along ``dim``, the whole sequence long) of the whole value ``mask`` that
-    ``consumer`` reads, computed from the rows of what made it where the ops allow (see the module docstring);
-    ``made``: the copies made so far, by (node, dimension), shared by every call of one rewrite."""
-    key = (mask.name, dim)
-    if key not in made:
-        made[key] = _rows(walk, consumer, mask, dim, made)
-    return made[key]
+    ``consumer`` reads, computed from the rows of what made it where the ops allow (see the module docstring); each
+    copy is made once in a rewrite (:meth:`TokenWalk.insert`), shared by every attention that reads it."""
+    made = walk.made.get((mask.name, ("rows", dim)))
+    return made if made is not None else _rows(walk, consumer, mask, dim)
 
 
-def _rows(walk: TokenWalk, consumer: torch.fx.Node, n: torch.fx.Node, dim: int,
-          made: dict[tuple[str, int], torch.fx.Node]) -> torch.fx.Node:
+def _rows(walk: TokenWalk, consumer: torch.fx.Node, n: torch.fx.Node, dim: int) -> torch.fx.Node:
     out = value_of(n)
     name = op_name(n) if n.op == "call_function" else ""
     args: list[Any] | None = None
     if name in _BROADCAST:
-        args = [_broadcast_rows(walk, consumer, x, dim, out.dim(), made) for x in node_args(n)]
+        args = [_broadcast_rows(walk, consumer, x, dim, out.dim()) for x in node_args(n)]
     elif name == "index":  # every dimension indexed by tensors: the output is their broadcast, the indexed one whole
         x, tensors = node_args(n)[:2]
         if len(tensors) == value_of(x).dim() and all(isinstance(t, torch.fx.Node) for t in tensors):
-            args = [x, [_broadcast_rows(walk, consumer, t, dim, out.dim(), made) for t in tensors]]
+            args = [x, [_broadcast_rows(walk, consumer, t, dim, out.dim()) for t in tensors]]
     elif name == "unsqueeze":
         x, k = node_args(n)
         if k % out.dim() != dim:
-            args = [mask_rows(walk, consumer, x, dim - (k % out.dim() < dim), made), k]
+            args = [mask_rows(walk, consumer, x, dim - (k % out.dim() < dim)), k]
     elif name == "expand":
         x, sizes = node_args(n)[:2]
         j = dim - (out.dim() - value_of(x).dim())
-        rows = x if j < 0 or value_of(x).shape[j] == 1 else mask_rows(walk, consumer, x, j, made)
+        rows = x if j < 0 or value_of(x).shape[j] == 1 else mask_rows(walk, consumer, x, j)
         sizes = list(sizes)
         sizes[dim] = -1 if sizes[dim] == -1 else sizes[dim] // walk.degree
         args = [rows, sizes, *node_args(n)[2:]]
     if args is None:
         return walk.scatter(consumer, n, (dim, 1, 1))
-    with walk.g.inserting_before(consumer):
-        copy = walk.g.create_node("call_function", n.target, tuple(args), dict(n.kwargs), name=f"{n.name}_cp_rows")
     shape = list(out.shape)
     shape[dim] //= walk.degree
-    copy.meta = {k: v for k, v in n.meta.items() if k in ("nn_module_stack", "stack_trace")}
-    copy.meta["val"] = fake_like(out, shape)
-    return copy
+    return walk.insert(n.target, tuple(args), lambda: walk.g.inserting_before(consumer), f"{n.name}_cp_rows",
+                       fake_like(out, shape), n, ("rows", dim), dict(n.kwargs))
 
 
-def _broadcast_rows(walk: TokenWalk, consumer: torch.fx.Node, x: Any, dim: int, ndim: int,
-                    made: dict[tuple[str, int], torch.fx.Node]) -> Any:
+def _broadcast_rows(walk: TokenWalk, consumer: torch.fx.Node, x: Any, dim: int, ndim: int) -> Any:
     """Input ``x`` of a broadcasting op whose output (``ndim`` dimensions) is cut along ``dim``: its rows where it
     runs along that dimension, itself where it broadcasts (or is not a tensor)."""
     v = value_of(x)
@@ -82,4 +74,4 @@ def _broadcast_rows(walk: TokenWalk, consumer: torch.fx.Node, x: Any, dim: int, 
     j = dim - (ndim - v.dim())
     if j < 0 or v.shape[j] == 1:
         return x
-    return mask_rows(walk, consumer, x, j, made)
+    return mask_rows(walk, consumer, x, j)

@@ -130,13 +130,13 @@ class TokenWalk:
         """``node``, which runs on a slice, reads the floating-point value ``n`` whole (a weight, a bias)."""
 
     # The walk ---------------------------------------------------------------------------------------------------
-    def insert(self, fn: Callable, args: tuple, where: Callable, name: str, val: Any, like: torch.fx.Node,
-               how: Any) -> torch.fx.Node:
-        """``fn(*args)`` as a node at ``where()``, valued ``val``, made once per (``like``, ``how``)."""
+    def insert(self, fn: torch.fx.node.Target, args: tuple, where: Callable, name: str, val: Any, like: torch.fx.Node,
+               how: Any, kwargs: dict[str, Any] | None = None) -> torch.fx.Node:
+        """``fn(*args, **kwargs)`` as a node at ``where()``, valued ``val``, made once per (``like``, ``how``)."""
         if (like.name, how) in self.made:
             return self.made[(like.name, how)]
         with where():
-            made = self.g.create_node("call_function", fn, args, name=name)
+            made = self.g.create_node("call_function", fn, args, kwargs, name=name)
         made.meta = {k: like.meta[k] for k in ("nn_module_stack", "stack_trace") if k in like.meta}
         made.meta["val"] = val
         self.made[(like.name, how)] = made
