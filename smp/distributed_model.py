@@ -32,7 +32,7 @@ from smp.engine import mixed_precision as precision
 from smp.engine import step_run
 from smp.engine.grad_averaging import GradAveraging
 from smp.engine.materialize import tensor_ids
-from smp.engine.planning import bind_to, own_tensors, plan_ranks, rank_graph, shared_plan, smp_runner
+from smp.engine.planning import RankProgram, bind_to, own_tensors, plan_ranks, rank_graph, shared_plan, smp_runner
 from smp.engine.tp_shards import expert_specs, shard_specs
 from smp.engine.weights import load_local, weight_cuts
 from smp.model_hooks import ModelHooks
@@ -135,10 +135,7 @@ class DistributedModel(ModelHooks, torch.nn.Module):
         if cfg.auto_partition:
             plan = shared_plan(self.module, call.args, call.kwargs, pp,
                                PartitionOptions.of(options, measure=self.trace_execution_times),
-                               st.world_group, cfg.timeout_s, tp=(st.topology.tp, st.topology.tp_rank(st.rank)),
-                               shardable=self.shardable, step=True, ranks=pp,
-                               sequence_parallel=cfg.sequence_parallel, ep=st.ep_coordinates(),
-                               defer_weights=cfg.sharded_data_parallel_degree == 1, cp=st.cp_coordinates())
+                               st.world_group, cfg.timeout_s, program=self._rank_program(), step=True, ranks=pp)
         else:
             graph = self._trace(call)
             plan = fixed_plan(graph, pp, manual_stages(self.module, graph), options)
@@ -147,10 +144,15 @@ class DistributedModel(ModelHooks, torch.nn.Module):
 
     def _trace(self, call: step_run.MicrobatchCall) -> Any:
         """The model traced on ``call``, as this rank's tp rank runs it (:mod:`partitioner.tp.sharding`)."""
+        return rank_graph(trace(self.module, call.args, call.kwargs), self._rank_program())
+
+    def _rank_program(self) -> RankProgram:
+        """How this rank writes its program, as the smp config and its place in the grid say."""
         st = state.get()
-        return rank_graph(trace(self.module, call.args, call.kwargs), (st.topology.tp, st.topology.tp_rank(st.rank)),
-                          self.shardable, st.config.sequence_parallel, st.ep_coordinates(),
-                          st.config.sharded_data_parallel_degree == 1, st.cp_coordinates())
+        return RankProgram(tp=(st.topology.tp, st.topology.tp_rank(st.rank)), shardable=self.shardable,
+                           sequence_parallel=st.config.sequence_parallel,
+                           defer_weights=st.config.sharded_data_parallel_degree == 1, cp=st.cp_coordinates(),
+                           ep=st.ep_coordinates())
 
     def _saved_plan(self, call: step_run.MicrobatchCall, pp: int) -> PartitionPlan | None:
         """The partition of a loaded checkpoint: required for partial state (its tensors are cut that way), a

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import sys
 import warnings
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Collection
 
 import torch
@@ -43,48 +43,53 @@ from smp.engine.tp_shards import install_shards, shard_owners, shard_specs
 from smp.engine.weights import load_local, weight_cuts
 from smp.runtime.state import State
 
-__all__ = ["rank_graph", "shared_plan", "pipeline_runner", "smp_runner", "own_tensors", "stages_per_rank", "on_ranks",
-           "plan_ranks", "bind_to"]
+__all__ = ["RankProgram", "rank_graph", "shared_plan", "pipeline_runner", "smp_runner", "own_tensors",
+           "stages_per_rank", "on_ranks", "plan_ranks", "bind_to"]
 
 
-def rank_graph(graph: OpGraph, tp: tuple[int, int] = (1, 0), shardable: Collection[str] | None = None,
-               sequence_parallel: bool | None = False, ep: tuple[int, int] = (1, 0),
-               defer_weights: bool = True, cp: tuple[int, int] = (1, 0)) -> OpGraph:
-    """The traced ``graph`` as this rank runs it: sharded for its tp rank (``tp``: degree, rank; ``shardable``,
-    ``sequence_parallel``, ``defer_weights``: :func:`partitioner.tensor_parallel_graph`; ``sequence_parallel`` None:
-    on where it applies, without a warning where it does not, and off under context parallelism), on its cp rank's
-    tokens (``cp``: degree, rank; :func:`partitioner.cp.context_program.context_parallel_graph`), then its experts
-    for its ep rank (``ep``: degree, rank; :func:`partitioner.ep.expert_program.expert_parallel_graph`)."""
+@dataclass
+class RankProgram:
+    """How this rank's program is written from the traced graph: sharded for its tp rank (``tp``: degree, rank;
+    ``shardable``: the parameters tensor parallelism may split, None: all; ``sequence_parallel``: the regions between
+    tp regions on a slice of the sequence, :mod:`partitioner.tp.sequence`, None: where it applies, quietly, and off
+    under context parallelism; ``defer_weights``: their weights' gradients summed once per step), on its cp rank's
+    tokens (``cp``: degree, rank; :mod:`partitioner.cp`), then its experts for its ep rank (``ep``;
+    :mod:`partitioner.ep`)."""
+
+    tp: tuple[int, int] = (1, 0)
+    shardable: Collection[str] | None = None
+    sequence_parallel: bool | None = False
+    defer_weights: bool = True
+    cp: tuple[int, int] = (1, 0)
+    ep: tuple[int, int] = (1, 0)
+
+
+def rank_graph(graph: OpGraph, program: RankProgram | None = None) -> OpGraph:
+    """The traced ``graph`` as this rank runs it (:class:`RankProgram`; None: one process's)."""
+    p = program or RankProgram()
     with warnings.catch_warnings():
-        if sequence_parallel is None:
+        if p.sequence_parallel is None:
             warnings.simplefilter("ignore", SequenceParallelWarning)
-        sequence = sequence_parallel is True or (sequence_parallel is None and cp[0] == 1)
-        sharded = tensor_parallel_graph(graph, *tp, shardable, sequence, defer_weights)
-    return expert_parallel_graph(context_parallel_graph(sharded, *cp), *ep)
+        sequence = p.sequence_parallel is True or (p.sequence_parallel is None and p.cp[0] == 1)
+        sharded = tensor_parallel_graph(graph, *p.tp, p.shardable, sequence, p.defer_weights)
+    return expert_parallel_graph(context_parallel_graph(sharded, *p.cp), *p.ep)
 
 
 def shared_plan(model: torch.nn.Module, args: tuple, kwargs: dict, num_stages: int,
                 options: PartitionOptions | None = None, group: Any = None,
                 timeout_s: float | None = None, loss: tuple[Any, Any] | None = None,
-                tp: tuple[int, int] = (1, 0), shardable: Collection[str] | None = None,
-                step: bool = False, ranks: int | None = None, sequence_parallel: bool | None = False,
-                ep: tuple[int, int] = (1, 0), defer_weights: bool = True, cp: tuple[int, int] = (1, 0)
-                ) -> PartitionPlan:
+                program: RankProgram | None = None, step: bool = False, ranks: int | None = None) -> PartitionPlan:
     """Every rank traces ``model`` on one microbatch; global rank 0 partitions and sends the plan to all, over
     ``group`` (every rank; default: the default group), whose timeout bounds the other ranks' wait
     (``timeout_s`` names it in the error: raise it when partitioning takes longer). ``loss``: ``(loss_fn, one
-    microbatch's target)``, the loss the last stage computes, priced in the plan (``partitioner.trace``). ``tp``:
-    (tensor-parallel degree, this rank's tp rank): every rank binds the plan to its own tp rank's graph (global
-    rank 0, tp rank 0, partitions its own); ``shardable``: the parameters tensor parallelism may split (None: all);
-    ``sequence_parallel``: the regions between tp regions run on a slice of the sequence
-    (:mod:`partitioner.tp.sequence`), ``defer_weights`` its weights' gradients summed once per step; ``ep``:
-    (expert-parallel degree, this rank's ep rank), likewise, and ``cp`` (context parallelism).
+    microbatch's target)``, the loss the last stage computes, priced in the plan (``partitioner.trace``).
+    ``program``: how each rank writes its program (:class:`RankProgram`): every rank binds the plan to its own
+    (global rank 0, tp rank 0, partitions its own).
     ``step``: the model runs in an ``@smp.step`` function, whose loss the plan prices (:mod:`smp.engine.step_loss`).
     ``ranks``: the pipeline's ranks, when a model with ``pipe_split()`` markers is to be cut into the markers' stages
     instead of ``num_stages`` (a multiple of ``ranks``, else an error on every rank: :func:`stages_on_ranks`)."""
     loss_fn, target = loss if loss is not None else (None, None)
-    graph = rank_graph(trace(model, args, kwargs, loss_fn=loss_fn, target=target), tp, shardable, sequence_parallel,
-                       ep, defer_weights, cp)
+    graph = rank_graph(trace(model, args, kwargs, loss_fn=loss_fn, target=target), program)
     if ranks is not None:
         num_stages = stages_on_ranks(graph, ranks) or num_stages
     outside = step_loss(graph) if step and loss is None else None
@@ -136,8 +141,9 @@ def pipeline_runner(model: torch.nn.Module, args: tuple = (), kwargs: dict | Non
     tp = (len(tp_group), tp_group.index(dist.get_rank()))
     plan = shared_plan(model, tuple(args), dict(kwargs or {}), stages,
                        PartitionOptions.of(options, microbatches=microbatches, time_prices=_on_cpu(runner_kwargs)),
-                       loss=loss, tp=tp, ranks=len(mine) if num_stages is None and virtual_stages is None else None,
-                       sequence_parallel=sequence_parallel, defer_weights=False)  # no step-level sum here
+                       loss=loss, ranks=len(mine) if num_stages is None and virtual_stages is None else None,
+                       program=RankProgram(tp=tp, sequence_parallel=sequence_parallel,
+                                           defer_weights=False))  # no step-level sum here
     v = virtual_stages or stages_per_rank(plan, len(mine), microbatches, runner_kwargs.get("schedule"),
                                           "leave schedule unset or pass schedule='interleaved-virtual', or run on "
                                           "{stages} ranks (one stage each)")
