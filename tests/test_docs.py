@@ -31,6 +31,8 @@ from pathlib import Path
 
 import pytest
 
+from tests import forked
+
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 TIMEOUT_S = 120
@@ -248,8 +250,7 @@ def _kept_elisions(shown: list[str], printed: list[str]) -> list[str]:
 def _run_smp(argv: list[str]) -> list[str]:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
            "COLUMNS": "200"}
-    done = subprocess.run([sys.executable, "-m", "smp.cli", *argv], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=TIMEOUT_S * 5)
+    done = forked.run((forked.smp_cli, argv), cwd=ROOT, env=env, timeout=TIMEOUT_S * 5)
     printed = (done.stdout + done.stderr).rstrip("\n").splitlines()
     return [line for line in printed if not _PROGRESS.match(line)]
 

@@ -1,5 +1,5 @@
-"""Helpers of the ``smp`` command's tests: run it as a user does (a subprocess), read its one-line errors, and
-check the files it writes (plan JSON, PNG, DOT)."""
+"""Helpers of the ``smp`` command's tests: run it as a user does (a process of its own), read its one-line errors,
+and check the files it writes (plan JSON, PNG, DOT)."""
 from __future__ import annotations
 
 import json
@@ -9,6 +9,8 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+
+from tests import forked
 
 REPO = Path(__file__).resolve().parents[2]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -70,7 +72,13 @@ def smp_env() -> dict[str, str]:
 
 
 def smp(*args: str, cwd: Path | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    """Run ``smp ARGS`` (``python -m smp.cli``) to the end."""
+    """Run ``smp ARGS`` to the end, as ``python -m smp.cli`` does, in a process of its own forked with its imports
+    done (:mod:`tests.forked`)."""
+    return forked.run((forked.smp_cli, list(args)), cwd=cwd or REPO, env=smp_env(), timeout=timeout)
+
+
+def smp_process(*args: str, cwd: Path | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run ``python -m smp.cli ARGS`` to the end: the command a user runs, its interpreter and imports its own."""
     return subprocess.run([sys.executable, "-m", "smp.cli", *args], capture_output=True, text=True,
                           timeout=timeout, cwd=cwd or REPO, env=smp_env())
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from partitioner.errors import EngineError
-from tests.cli.helpers import REPO, ok, one_line_error, smp, smp_env
+from tests.cli.helpers import REPO, ok, one_line_error, smp, smp_env, smp_process
 
 
 def test_help_lists_the_commands(capsys) -> None:
@@ -125,7 +125,8 @@ def test_bad_target_and_bad_sizes_are_one_line() -> None:
 
 
 def test_version_and_did_you_mean() -> None:
-    assert ok(smp("--version")).startswith("smp (smp-engine) ")
+    """Through ``python -m smp.cli`` itself, the entry point a user runs (the other tests fork it: tests.forked)."""
+    assert ok(smp_process("--version")).startswith("smp (smp-engine) ")
     one_line_error(smp("inspect", "zoo:mlp", "--partitons", "2"), "(did you mean --partitions?)")
     one_line_error(smp("inspct", "zoo:mlp"), "(did you mean inspect?)")
     one_line_error(smp("inspect", "zoo:mlp", "-p", "2", "--microbaches", "4"), "(did you mean --microbatches?)")

@@ -15,22 +15,22 @@ import math
 import os
 import re
 import subprocess
-import sys
 import tempfile
 import textwrap
 from pathlib import Path
 
 import pytest
 
+from tests import forked
 from tests.smp import smp_v1_public as public
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _python(code: str) -> subprocess.CompletedProcess:
+    """``python -c CODE`` as a process of its own, forked with its imports done (:mod:`tests.forked`)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env,
-                          timeout=120)
+    return forked.run((forked.python_code, textwrap.dedent(code)), cwd=ROOT, env=env, timeout=120)
 
 
 def test_the_alias_has_smps_test_helpers_by_name() -> None:
