@@ -19,6 +19,7 @@ scale, and ``clip_master_grads`` clips by the norm of the whole model's gradient
 """
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Any
 
@@ -77,7 +78,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _shard(self, model: Any) -> None:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
-        defaults = {k: v for k, v in self.optimizer.defaults.items() if k not in ("params",)}
+        # What the optimizer's class takes: AdamW keeps decoupled_weight_decay among its defaults (it is Adam's
+        # subclass) but its constructor does not take it; the groups below carry every key all the same.
+        takes = inspect.signature(type(self.optimizer).__init__).parameters
+        every = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in takes.values())
+        defaults = {k: v for k, v in self.optimizer.defaults.items() if k != "params" and (every or k in takes)}
         local = {id(p) for p in model.local_parameters() if p.requires_grad}
         # The wrapped optimizer's param groups, restricted to this rank's parameters (groups keep their own
         # hyperparameters); _zero_groups[i] is the wrapped group that ZeRO group i mirrors.

@@ -1,4 +1,5 @@
-"""``smp.DistributedOptimizer`` with sharded optimizer state (pp2 x dp2): exact, with and without loss scaling."""
+"""``smp.DistributedOptimizer`` with sharded optimizer state (pp2 x dp2): exact, with and without loss scaling, for
+Adam and AdamW (whose defaults hold a key its constructor does not take)."""
 from __future__ import annotations
 
 import copy
@@ -13,16 +14,17 @@ from tests.smp.features import PARAM_TOL, make_batch, make_net, param_err
 # --- sharded optimizer state (pp=2 x dp=2) ------------------------------------------------------------------
 
 
-def _sharded(rank: int, world: int, scaled: bool):
+def _sharded(rank: int, world: int, scaled: bool, optimizer: str):
     import smp
 
     smp.init({"pipeline_parallel_degree": 2, "microbatches": 2, "ddp": True, "shard_optimizer_state": True})
     net = make_net()
     reference = copy.deepcopy(net)
-    ref_opt = torch.optim.Adam(reference.parameters(), lr=1e-2)
+    make = getattr(torch.optim, optimizer)
+    ref_opt = make(reference.parameters(), lr=1e-2)
     ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, lambda s: 0.5 ** s)
     model = smp.DistributedModel(net)
-    opt = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2))
+    opt = smp.DistributedOptimizer(make(model.parameters(), lr=1e-2))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** s)  # ZeRO must follow the schedule too
     # A power-of-two scale that never changes: unscaling is exact, so the run still equals the reference.
     scaler = smp.amp.GradScaler(init_scale=2.0 ** 10, growth_interval=10 ** 6, enabled=scaled)
@@ -68,9 +70,10 @@ def _sharded(rank: int, world: int, scaled: bool):
             and all(torch.allclose(model_sd[k], v, rtol=1e-4, atol=1e-6) for k, v in ref_sd.items())}
 
 
-@pytest.mark.parametrize("scaled", [pytest.param(False, marks=pytest.mark.slow), True])
-def test_shard_optimizer_state_pp2_dp2(scaled):
-    results = run_ranks(_sharded, 4, scaled, timeout=300)
+@pytest.mark.parametrize(("scaled", "optimizer"), [pytest.param(False, "Adam", marks=pytest.mark.slow),
+                                                  (True, "AdamW")])
+def test_shard_optimizer_state_pp2_dp2(scaled, optimizer):
+    results = run_ranks(_sharded, 4, scaled, optimizer, timeout=300)
     for r in results:
         assert r["sharded"], r
         assert r["param_err"] < PARAM_TOL, r
