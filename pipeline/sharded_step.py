@@ -5,7 +5,9 @@ of the step.
 The runtime prefetches each unit's all-gather and launches each unit's reduce-scatter during the last backward
 (:mod:`pipeline.param_gather`), so a pass exposes only what its compute cannot hide
 (:func:`partitioner.sdp.overlap.overlapped`: the first unit's gather, and the rest beyond the compute), and the
-reduce-scatters a tail after the pipeline (:func:`exposed`). What each rank holds and spends is
+reduce-scatters a tail after the pipeline (:func:`exposed`); on a device whose collectives share the ops' cores
+(a CPU, :attr:`partitioner.DeviceRates.collectives_on_host`) nothing hides, and each pass pays its gathers whole.
+What each rank holds and spends is
 :func:`partitioner.sdp.shards.sharded_dp`'s, over the links of its :class:`partitioner.sdp.group.ShardingGroup`;
 :func:`sharded_step` prices a plan's step so (``smp inspect --sdp``), :mod:`pipeline.stage_pricing` a simulation's
 (``smp simulate --sdp``).
@@ -48,6 +50,9 @@ def exposed(plan: PartitionPlan, graph: OpGraph, group: ShardingGroup, ranks: Se
     microbatch's forward and backward, and after the stage's last backward (its all-reduce, and what its
     reduce-scatters expose)."""
     link = group.link or DeviceRates.from_dict(plan.rates)
+    if link.collectives_on_host:  # nothing hides behind the compute: each pass's gathers whole
+        gathers = [r.gather_forward_s for r in ranks]
+        return gathers, [r.gather_backward_s for r in ranks], [r.end_of_step_s for r in ranks]
     fwd, bwd, tail = overlapped(stage_collectives(plan, graph, group.degree, group.threshold, link), forward_s,
                                 backward_s)
     return fwd.tolist(), bwd.tolist(), [r.all_reduce_s + float(t) for r, t in zip(ranks, tail)]

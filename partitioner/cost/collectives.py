@@ -33,10 +33,14 @@ def all_reduce_s(nbytes: float, tp: int, rates: DeviceRates) -> float:
 
 
 def all_gather_s(nbytes: float, tp: int, rates: DeviceRates) -> float:
-    """Seconds of a ring all-gather of an output of ``nbytes`` over ``tp`` ranks, and the runtime's cost of one
-    collective; 0 for tp 1."""
+    """Seconds of a ring all-gather (or reduce-scatter) of an output of ``nbytes`` over ``tp`` ranks, and the
+    runtime's cost of one collective; 0 for tp 1. Through gloo (``rates.collectives_on_host``) the price of an
+    all-reduce of the output: between a rank's ops on a 2-core VM, gloo's all-gather and reduce-scatter of 8 MB took
+    10.7 and 11.4 ms, its all-reduce of the same 8 MB 8.6 ms, where a ring all-gather would move half the bytes."""
     if tp <= 1 or nbytes <= 0:
         return 0.0
+    if rates.collectives_on_host:
+        return all_reduce_s(nbytes, tp, rates)
     return ((tp - 1) / tp * nbytes / rates.link_bytes_per_s + (tp - 1) * rates.link_latency_s
             + rates.collective_overhead_s)
 

@@ -119,6 +119,14 @@ class DeviceRates:
             if (fraction := getattr(self, name)) > 1:
                 raise ValueError(f"DeviceRates.{name} is a fraction of the peak, in (0, 1]; got {fraction!r}")
 
+    @property
+    def collectives_on_host(self) -> bool:
+        """Whether the ranks' collectives run through gloo on the cores the ops run on (the ``cpu`` profile), so that
+        none hides behind compute (:mod:`partitioner.sdp.overlap` prices nothing hidden) and an all-gather or
+        reduce-scatter costs an all-reduce of its output (:func:`partitioner.cost.collectives.all_gather_s`); a
+        GPU's run through NCCL beside its kernels (its own SMs and copy engines, a stream of their own)."""
+        return self.name == "cpu"
+
     def matmul_flops_per_s(self, dtype: str) -> float:
         """Peak FLOP/s of matmul-class ops (matmuls, convolutions, attention) trained in ``dtype``."""
         rates = {"fp32": None, "tf32": self.tf32_flops_per_s, "bf16": self.bf16_flops_per_s,

@@ -158,13 +158,14 @@ class Score:
     """What a layout is predicted to cost per step (:mod:`partitioner.layout.score`).
 
     ``step_s``: the step; ``pipeline_s``: its simulated pipeline, to which the data-parallel gradient reduction after
-    it adds ``dp_comm_s`` (exposed). ``samples_per_s`` / ``tokens_per_s`` (None without token ids): over every
-    replica. ``flops_per_s_per_device`` and ``mfu``: model FLOP/s per device and MFU, by
-    :mod:`partitioner.cost.throughput`'s one definition (None without a peak). ``memory_bytes``: the largest device's
-    peak; ``budget_bytes``: what it must fit (None: no limit). ``bubble``: the simulated pipeline's idle fraction.
-    ``exposed_comm_s``: how much longer the step is than the same step with free communication (stage sends, tp
-    collectives and the gradient reduction). ``tp_comm_s``: the tp collectives (with the expert all-to-alls under
-    ep) per step on the busiest rank.
+    it adds ``dp_comm_s`` (exposed) and the optimizer step after that ``optimizer_s``
+    (:mod:`partitioner.cost.optimizer_step`: each rank's after its own reduction, to the latest one's end).
+    ``samples_per_s`` / ``tokens_per_s`` (None without token ids): over every replica. ``flops_per_s_per_device``
+    and ``mfu``: model FLOP/s per device and MFU, by :mod:`partitioner.cost.throughput`'s one definition (None
+    without a peak). ``memory_bytes``: the largest device's peak; ``budget_bytes``: what it must fit (None: no
+    limit). ``bubble``: the simulated pipeline's idle fraction. ``exposed_comm_s``: how much longer the step is than
+    the same step with free communication (stage sends, tp collectives and the gradient reduction; not the optimizer
+    step). ``tp_comm_s``: the tp collectives (with the expert all-to-alls under ep) per step on the busiest rank.
     """
 
     step_s: float
@@ -181,6 +182,7 @@ class Score:
     tp_comm_s: float
     parameter_bytes: int = 0  # of the largest device: weights, gradients, optimizer state, master weights
     activation_bytes: int = 0  # of the largest device: activations held at its peak
+    optimizer_s: float = 0.0
 
     @property
     def fits(self) -> bool:

@@ -62,10 +62,11 @@ import numpy as np
 from ..capture.graph import OpGraph
 from ..cost.collectives import after_pipeline_s, all_gather_s, all_reduce_s
 from ..cost.devices import DeviceRates
+from ..cost.optimizer_step import optimizer_step_s
 from ..cost.precision import activation_bytes, param_memory_parts
 from ..cost.roofline import NodeCosts
 from ..cost.throughput import from_counts, peak_of
-from ..cut.memory import StageMemory, stage_memory
+from ..cut.memory import stage_memory
 from ..cut.objective import MemoryBudgetError, stage_crossings
 from ..cut.options import UNLIMITED, PartitionOptions
 from ..cut.plan import PartitionPlan
@@ -76,6 +77,7 @@ from .costs import LayoutCosts
 from .experts import expert_gradient_bytes, expert_params, gradient_reduce_s
 from .headroom import DEFAULT, Headroom
 from .layout import Layout, Score, global_rank, group_link, partition_pipeline, replicas_share_node
+from .rank_state import rank_memory, rank_update
 from .sharded import SdpCache, sdp_links, sdp_passes
 
 __all__ = ["SimOutcome", "PipelineSimulator", "Pricing", "Bound", "LayoutScorer", "global_rank", "chain_bottleneck"]
@@ -308,7 +310,8 @@ class LayoutScorer:
 
     def exposed(self, layout: Layout, score: Score) -> Score:
         """``score`` (of :meth:`score` with ``exposed=False``) with its exposed communication."""
-        return dataclasses.replace(score, exposed_comm_s=max(0.0, score.step_s - self._quiet_step(layout)))
+        quiet = self._quiet_step(layout) + score.optimizer_s
+        return dataclasses.replace(score, exposed_comm_s=max(0.0, score.step_s - quiet))
 
     def _quiet_step(self, layout: Layout) -> float:
         """The layout's pipeline step with free communication (no stage sends, tp collectives or sdp gathers)."""
@@ -342,18 +345,22 @@ class LayoutScorer:
         sim = self._sim(layout, fwd + gf, bwd + gb, self.stage_comm(layout, crossing), deps)
         memory = stage_memory(plan, graph, sim.peak_in_flight)
         ranks = [[s for s in range(k) if s % pp == r] for r in range(pp)]
-        held = [self._rank_memory(layout, [memory[s] for s in mine], [plan.stages[s].bytes_in for s in mine])
+        held = [rank_memory(layout, [memory[s] for s in mine], [plan.stages[s].bytes_in for s in mine])
                 for mine in ranks]
         experts = expert_gradient_bytes(plan, graph, o.dtype, o.optimizer)
         reduce = [gradient_reduce_s(layout, [memory[s] for s in mine], float(experts[mine].sum()), self.rates,
                                     self._replica_link(layout, r)) for r, mine in enumerate(ranks)]
+        updated = [rank_update(layout, [memory[s] for s in mine]) for mine in ranks]
         if layout.sdp > 1:  # the sharded ranks' state, and their reduce-scatter and all-reduce instead
             sharded = self.sharded(layout, plan, sim.peak_in_flight)
             held = [(r.peak_bytes - r.activation_bytes, acts) for r, (_, acts) in zip(sharded, held)]
             reduce = [r.end_of_step_s if tail is None else r.all_reduce_s + tail[r.rank] for r in sharded]
-        # after each rank's pipeline its all-reduce; the step's fixed cost (pipeline.step_model) stays
+            updated = [(r.optimizer_bytes, r.master_bytes) for r in sharded]
+        # after each rank's pipeline its all-reduce, then its optimizer step; the step's fixed cost stays
         after = after_pipeline_s(sim.rank_end_s, reduce)
-        step = sim.step_s + after
+        opt = [optimizer_step_s(state, master, o.optimizer, self.rates) for state, master in updated]
+        done = after_pipeline_s(sim.rank_end_s, [x + u for x, u in zip(reduce, opt)])
+        step = sim.step_s + done
         worst = max(range(pp), key=lambda r: sum(held[r]))
         tp_step = m * max(sum(tp_f[s] + tp_b[s] + (tp_f[s] if ckpt else 0.0) for s in mine) for mine in ranks)
         samples = layout.global_batch
@@ -364,9 +371,10 @@ class LayoutScorer:
         return Score(step_s=step, pipeline_s=sim.step_s, dp_comm_s=after, samples_per_s=out.samples_per_s,
                      tokens_per_s=out.tokens_per_s, flops_per_s_per_device=out.flops_per_s_per_device, mfu=out.mfu,
                      memory_bytes=int(round(sum(held[worst]))), budget_bytes=self.budget, bubble=sim.bubble,
-                     exposed_comm_s=max(0.0, step - self._quiet_step(layout)) if exposed else math.nan,
-                     tp_comm_s=float(tp_step),
-                     parameter_bytes=int(round(held[worst][0])), activation_bytes=int(round(held[worst][1])))
+                     exposed_comm_s=max(0.0, step - (done - after) - self._quiet_step(layout)) if exposed
+                     else math.nan,
+                     tp_comm_s=float(tp_step), parameter_bytes=int(round(held[worst][0])),
+                     activation_bytes=int(round(held[worst][1])), optimizer_s=done - after)
 
     def sharded(self, layout: Layout, plan: PartitionPlan,
                 in_flight: Sequence[int] | None = None) -> list[ShardedRank]:
@@ -385,16 +393,3 @@ class LayoutScorer:
              deps: list[tuple[int, int]]) -> SimOutcome:
         return self.simulate(layout.schedule, layout.pp, layout.microbatches, layout.virtual_stages,
                              [float(x) for x in fwd], [float(x) for x in bwd], comm, deps, self.rates)
-
-    def _rank_memory(self, layout: Layout, mine: Sequence[StageMemory], received: Sequence[int]) -> tuple[float, float]:
-        """(parameter state, activations at the peak) of a pipeline rank holding stages ``mine``: ZeRO-1 divides the
-        optimizer state by dp; checkpointed stages keep what they received per microbatch in flight, plus one
-        microbatch's activations while recomputing."""
-        optimizer = sum(s.optimizer_bytes for s in mine) / (layout.dp if layout.zero1 else 1)
-        state = sum(s.weights_bytes + s.gradient_bytes + s.master_bytes for s in mine) + optimizer
-        if layout.checkpointing == "full":
-            acts = sum(s.in_flight * r for s, r in zip(mine, received)) + max(s.activation_bytes_per_microbatch
-                                                                              for s in mine)
-        else:
-            acts = sum(s.activation_bytes for s in mine)
-        return float(state), float(acts)

@@ -38,10 +38,10 @@ def sdp_passes(layout: Layout, plan: PartitionPlan, graph: OpGraph, threshold: i
     :class:`partitioner.sdp.shards.ShardedRank`, not overlapped). With ``overlap`` (the runtime's prefetch),
     :func:`partitioner.sdp.overlap.overlapped`'s exposed seconds of the stages' ``collectives`` (what
     :func:`partitioner.sdp.overlap.stage_collectives` returns, or a cache of it); without, the stage's gathers whole
-    in each pass."""
+    in each pass, as on a device whose collectives share the ops' cores (a CPU: ``link.collectives_on_host``)."""
     if layout.sdp == 1:
         return 0.0, 0.0, None
-    if not overlap:
+    if not overlap or link.collectives_on_host:
         gather = np.array([r.gather_forward_s for r in sharded_dp(plan, graph, layout.sdp, replicas=layout.dp,
                                                                   threshold=threshold, link=link)])
         return gather, gather, None

@@ -83,16 +83,14 @@ def _budget_line(scorer: Any) -> str:
 
 
 def _step_terms(best: Any, graph: Any) -> str:
-    """The best layout's step and what it is made of: the pipeline, the gradient reduction after it (none at dp 1)
-    and the tp collectives (none at tp 1; with sequence parallelism where the runtime applies it, as priced) and
-    expert all-to-alls (none at ep 1)."""
+    """The best layout's step and what it is made of: the pipeline, the gradient reduction after it (none at dp 1),
+    the optimizer step and the tp collectives (none at tp 1; with sequence parallelism where the runtime applies it,
+    as priced) and expert all-to-alls (none at ep 1)."""
     lay, s = best.layout, best.score
-    if lay.dp > 1:
-        reduction = "reduce-scatter and all-reduce" if lay.sdp > 1 else "all-reduce"
-        text = (f"step {format_seconds(s.step_s)} = pipeline {format_seconds(s.pipeline_s)} + gradient {reduction} "
-                f"{format_seconds(s.dp_comm_s)}")
-    else:
-        text = f"step {format_seconds(s.step_s)}, the pipeline's (dp 1: no gradient reduction)"
+    what = "reduce-scatter and all-reduce" if lay.sdp > 1 else "all-reduce"
+    reduction = "" if lay.dp == 1 else f" + gradient {what} {format_seconds(s.dp_comm_s)}"
+    text = (f"step {format_seconds(s.step_s)} = pipeline {format_seconds(s.pipeline_s)}{reduction} + optimizer step "
+            f"{format_seconds(s.optimizer_s)}{' (dp 1: no gradient reduction)' if lay.dp == 1 else ''}")
     what = " and ".join(name for name, on in (("tp collectives", lay.tp > 1), ("expert all-to-alls", lay.ep > 1),
                                               ("context gathers", lay.cp > 1)) if on)
     sharding = graph.fx.sharding if graph.fx is not None else None

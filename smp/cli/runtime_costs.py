@@ -10,9 +10,10 @@ pipeline), ``smp.DistributedModel`` and an ``@smp.step`` function with its loss 
 :data:`MICROBATCHES` microbatches. Each count's median step (barrier to barrier) is set against the step model of the
 plan the run made, its ops timed on this machine: the per-pass cost is the one whose predictions, each with the best
 per-step cost, fit the measured steps best (least squares on the relative error,
-:func:`partitioner.cost.runtime_fit.fit_runtime_costs`). Then the ranks time 4 KB all-reduces back to back: what one
-takes beyond the link's price for it is the per-collective cost (:attr:`partitioner.DeviceRates.collective_overhead_s`;
-gloo's rounds of wake-ups make it 30 times a message's latency).
+:func:`partitioner.cost.runtime_fit.fit_runtime_costs`). Then the ranks time 4 KB all-reduces, each after a few
+milliseconds of compute as a rank's collectives come between its ops: what one takes beyond the link's price for it
+is the per-collective cost (:attr:`partitioner.DeviceRates.collective_overhead_s`; gloo's threads waking and the
+ranks' skew make it 40 to 60 times a message's latency here).
 
 The result is kept with the machine's CPU profile (:func:`partitioner.cost.calibration.record_runtime_costs`), measured
 once per machine on first use (:func:`ensure_runtime_costs`, called when the command line prices a multi-rank CPU
@@ -100,22 +101,34 @@ def _rank(rank: int, world: int, steps: int) -> list[dict[str, Any]] | None:
 
 def _collective_s(repeats: int = 7, calls: int = 10) -> float:
     """Seconds of one all-reduce of 4 KB between the ranks beyond what the link prices for it (its transfers and
-    ring latencies): the median of ``repeats`` runs of ``calls`` back-to-back collectives, each run from a barrier."""
+    ring latencies), as a rank pays it between its ops: each call follows a few milliseconds of compute, so it also
+    pays its gloo threads' wake-up and the ranks' skew, which back-to-back calls hide (2 to 3 ms against 1 ms here).
+    The median of ``repeats`` runs of ``calls`` compute-and-collective rounds less the median of the same rounds
+    without the collective, the two alternating, each run from a barrier."""
     import torch.distributed as dist
 
     from partitioner.cost.calibration import calibrate
     from partitioner.cost.collectives import all_reduce_s
 
-    flat = torch.zeros(1024)
-    runs = []
-    for _ in range(repeats):
+    flat, a, w = torch.zeros(1024), torch.randn(256, 256), torch.randn(256, 1024)
+
+    def run(collective: bool) -> float:
         dist.barrier()
         t0 = time.perf_counter()
         for _ in range(calls):
-            dist.all_reduce(flat)
-        runs.append((time.perf_counter() - t0) / calls)
+            for _ in range(4):  # about a layer's matmuls of a small model
+                torch.mm(a, w)
+            if collective:
+                dist.all_reduce(flat)
+        return (time.perf_counter() - t0) / calls
+
+    runs: dict[bool, list[float]] = {False: [], True: []}
+    for _ in range(repeats):
+        for collective in (False, True):
+            runs[collective].append(run(collective))
+    paid = statistics.median(runs[True]) - statistics.median(runs[False])
     link = dataclasses.replace(calibrate("cpu"), collective_overhead_s=0.0)
-    return max(0.0, statistics.median(runs) - all_reduce_s(flat.numel() * 4, dist.get_world_size(), link))
+    return max(0.0, paid - all_reduce_s(flat.numel() * 4, dist.get_world_size(), link))
 
 
 def measure_runtime_costs(steps: int = _STEPS, timeout: float = 300.0) -> dict[str, float]:
