@@ -21,18 +21,21 @@ The per-pass and per-step costs are this machine's, measured first beside the st
 both cuts. ``--fit`` also prints the per-pass and per-step costs that would fit these rows best (least squares on the
 relative error): a check of the measured ones.
 
-``--plan``: the layouts ``smp plan`` proposes for 2 CPU ranks, run. For ``--plan-model`` (GPT-2) and a global batch of
-``--plan-batch``, ``smp plan --devices 2`` (its best layout) and ``smp plan --devices 2 --pp 2`` (the best with two
-pipeline stages) each write a JSON and an smp config; each config then trains through ``smp.init(config)`` and
-``@smp.step`` on 2 ranks (each rank its share of the global batch), and its median step (barrier to barrier, the
-optimizer not in it) is printed beside the plan's ``step_s``. Goal (issue 24, item 2): within 15 %.
+``--plan``: ``smp plan``'s choice re-measured against the layouts it passed over. For ``--plan-model`` (a zoo name, or
+``llama`` for :func:`llama_7m`: a user's ``transformers`` Llama of 7.2M parameters with its loss, the issue's model)
+and a global batch of ``--plan-batch``, ``smp plan --devices 2`` prices its ``--plan-top`` best layouts; each is
+priced again with its degrees fixed (``smp plan --config``: its smp config, and its cut for a pipeline) and trained
+through ``smp.init(config)``, ``@smp.step`` and ``smp.DistributedOptimizer(torch.optim.Adam(...))`` on 2 ranks (each
+rank its share of the global batch); its median step (barrier to barrier, the optimizer step in it, as ``smp plan``'s
+step has it) is printed beside the plan's ``step_s``. Goal (issue 38, item 5): within 25 %, and the layout ``smp
+plan`` chose measured the fastest or within the run-to-run spread of it.
 
-``--repeats N`` runs every model and cut (and plans and runs each ``--plan`` layout) N times, interleaved (the
+``--repeats N`` runs every model and cut (and plans and runs every ``--plan`` layout) N times, interleaved (the
 machine drifts alike for all), and prints the median predicted and measured steps, the median error and every run's
 error.
 
 Run: ``python benchmarks/step_model.py [--models gpt2 bert ...] [--steps 9] [--microbatches 4] [--repeats 3] [--fit]
-[--plan]``: a few seconds per model and run on two idle cores.
+[--plan [--plan-model llama] [--plan-top 4]]``: a few seconds per model, layout and run on two idle cores.
 """
 from __future__ import annotations
 
@@ -58,7 +61,8 @@ from smp.testing import run_ranks  # noqa: E402
 from smp.zoo import NAMES  # noqa: E402
 
 GOAL = 0.25
-PLAN_GOAL = 0.15
+PLAN_GOAL = 0.25
+LLAMA = f"{Path(__file__).resolve()}:llama_7m"  # smp plan's TARGET of the user's Llama
 
 
 def _step_function(z: Any) -> Any:
@@ -91,33 +95,90 @@ def worker(rank: int, world: int, cfg: dict) -> dict[str, Any] | None:
     return {**timed, **_plan_rows(model)} if rank == 0 else None
 
 
-def plan_worker(rank: int, world: int, cfg: dict) -> tuple[float, float] | None:
-    """Train ``cfg["model"]`` with the smp config ``smp plan`` wrote; rank 0 returns the median step and the step
-    ``smp plan`` predicts for the same layout (fixed degrees) from ops it times right before the timed steps."""
-    import smp
+def llama_7m() -> tuple[torch.nn.Module, tuple]:
+    """``smp plan``'s TARGET for a user's model: a ``transformers`` Llama of 7.2M parameters (4 layers, hidden 256,
+    intermediate 688, 4 heads, vocabulary 8,000) whose forward returns the loss of next-token prediction, and one
+    microbatch of 4 sequences of 64 tokens (65 ids)."""
+    return _Llama(), (torch.randint(0, 8000, (4, 65), generator=torch.Generator().manual_seed(0)),)
+
+
+class _Llama(torch.nn.Module):
+    def __init__(self) -> None:
+        import transformers
+
+        super().__init__()
+        torch.manual_seed(0)
+        cfg = transformers.LlamaConfig(num_hidden_layers=4, hidden_size=256, intermediate_size=688,
+                                       num_attention_heads=4, num_key_value_heads=4, vocab_size=8000,
+                                       max_position_embeddings=64, use_cache=False)
+        self.model = transformers.LlamaForCausalLM(cfg)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        logits = self.model(input_ids=ids[:, :-1]).logits
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+
+
+def _plan_target(name: str, batch: int) -> tuple[torch.nn.Module, tuple, dict, Callable[[Any], Any]]:
+    """The model ``--plan`` trains (a zoo name, or "llama"), its inputs for ``batch`` samples and its loss of the
+    model's output."""
+    if name == "llama":
+        model, (ids,) = llama_7m()
+        return model, (torch.randint(0, 8000, (batch, ids.shape[1]), generator=torch.Generator().manual_seed(1)),), \
+            {}, lambda loss: loss
     from smp import zoo
+
+    z = zoo.build(name, batch=batch)
+    return z.model, z.args, z.kwargs, lambda out: z.loss_fn(out, z.target)
+
+
+def plan_worker(rank: int, world: int, cfg: dict) -> tuple[float, float] | None:
+    """Train ``cfg["model"]`` with the smp config ``smp plan`` wrote and Adam; rank 0 returns the median step (the
+    optimizer step in it) and the step ``smp plan`` predicts for the same layout (fixed degrees) from ops it times
+    right after the warm-up steps."""
+    import torch.distributed as dist
+
+    import smp
 
     torch.set_num_threads(1)
     pin(rank, cfg)
     smp.init(cfg["config"])  # the file smp plan wrote, and the plan beside it (partition_file) where it has a cut
-    z = zoo.build(cfg["model"], batch=cfg["global_batch"] // smp.dp_size())
+    net, args, kwargs, loss_of = _plan_target(cfg["model"], cfg["global_batch"] // smp.dp_size())
     # Without a plan file, the ops priced as smp plan priced them (timed; a tp stage cannot be timed in one process)
-    model = smp.DistributedModel(z.model, trace_execution_times=cfg["tp"] == 1)
-    train_step = _step_function(z)
+    model = smp.DistributedModel(net, trace_execution_times=cfg["tp"] == 1)
+    opt = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-4))
+
+    @smp.step
+    def train_step(model: Any, args: tuple, kwargs: dict) -> torch.Tensor:
+        loss = loss_of(model(*args, **kwargs))
+        model.backward(loss)
+        return loss
 
     again: list[float] = []
+    times = []
+    for i in range(cfg["steps"] + 2):
+        dist.barrier()
+        t0 = time.perf_counter()
+        train_step(model, args, kwargs)
+        opt.step()
+        opt.zero_grad()
+        dist.barrier()
+        if i >= 2:  # two warm-up steps: the first partitions
+            times.append(time.perf_counter() - t0)
+        if i == 0:
+            pin(rank, cfg)  # gloo's threads, started since
+        if i == 1 and rank == 0:  # while its peer waits: the layout priced in the steps' own minute
+            again.append(_priced(cfg["target"], cfg["fixed"]))
+    return (statistics.median(times), again[0]) if rank == 0 else None
 
-    def price_again() -> None:  # rank 0, while its peer waits: the layout priced in the steps' own minute
-        import tempfile
 
-        from smp.cli import main as smp_main
+def _priced(target: str, options: list[str], config: Path | None = None) -> float:
+    """The ``step_s`` of ``smp plan TARGET OPTIONS`` (its best layout), writing its smp config to ``config``."""
+    import tempfile
 
-        with tempfile.TemporaryDirectory() as tmp:
-            code = smp_main(["plan", f"zoo:{cfg['model']}", "--json", f"{tmp}/again.json", "-q", *cfg["fixed"]])
-            again.append(json.loads(Path(tmp, "again.json").read_text())["layouts"][0]["step_s"] if not code else 0.0)
-
-    timed = _timed_steps(rank, cfg, z, model, train_step, after_warm_up=price_again if rank == 0 else None)
-    return (timed["measured_s"], again[0]) if rank == 0 else None
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp, "plan.json")
+        _quiet_plan([target, "--json", str(out), *options, *(["--config", str(config)] if config else [])])
+        return float(json.loads(out.read_text())["layouts"][0]["step_s"])
 
 
 def _fixed(best: dict, global_batch: int) -> list[str]:
@@ -129,39 +190,77 @@ def _fixed(best: dict, global_batch: int) -> list[str]:
             "--placement", best["smp_config"]["placement_strategy"]]  # the config's name: the option takes it
 
 
-def plan_rows(args: argparse.Namespace) -> list[tuple[str, float, float, float]]:
-    """(layout, predicted step, measured step, predicted again beside the steps) of smp plan's proposal and its best
-    with --pp 2, each planned and run ``--repeats`` times, interleaved."""
+def _describe(row: dict) -> str:
+    return (f"pp{row['pp']} tp{row['tp']} dp{row['dp']} sdp{row['sdp']}{' zero1' if row['zero1'] else ''}, "
+            f"{row['microbatches']} x {row['microbatch_size']}, {row['schedule']}"
+            f"{', ckpt' if row['checkpointing'] != 'none' else ''}")
+
+
+def plan_rows(args: argparse.Namespace) -> list[tuple[int, int, str, float, float, float]]:
+    """(repeat, rank in that repeat's smp plan order, layout, predicted step, measured step, predicted again beside
+    the steps) of smp plan's ``--plan-top`` best layouts, each priced with its degrees fixed and run, for each of
+    ``--repeats`` plannings (the ops timed afresh each time, so the order may change)."""
     import tempfile
 
-    from smp.cli import main as smp_main
-
+    target = LLAMA if args.plan_model == "llama" else f"zoo:{args.plan_model}"
     rows = []
-    for label, extra in [("proposal", []), ("--pp 2", ["--pp", "2"])] * args.repeats:
+    for repeat in range(args.repeats):
         with tempfile.TemporaryDirectory() as tmp:
-            out, cfg_file = Path(tmp, "plan.json"), Path(tmp, "config.json")
-            code = smp_main(["plan", f"zoo:{args.plan_model}", "--devices", "2", "--global-batch",
-                             str(args.plan_batch), "--top", "1", "-q", "--json", str(out), "--config", str(cfg_file),
-                             *extra])
-            if code:
-                raise SystemExit(f"smp plan {label} failed ({code})")
-            best = json.loads(out.read_text())["layouts"][0]
-            cfg = {"model": args.plan_model, "steps": args.steps, "global_batch": args.plan_batch, "pin": args.pin,
-                   "config": str(cfg_file), "tp": best["tp"], "fixed": _fixed(best, args.plan_batch)}
-            measured, again = run_ranks(plan_worker, 2, cfg, timeout=900, pg_timeout=300)[0]
-        layout = (f"{label}: pp{best['pp']} tp{best['tp']} dp{best['dp']} sdp{best['sdp']}, {best['microbatches']} x "
-                  f"{best['microbatch_size']}, {best['schedule']}")
-        rows.append((layout, best["step_s"], measured, again))
+            out = Path(tmp, "plan.json")
+            _quiet_plan([target, "--devices", "2", "--global-batch", str(args.plan_batch), "--top",
+                         str(args.plan_top), "--json", str(out)])
+            for k, row in enumerate(json.loads(out.read_text())["layouts"]):
+                fixed = _fixed(row, args.plan_batch)
+                config = Path(tmp, f"config{k}.json")
+                predicted = _priced(target, fixed, config)  # the same layout alone, and its config and cut
+                cfg = {"model": args.plan_model, "target": target, "steps": args.steps, "pin": args.pin,
+                       "global_batch": args.plan_batch, "config": str(config), "tp": row["tp"], "fixed": fixed}
+                measured, again = run_ranks(plan_worker, 2, cfg, timeout=900, pg_timeout=300)[0]
+                rows.append((repeat, k, _describe(row), predicted, measured, again))
     return rows
 
 
-def _timed_steps(rank: int, cfg: dict, z: Any, model: Any, train_step: Any, batch: tuple | None = None,
-                 after_warm_up: Callable[[], None] | None = None) -> dict:
-    """The median of ``cfg["steps"]`` steps after two warm-up steps (then ``after_warm_up()``, if given), each from a
-    barrier to a barrier."""
+def print_plan_rows(rows: list[tuple[int, int, str, float, float, float]]) -> None:
+    """Per layout (in order of its median predicted step): the median predicted and measured steps, the median
+    error and each run's; then, per planning, whether its choice measured the fastest of the layouts it ran."""
+    print(f"{'layout':<44} {'runs':>4} {'predicted':>10} {'measured':>10} {'error':>7}  within {PLAN_GOAL:.0%}  "
+          f"{'priced beside the steps':>23}  errors of the runs")
+    layouts = sorted({r[2] for r in rows}, key=lambda lay: statistics.median(r[3] for r in rows if r[2] == lay))
+    for lay in layouts:
+        mine = [r for r in rows if r[2] == lay]
+        errs = sorted(p / m - 1 for *_, p, m, _ in mine)
+        err = statistics.median(errs)
+        beside = statistics.median(a / m - 1 for *_, m, a in mine)
+        print(f"{lay:<44} {len(mine):>4} {statistics.median(r[3] for r in mine) * 1e3:>7.1f} ms "
+              f"{statistics.median(r[4] for r in mine) * 1e3:>7.1f} ms {err:>+7.1%}  "
+              f"{'yes' if abs(err) <= PLAN_GOAL else 'NO ':<10} {beside:>+22.1%}   "
+              + " ".join(f"{e:+.0%}" for e in errs))
+    for repeat in sorted({r[0] for r in rows}):
+        mine = sorted((r for r in rows if r[0] == repeat), key=lambda r: r[1])
+        fastest = min(mine, key=lambda r: r[4])
+        print(f"planning {repeat + 1}: smp plan's choice {mine[0][2]} measured {mine[0][4] * 1e3:.1f} ms; the fastest "
+              f"of its {len(mine)}: {fastest[2]} ({fastest[4] * 1e3:.1f} ms, the choice "
+              f"{mine[0][4] / fastest[4] - 1:+.1%})")
+
+
+def _quiet_plan(argv: list[str]) -> None:
+    """``smp plan ARGV -q``, its table not printed (its JSON and config are what is read)."""
+    import contextlib
+    import io
+
+    from smp.cli import main as smp_main
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        code = smp_main(["plan", *argv, "-q"])
+    if code:
+        raise SystemExit(f"smp plan {' '.join(argv)} failed ({code})")
+
+
+def _timed_steps(rank: int, cfg: dict, z: Any, model: Any, train_step: Any) -> dict:
+    """The median of ``cfg["steps"]`` steps after two warm-up steps, each from a barrier to a barrier."""
     import torch.distributed as dist
 
-    args, kwargs, target = batch or (z.args, z.kwargs, z.target)
+    args, kwargs, target = z.args, z.kwargs, z.target
     times = []
     for i in range(cfg["steps"] + 2):
         z.model.zero_grad(set_to_none=True)
@@ -173,8 +272,6 @@ def _timed_steps(rank: int, cfg: dict, z: Any, model: Any, train_step: Any, batc
             times.append(time.perf_counter() - t0)
         if i == 0:
             pin(rank, cfg)  # gloo's threads, started since
-        if i == 1 and after_warm_up is not None:
-            after_warm_up()
     return {"measured_s": statistics.median(times)}
 
 
@@ -231,7 +328,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fit", action="store_true", help="also print the per-pass and per-step costs that fit best")
     ap.add_argument("--save", metavar="FILE", help="also write the measured rows as JSON")
     ap.add_argument("--plan", action="store_true", help="also run the layouts smp plan proposes for 2 CPU ranks")
-    ap.add_argument("--plan-model", default="gpt2", choices=NAMES, help="the zoo model --plan plans (default gpt2)")
+    ap.add_argument("--plan-model", default="gpt2", choices=[*NAMES, "llama"],
+                    help="the model --plan plans: a zoo name (default gpt2) or llama (llama_7m, a user's model)")
+    ap.add_argument("--plan-top", type=int, default=4, help="how many of smp plan's best layouts --plan runs")
     ap.add_argument("--plan-batch", type=int, default=16, help="--plan's global batch (default 16)")
     ap.add_argument("--no-pin", dest="pin", action="store_false", help="do not pin rank r to core r")
     args = ap.parse_args(argv)
@@ -268,21 +367,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name:<10} {cut:<10} {p * 1e3:>12.2f} {measured * 1e3:>12.2f} {err:>+8.1%}  "
                   f"{'yes' if abs(err) <= GOAL else 'NO'}{spread}")
     if args.plan:
-        print(f"\nsmp plan --devices 2 --global-batch {args.plan_batch} for zoo:{args.plan_model}, each layout's "
-              f"config trained on 2 ranks (goal: within {PLAN_GOAL:.0%})")
-        runs = plan_rows(args)
-        for label in ("proposal", "--pp 2"):
-            mine = [r for r in runs if r[0].startswith(label + ":")]
-            errs = sorted(p / m - 1 for _, p, m, _ in mine)
-            err = statistics.median(errs)
-            spread = "  (" + " ".join(f"{e:+.0%}" for e in errs) + ")" if len(errs) > 1 else ""
-            print(f"  {' | '.join(sorted(set(r[0] for r in mine)))}: predicted "
-                  f"{statistics.median(p for _, p, _, _ in mine) * 1e3:.2f} ms, measured "
-                  f"{statistics.median(m for _, _, m, _ in mine) * 1e3:.2f} ms, {err:+.1%} "
-                  f"{'yes' if abs(err) <= PLAN_GOAL else 'NO'}{spread}")
-            beside = sorted(a / m - 1 for _, _, m, a in mine)
-            print(f"    priced again by rank 0 just before the timed steps: {statistics.median(beside):+.1%}"
-                  + ("  (" + " ".join(f"{e:+.0%}" for e in beside) + ")" if len(beside) > 1 else ""))
+        print(f"\nsmp plan --devices 2 --global-batch {args.plan_batch} for {args.plan_model}: its {args.plan_top} "
+              f"best layouts, each trained on 2 ranks with Adam, the optimizer step in the step (goal: within "
+              f"{PLAN_GOAL:.0%})")
+        print_plan_rows(plan_rows(args))
     if args.fit and rows:
         p, s = fit(rows, args.microbatches)
         print(f"best fit: pass_overhead_s = {p:.2e}, step_overhead_s = {s:.2e}")

@@ -76,8 +76,9 @@ class DeviceRates:
     ``step_overhead_s``: what our runtime pays per pass (one stage's forward or backward of a microbatch) and per
     step beyond the ops (:mod:`pipeline.step_model`; measured for the ``cpu`` profile, 0 for the others).
     ``collective_overhead_s``: what one collective (all-reduce, all-gather) costs beyond its ring's transfers and link
-    latencies: gloo's rounds of thread wake-ups on a CPU host (measured for the ``cpu`` profile: 1.5 ms on a 2-core
-    VM, where the link's latency prices a point-to-point message at 50 us), 0 for the others.
+    latencies: gloo's thread wake-ups and the ranks' skew on a CPU host, between a rank's ops (measured for the
+    ``cpu`` profile: 2.3 to 3 ms on a 2-core VM, where the link's latency prices a point-to-point message at 50 us),
+    0 for the others.
     """
 
     flops_per_s: float = 5.0e10

@@ -10,7 +10,7 @@ pipeline), ``smp.DistributedModel`` and an ``@smp.step`` function with its loss 
 :data:`MICROBATCHES` microbatches. Each count's median step (barrier to barrier) is set against the step model of the
 plan the run made, its ops timed on this machine: the per-pass cost is the one whose predictions, each with the best
 per-step cost, fit the measured steps best (least squares on the relative error,
-:func:`partitioner.cost.runtime_fit.fit_runtime_costs`). Then the ranks time 4 KB all-reduces, each after a few
+:func:`partitioner.cost.runtime_fit.fit_runtime_costs`). Then the ranks time 512 KB all-reduces, each after a few
 milliseconds of compute as a rank's collectives come between its ops: what one takes beyond the link's price for it
 is the per-collective cost (:attr:`partitioner.DeviceRates.collective_overhead_s`; gloo's threads waking and the
 ranks' skew make it 40 to 60 times a message's latency here).
@@ -99,18 +99,19 @@ def _rank(rank: int, world: int, steps: int) -> list[dict[str, Any]] | None:
     return [*rows, {"collective_s": collective_s}] if rank == 0 else None
 
 
-def _collective_s(repeats: int = 7, calls: int = 10) -> float:
-    """Seconds of one all-reduce of 4 KB between the ranks beyond what the link prices for it (its transfers and
-    ring latencies), as a rank pays it between its ops: each call follows a few milliseconds of compute, so it also
-    pays its gloo threads' wake-up and the ranks' skew, which back-to-back calls hide (2 to 3 ms against 1 ms here).
-    The median of ``repeats`` runs of ``calls`` compute-and-collective rounds less the median of the same rounds
-    without the collective, the two alternating, each run from a barrier."""
+def _collective_s(repeats: int = 9, calls: int = 10) -> float:
+    """Seconds of one all-reduce between the ranks beyond what the link prices for it (its transfers and ring
+    latencies), as a rank pays it between its ops: each call, of a 512 KB tensor (a small model's activations, what
+    a tensor-parallel collective moves), follows a few milliseconds of compute, so it also pays its gloo threads'
+    wake-up and the ranks' skew, which back-to-back calls hide (3 to 5 ms against 1 ms here). The median of
+    ``repeats`` runs of ``calls`` compute-and-collective rounds less the median of the same rounds without the
+    collective, the two alternating, each run from a barrier."""
     import torch.distributed as dist
 
     from partitioner.cost.calibration import calibrate
     from partitioner.cost.collectives import all_reduce_s
 
-    flat, a, w = torch.zeros(1024), torch.randn(256, 256), torch.randn(256, 1024)
+    flat, a, w = torch.zeros(128 * 1024), torch.randn(256, 256), torch.randn(256, 1024)
 
     def run(collective: bool) -> float:
         dist.barrier()

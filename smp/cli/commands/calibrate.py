@@ -56,7 +56,7 @@ def run(ns: argparse.Namespace) -> int:
             ("fresh memory", f"{format_bytes(rates.grad_bytes_per_s)}/s", "a step's new weight gradients"),
             ("per pass", format_seconds(rates.pass_overhead_s), how),
             ("per step", format_seconds(rates.step_overhead_s), how),
-            ("per collective", format_seconds(rates.collective_overhead_s), how + " (a 4 KB all-reduce)")]
+            ("per collective", format_seconds(rates.collective_overhead_s), how + " (a 512 KB all-reduce between ops)")]
     print("\n".join(table(("rate", "value", "what"), rows, left=(0, 2))))
     if measured:
         counts = sorted(int(k.rsplit("_", 1)[1]) for k in measured if k.startswith("measured_s_"))

@@ -49,7 +49,7 @@ def test_ring_collectives_cost_their_share_of_the_bytes_plus_a_latency_per_step(
 def test_a_collective_pays_the_runtimes_cost_once_and_the_gradient_average_its_copies() -> None:
     import dataclasses
 
-    gloo = dataclasses.replace(LINK, collective_overhead_s=1.5e-3)  # the cpu profile's: gloo's rounds of wake-ups
+    gloo = dataclasses.replace(LINK, collective_overhead_s=1.5e-3)  # a cpu profile's: gloo's wake-ups, skew
     assert all_reduce_s(8e6, 4, gloo) == pytest.approx(all_reduce_s(8e6, 4, LINK) + 1.5e-3)
     assert all_gather_s(8e6, 4, gloo) == pytest.approx(all_gather_s(8e6, 4, LINK) + 1.5e-3)
     assert all_reduce_s(8e6, 1, gloo) == all_gather_s(0, 4, gloo) == 0.0  # no collective, no cost
