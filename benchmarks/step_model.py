@@ -118,17 +118,17 @@ class _Llama(torch.nn.Module):
         return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
 
 
-def _plan_target(name: str, batch: int) -> tuple[torch.nn.Module, tuple, dict, Callable[[Any], Any]]:
-    """The model ``--plan`` trains (a zoo name, or "llama"), its inputs for ``batch`` samples and its loss of the
-    model's output."""
+def _plan_target(name: str, batch: int) -> tuple[torch.nn.Module, tuple, dict, Any, Callable[[Any, Any], Any]]:
+    """The model ``--plan`` trains (a zoo name, or "llama"), its inputs and target for ``batch`` samples (a step's
+    arguments, split into microbatches) and its loss of the model's output and the target."""
     if name == "llama":
         model, (ids,) = llama_7m()
-        return model, (torch.randint(0, 8000, (batch, ids.shape[1]), generator=torch.Generator().manual_seed(1)),), \
-            {}, lambda loss: loss
+        ids = torch.randint(0, 8000, (batch, ids.shape[1]), generator=torch.Generator().manual_seed(1))
+        return model, (ids,), {}, None, lambda loss, _: loss
     from smp import zoo
 
     z = zoo.build(name, batch=batch)
-    return z.model, z.args, z.kwargs, lambda out: z.loss_fn(out, z.target)
+    return z.model, z.args, z.kwargs, z.target, z.loss_fn
 
 
 def plan_worker(rank: int, world: int, cfg: dict) -> tuple[float, float] | None:
@@ -142,14 +142,14 @@ def plan_worker(rank: int, world: int, cfg: dict) -> tuple[float, float] | None:
     torch.set_num_threads(1)
     pin(rank, cfg)
     smp.init(cfg["config"])  # the file smp plan wrote, and the plan beside it (partition_file) where it has a cut
-    net, args, kwargs, loss_of = _plan_target(cfg["model"], cfg["global_batch"] // smp.dp_size())
+    net, args, kwargs, target, loss_of = _plan_target(cfg["model"], cfg["global_batch"] // smp.dp_size())
     # Without a plan file, the ops priced as smp plan priced them (timed; a tp stage cannot be timed in one process)
     model = smp.DistributedModel(net, trace_execution_times=cfg["tp"] == 1)
     opt = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-4))
 
     @smp.step
-    def train_step(model: Any, args: tuple, kwargs: dict) -> torch.Tensor:
-        loss = loss_of(model(*args, **kwargs))
+    def train_step(model: Any, args: tuple, kwargs: dict, target: Any) -> torch.Tensor:
+        loss = loss_of(model(*args, **kwargs), target)
         model.backward(loss)
         return loss
 
@@ -158,7 +158,7 @@ def plan_worker(rank: int, world: int, cfg: dict) -> tuple[float, float] | None:
     for i in range(cfg["steps"] + 2):
         dist.barrier()
         t0 = time.perf_counter()
-        train_step(model, args, kwargs)
+        train_step(model, args, kwargs, target)
         opt.step()
         opt.zero_grad()
         dist.barrier()

@@ -92,8 +92,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if params:
                 groups.append({**{k: v for k, v in g.items() if k not in ("params", "initial_lr")}, "params": params})
                 self._zero_groups.append(i)
+        # Parameters as views of one bucket per owner rank: the step's weights go out in one broadcast per rank, not
+        # one per parameter (a broadcast costs gloo 2 to 3 ms between ops: GPT-2's step took 2.2x plain dp's).
         self._zero = ZeroRedundancyOptimizer(groups, optimizer_class=type(self.optimizer),
-                                             process_group=state.get().group("reduced-data-parallel"), **defaults)
+                                             process_group=state.get().group("reduced-data-parallel"),
+                                             parameters_as_bucket_view=True, **defaults)
 
     @property
     def state_sharded(self) -> bool:

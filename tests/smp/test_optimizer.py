@@ -36,6 +36,13 @@ def _sharded(rank: int, world: int, scaled: bool, optimizer: str):
         return loss
 
     d, n = smp.dp_rank(), smp.dp_size()
+    broadcasts = []
+    real = torch.distributed.broadcast
+
+    def counted(*args, **kwargs):  # what ZeRO's step sends: the updated weights, one bucket per owner rank
+        broadcasts.append(1)
+        return real(*args, **kwargs)
+
     for step in range(3):
         x, y = make_batch(step)
         ref_opt.zero_grad()
@@ -43,7 +50,9 @@ def _sharded(rank: int, world: int, scaled: bool, optimizer: str):
         ref_opt.step()
         ref_sched.step()
         train_step(model, x.chunk(n)[d], y.chunk(n)[d])
+        torch.distributed.broadcast = counted
         scaler.step(opt)  # through the DistributedOptimizer, so the sharded step runs
+        torch.distributed.broadcast = real
         scaler.update()
         opt.zero_grad()
         sched.step()
@@ -60,7 +69,7 @@ def _sharded(rank: int, world: int, scaled: bool, optimizer: str):
     reloaded = opt.state_dict()
     model_sd, ref_sd = model.state_dict(), reference.state_dict()
     return {"param_err": param_err(model, reference), "local_params": len(local), "state_entries": held,
-            "pp_rank": smp.pp_rank(), "sharded": opt._zero is not None and saved.get("_smp_zero", False),
+            "pp_rank": smp.pp_rank(), "broadcasts": len(broadcasts), "sharded": opt._zero is not None and saved.get("_smp_zero", False),
             "state_keys": sorted(full["state"]) == sorted(want["state"]), "state_err": state_err,
             "lr": full["param_groups"][0]["lr"] == want["param_groups"][0]["lr"],
             "reloaded": all(torch.equal(reloaded["state"][i]["exp_avg"], v["exp_avg"])
@@ -80,6 +89,7 @@ def test_shard_optimizer_state_pp2_dp2(scaled, optimizer):
         assert 0 < r["state_entries"] < r["local_params"], r  # each replica keeps only its part of the state
         assert r["state_keys"] and r["state_err"] < 1e-3 and r["lr"], r  # full state_dict() == one device's
         assert r["reloaded"], r
+        assert r["broadcasts"] == 3 * 2 < 3 * r["local_params"], r  # a bucket per owner of 2 replicas, not per weight
         assert r["model_sd"], r  # the gathered model state_dict() == the reference's
     for stage in (0, 1):  # the replicas of a stage hold disjoint parts that cover its parameters
         rs = [r for r in results if r["pp_rank"] == stage]
