@@ -69,7 +69,8 @@ def _sharded(rank: int, world: int, scaled: bool, optimizer: str):
     reloaded = opt.state_dict()
     model_sd, ref_sd = model.state_dict(), reference.state_dict()
     return {"param_err": param_err(model, reference), "local_params": len(local), "state_entries": held,
-            "pp_rank": smp.pp_rank(), "broadcasts": len(broadcasts), "sharded": opt._zero is not None and saved.get("_smp_zero", False),
+            "pp_rank": smp.pp_rank(), "broadcasts": len(broadcasts),
+            "sharded": opt._zero is not None and saved.get("_smp_zero", False),
             "state_keys": sorted(full["state"]) == sorted(want["state"]), "state_err": state_err,
             "lr": full["param_groups"][0]["lr"] == want["param_groups"][0]["lr"],
             "reloaded": all(torch.equal(reloaded["state"][i]["exp_avg"], v["exp_avg"])
