@@ -236,14 +236,15 @@ class SelectiveCosts(LayoutCosts):
     """:class:`partitioner.layout.costs.LayoutCosts` whose backward seconds include the recomputation of
     torchtitan's op-level selective activation checkpointing (:func:`selective_share` of each op's forward)."""
 
-    def costs(self, tp: int, size: int) -> NodeCosts:
+    def costs(self, tp: int, size: int, ep: int = 1, across: DeviceRates | None = None, cp: int = 1) -> NodeCosts:
         """The per-op seconds, each op's backward with its recomputed share of its forward added (cached)."""
-        done: dict[tuple[int, int], NodeCosts] = self.__dict__.setdefault("_selective", {})
-        if (tp, size) not in done:
-            base = super().costs(tp, size)
-            extra = base.forward_s * selective_share(self.graph(tp, size))
-            done[tp, size] = dataclasses.replace(base, backward_s=base.backward_s + extra)
-        return done[tp, size]
+        done: dict[tuple, NodeCosts] = self.__dict__.setdefault("_selective", {})
+        key = (tp, size, ep, across, cp)
+        if key not in done:
+            base = super().costs(tp, size, ep, across, cp)
+            extra = base.forward_s * selective_share(self.graph(tp, size, ep, cp))
+            done[key] = dataclasses.replace(base, backward_s=base.backward_s + extra)
+        return done[key]
 
 
 def fit(ratios: Callable[[float, float], Sequence[float]], compute: Sequence[float] = GRID["compute"],
