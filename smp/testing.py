@@ -25,11 +25,11 @@ import torch.multiprocessing as mp
 from smp.runtime import state
 from smp.runtime.rank_env import RANK_ENV, rank_environment
 
-__all__ = ["run_ranks"]
+__all__ = ["run_ranks", "process_context"]
 
 
 # What the fork server imports before it forks ranks, of what the caller has imported (transformers: 2 s alone).
-_PRELOAD = ("torch", "torch.distributed", "smp", "smp.testing", "transformers")
+_PRELOAD = ("torch", "torch.distributed", "smp", "smp.testing", "transformers", "pipeline")
 
 
 @functools.cache
@@ -41,10 +41,11 @@ def _fork_server() -> tuple[Any, dict[str, str | None]]:
     return ctx, {k: os.environ.get(k) for k in RANK_ENV}
 
 
-def _context() -> Any:
-    """The processes ranks start in: forked from a fork server that imported :data:`_PRELOAD` once (the server, not
-    the caller, is forked: no threads or CUDA state are inherited); spawned where there is no fork server, or where
-    the caller's :data:`~smp.runtime.rank_env.RANK_ENV` is not the one the server started with."""
+def process_context() -> Any:
+    """The multiprocessing context ranks (and a test's other processes) start in: forked from a fork server that
+    imported :data:`_PRELOAD` once (the server, not the caller, is forked: no threads or CUDA state are inherited);
+    spawned where there is no fork server, or where the caller's :data:`~smp.runtime.rank_env.RANK_ENV` is not the
+    one the server started with."""
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx, started_with = _fork_server()
@@ -94,7 +95,7 @@ def run_ranks(fn: Callable, world: int, *args: Any, timeout: float = 120.0, pg_t
                           timeout=datetime.timedelta(seconds=pg_timeout))
     port = store.port
     with rank_environment():
-        ctx = _context()
+        ctx = process_context()
         results = ctx.Queue()
         env = dict(os.environ)
         procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, results, pg_timeout, env), daemon=True)

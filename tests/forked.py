@@ -2,16 +2,16 @@
 
 A test that runs ``python -m smp.cli ...`` or ``python -c CODE`` as a user would spends 3 to 4 s of its CPU
 importing torch, transformers and the engine before the first line of the command runs, and the default run has
-dozens of them. :func:`run` runs the same command in a process forked from the fork server that
-:func:`smp.testing.run_ranks` uses (forked from a process that imported those modules and did nothing else: no
-threads, no state of the test's process): its own environment, working directory and file descriptors 1 and 2 (so
-what C code and child processes print is captured too), its exit status the command's. What only a real interpreter
-shows (``python -m smp.cli`` as the entry point, what importing the command imports, Ctrl-C) stays tested with
-:mod:`subprocess` where it is tested.
+dozens of them. :func:`run` runs the same command in a process started as :func:`smp.testing.run_ranks` starts ranks
+(:func:`smp.testing.process_context`: forked from a fork server that imported those modules and did nothing else —
+no threads, no state of the test's process — or spawned where that server's environment is not the caller's): its
+own environment, working directory and file descriptors 1 and 2 (so what C code and child processes print is
+captured too), its exit status the command's. What only a real interpreter shows (``python -m smp.cli`` as the
+entry point, what importing the command imports, ``smp launch``'s torchrun, consoles and Ctrl-C) stays tested with
+:mod:`subprocess`.
 """
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import subprocess
 import sys
@@ -21,10 +21,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 __all__ = ["run", "smp_cli", "python_code"]
-
-# Imported by the fork server before it forks (only those the test process has imported already are preloaded).
-_PRELOAD = ("torch", "torch.distributed", "transformers", "pipeline", "smp", "smp.cli", "smp.testing")
-
 
 def smp_cli(argv: Sequence[str]) -> int:
     """``python -m smp.cli ARGV`` in this process: the command's exit status."""
@@ -70,8 +66,9 @@ def run(fn_args: tuple, *, cwd: Path, env: dict[str, str], timeout: float) -> su
     its own, in ``cwd`` with environment ``env``; what :func:`subprocess.run` with ``capture_output=True,
     text=True`` returns. Past ``timeout`` seconds the process is killed and :class:`subprocess.TimeoutExpired`
     raised, as :func:`subprocess.run` does."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload([m for m in _PRELOAD if m in sys.modules])  # only before the server starts
+    from smp.testing import process_context
+
+    ctx = process_context()
     with tempfile.TemporaryDirectory() as tmp:
         out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
         out.touch()

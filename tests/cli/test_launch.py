@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.cli.helpers import REPO, ok, one_line_error, smp, smp_env
+from tests.cli.helpers import REPO, ok, one_line_error, smp_env
+from tests.cli.helpers import smp_process as smp  # torchrun, consoles, signals: the real process
 
 
 def test_dry_run_prints_the_command_it_runs(tmp_path: Path, capsys, monkeypatch) -> None:

@@ -15,7 +15,8 @@ import psutil
 import pytest
 import torch
 
-from tests.cli.helpers import REPO, ok, smp, smp_env
+from tests.cli.helpers import REPO, ok, smp_env
+from tests.cli.helpers import smp_process as smp  # torchrun, consoles, signals: the real process
 
 _STEP = re.compile(r"^step (\d+)/(\d+) loss (\S+)$", re.M)
 _STEPS = 12
