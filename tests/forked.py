@@ -22,6 +22,7 @@ from pathlib import Path
 
 __all__ = ["run", "smp_cli", "python_code"]
 
+
 def smp_cli(argv: Sequence[str]) -> int:
     """``python -m smp.cli ARGV`` in this process: the command's exit status."""
     from smp.cli.entry import main
