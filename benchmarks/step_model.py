@@ -91,8 +91,9 @@ def worker(rank: int, world: int, cfg: dict) -> dict[str, Any] | None:
     model = smp.DistributedModel(z.model, trace_execution_times=cfg["timed_cut"])
     train_step = _step_function(z)
 
-    timed = _timed_steps(rank, cfg, z, model, train_step)
-    return {**timed, **_plan_rows(model)} if rank == 0 else None
+    measured = _timed_steps(rank, cfg, lambda: train_step(model, z.args, z.kwargs, z.target),
+                            before=lambda: z.model.zero_grad(set_to_none=True))
+    return {"measured_s": measured, **_plan_rows(model)} if rank == 0 else None
 
 
 def llama_7m() -> tuple[torch.nn.Module, tuple]:
@@ -135,8 +136,6 @@ def plan_worker(rank: int, world: int, cfg: dict) -> tuple[float, float] | None:
     """Train ``cfg["model"]`` with the smp config ``smp plan`` wrote and Adam; rank 0 returns the median step (the
     optimizer step in it) and the step ``smp plan`` predicts for the same layout (fixed degrees) from ops it times
     right after the warm-up steps."""
-    import torch.distributed as dist
-
     import smp
 
     torch.set_num_threads(1)
@@ -153,22 +152,18 @@ def plan_worker(rank: int, world: int, cfg: dict) -> tuple[float, float] | None:
         model.backward(loss)
         return loss
 
-    again: list[float] = []
-    times = []
-    for i in range(cfg["steps"] + 2):
-        dist.barrier()
-        t0 = time.perf_counter()
+    def step() -> None:
         train_step(model, args, kwargs, target)
         opt.step()
         opt.zero_grad()
-        dist.barrier()
-        if i >= 2:  # two warm-up steps: the first partitions
-            times.append(time.perf_counter() - t0)
-        if i == 0:
-            pin(rank, cfg)  # gloo's threads, started since
-        if i == 1 and rank == 0:  # while its peer waits: the layout priced in the steps' own minute
-            again.append(_priced(cfg["target"], cfg["fixed"]))
-    return (statistics.median(times), again[0]) if rank == 0 else None
+
+    again: list[float] = []
+
+    def price_again() -> None:  # rank 0, while its peer waits: the layout priced in the steps' own minute
+        again.append(_priced(cfg["target"], cfg["fixed"]))
+
+    measured = _timed_steps(rank, cfg, step, after_warm_up=price_again if rank == 0 else None)
+    return (measured, again[0]) if rank == 0 else None
 
 
 def _priced(target: str, options: list[str], config: Path | None = None) -> float:
@@ -256,23 +251,27 @@ def _quiet_plan(argv: list[str]) -> None:
         raise SystemExit(f"smp plan {' '.join(argv)} failed ({code})")
 
 
-def _timed_steps(rank: int, cfg: dict, z: Any, model: Any, train_step: Any) -> dict:
-    """The median of ``cfg["steps"]`` steps after two warm-up steps, each from a barrier to a barrier."""
+def _timed_steps(rank: int, cfg: dict, step: Callable[[], Any], before: Callable[[], Any] | None = None,
+                 after_warm_up: Callable[[], Any] | None = None) -> float:
+    """The median of ``cfg["steps"]`` calls of ``step`` after two warm-up calls (then ``after_warm_up()``, if
+    given), each from a barrier to a barrier (``before()`` ahead of the barrier, untimed)."""
     import torch.distributed as dist
 
-    args, kwargs, target = z.args, z.kwargs, z.target
     times = []
     for i in range(cfg["steps"] + 2):
-        z.model.zero_grad(set_to_none=True)
+        if before is not None:
+            before()
         dist.barrier()
         t0 = time.perf_counter()
-        train_step(model, args, kwargs, target)
+        step()
         dist.barrier()
         if i >= 2:  # two warm-up steps: the first partitions
             times.append(time.perf_counter() - t0)
         if i == 0:
             pin(rank, cfg)  # gloo's threads, started since
-    return {"measured_s": statistics.median(times)}
+        if i == 1 and after_warm_up is not None:
+            after_warm_up()
+    return statistics.median(times)
 
 
 def _plan_rows(model: Any) -> dict:

@@ -11,6 +11,7 @@ so can a user trying the engine on one machine without ``smp launch``.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import functools
 import os
@@ -18,6 +19,7 @@ import pickle
 import queue
 import sys
 import traceback
+from collections.abc import Iterator
 from typing import Any, Callable
 
 import torch.multiprocessing as mp
@@ -41,15 +43,20 @@ def _fork_server() -> tuple[Any, dict[str, str | None]]:
     return ctx, {k: os.environ.get(k) for k in RANK_ENV}
 
 
-def process_context() -> Any:
-    """The multiprocessing context ranks (and a test's other processes) start in: forked from a fork server that
-    imported :data:`_PRELOAD` once (the server, not the caller, is forked: no threads or CUDA state are inherited);
-    spawned where there is no fork server, or where the caller's :data:`~smp.runtime.rank_env.RANK_ENV` is not the
-    one the server started with."""
-    if "forkserver" not in mp.get_all_start_methods():
-        return mp.get_context("spawn")
-    ctx, started_with = _fork_server()
-    return ctx if started_with == {k: os.environ.get(k) for k in RANK_ENV} else mp.get_context("spawn")
+@contextlib.contextmanager
+def process_context() -> Iterator[Any]:
+    """The multiprocessing context ranks (and a test's other processes) start in, with the ranks' environment
+    (:func:`~smp.runtime.rank_env.rank_environment`) while the block runs, so that processes started in it, and the
+    fork server when they are its first, start with it: forked from a fork server that imported :data:`_PRELOAD`
+    once (the server, not the caller, is forked: no threads or CUDA state are inherited); spawned where there is no
+    fork server, or where the caller's :data:`~smp.runtime.rank_env.RANK_ENV` is not the one the server started
+    with."""
+    with rank_environment():
+        if "forkserver" not in mp.get_all_start_methods():
+            yield mp.get_context("spawn")
+            return
+        ctx, started_with = _fork_server()
+        yield ctx if started_with == {k: os.environ.get(k) for k in RANK_ENV} else mp.get_context("spawn")
 
 
 def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, results: Any, pg_timeout: float,
@@ -94,8 +101,7 @@ def run_ranks(fn: Callable, world: int, *args: Any, timeout: float = 120.0, pg_t
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=pg_timeout))
     port = store.port
-    with rank_environment():
-        ctx = process_context()
+    with process_context() as ctx:
         results = ctx.Queue()
         env = dict(os.environ)
         procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, results, pg_timeout, env), daemon=True)

@@ -67,17 +67,14 @@ def run(fn_args: tuple, *, cwd: Path, env: dict[str, str], timeout: float) -> su
     its own, in ``cwd`` with environment ``env``; what :func:`subprocess.run` with ``capture_output=True,
     text=True`` returns. Past ``timeout`` seconds the process is killed and :class:`subprocess.TimeoutExpired`
     raised, as :func:`subprocess.run` does."""
-    from smp.runtime.rank_env import rank_environment
     from smp.testing import process_context
 
     with tempfile.TemporaryDirectory() as tmp:
         out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
         out.touch()
         err.touch()
-        # As run_ranks starts its ranks: the one fork server, if this starts it, starts with the ranks' environment
-        # (another one would send every later run_ranks to spawn); the child then takes ``env``.
-        with rank_environment():
-            proc = process_context().Process(target=_child, args=(fn_args, str(cwd), env, str(out), str(err)))
+        with process_context() as ctx:  # as run_ranks starts its ranks; the child then takes ``env``
+            proc = ctx.Process(target=_child, args=(fn_args, str(cwd), env, str(out), str(err)))
             proc.start()
         proc.join(timeout)
         if proc.is_alive():

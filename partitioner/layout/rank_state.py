@@ -19,8 +19,7 @@ __all__ = ["rank_memory", "rank_update"]
 def rank_memory(layout: Layout, mine: Sequence[StageMemory], received: Sequence[int]) -> tuple[float, float]:
     """(parameter state, activations at the peak) of a pipeline rank holding stages ``mine``, which received
     ``received`` bytes per microbatch each."""
-    optimizer = sum(s.optimizer_bytes for s in mine) / (layout.dp if layout.zero1 else 1)
-    state = sum(s.weights_bytes + s.gradient_bytes + s.master_bytes for s in mine) + optimizer
+    state = sum(s.weights_bytes + s.gradient_bytes + s.master_bytes for s in mine) + rank_update(layout, mine)[0]
     if layout.checkpointing == "full":
         acts = sum(s.in_flight * r for s, r in zip(mine, received)) + max(s.activation_bytes_per_microbatch
                                                                           for s in mine)

@@ -310,8 +310,8 @@ class LayoutScorer:
 
     def exposed(self, layout: Layout, score: Score) -> Score:
         """``score`` (of :meth:`score` with ``exposed=False``) with its exposed communication."""
-        quiet = self._quiet_step(layout) + score.optimizer_s
-        return dataclasses.replace(score, exposed_comm_s=max(0.0, score.step_s - quiet))
+        quiet = self._quiet_step(layout)  # the optimizer step is not communication
+        return dataclasses.replace(score, exposed_comm_s=max(0.0, score.step_s - score.optimizer_s - quiet))
 
     def _quiet_step(self, layout: Layout) -> float:
         """The layout's pipeline step with free communication (no stage sends, tp collectives or sdp gathers)."""
@@ -368,13 +368,12 @@ class LayoutScorer:
         flops = self.costs.model_flops(layout.microbatch_size) * m * layout.groups * 3  # a training step
         out = from_counts(step, samples, None if per_sample is None else round(samples * per_sample), flops,
                           layout.devices, peak_of(self.rates, o.dtype))
-        return Score(step_s=step, pipeline_s=sim.step_s, dp_comm_s=after, samples_per_s=out.samples_per_s,
-                     tokens_per_s=out.tokens_per_s, flops_per_s_per_device=out.flops_per_s_per_device, mfu=out.mfu,
-                     memory_bytes=int(round(sum(held[worst]))), budget_bytes=self.budget, bubble=sim.bubble,
-                     exposed_comm_s=max(0.0, step - (done - after) - self._quiet_step(layout)) if exposed
-                     else math.nan,
-                     tp_comm_s=float(tp_step), parameter_bytes=int(round(held[worst][0])),
-                     activation_bytes=int(round(held[worst][1])), optimizer_s=done - after)
+        score = Score(step_s=step, pipeline_s=sim.step_s, dp_comm_s=after, samples_per_s=out.samples_per_s,
+                      tokens_per_s=out.tokens_per_s, flops_per_s_per_device=out.flops_per_s_per_device, mfu=out.mfu,
+                      memory_bytes=int(round(sum(held[worst]))), budget_bytes=self.budget, bubble=sim.bubble,
+                      exposed_comm_s=math.nan, tp_comm_s=float(tp_step), parameter_bytes=int(round(held[worst][0])),
+                      activation_bytes=int(round(held[worst][1])), optimizer_s=done - after)
+        return self.exposed(layout, score) if exposed else score
 
     def sharded(self, layout: Layout, plan: PartitionPlan,
                 in_flight: Sequence[int] | None = None) -> list[ShardedRank]:
