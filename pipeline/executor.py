@@ -144,28 +144,32 @@ class Executor:
         offload = self.offload if train else None
         if offload is not None:
             offload.start(self.schedule.actions[self.rank], self.checkpointed)
-        for index, action in enumerate(self.schedule.actions[self.rank]):
-            kind = action.kind
-            if not train and kind not in _FORWARD_ONLY:
-                continue
-            if offload is not None:
-                offload.advance(index)
-            if action.is_comm:
-                with self._detail(action, "comm"):
-                    (self._post if kind.startswith("RECV") else self._send)(action)
-                continue
-            span = self.recorder.span(str(action)) if self.recorder else _NULL
-            with span:
-                if kind == "F":
-                    ctx = before_forward(action.microbatch) if before_forward else None
-                    with ctx if ctx is not None else nullcontext():
-                        out = self._forward(action, inputs_of, loss_hook, train)
-                    if out is not None and keep_outputs:
-                        results[action.microbatch] = out
-                elif kind == "B":
-                    self._backward(action)
-                else:
-                    self._weight(action)
+        try:
+            for index, action in enumerate(self.schedule.actions[self.rank]):
+                kind = action.kind
+                if not train and kind not in _FORWARD_ONLY:
+                    continue
+                if offload is not None:
+                    offload.advance(index)
+                if action.is_comm:
+                    with self._detail(action, "comm"):
+                        (self._post if kind.startswith("RECV") else self._send)(action)
+                    continue
+                span = self.recorder.span(str(action)) if self.recorder else _NULL
+                with span:
+                    if kind == "F":
+                        ctx = before_forward(action.microbatch) if before_forward else None
+                        with ctx if ctx is not None else nullcontext():
+                            out = self._forward(action, inputs_of, loss_hook, train)
+                        if out is not None and keep_outputs:
+                            results[action.microbatch] = out
+                    elif kind == "B":
+                        self._backward(action)
+                    else:
+                        self._weight(action)
+        finally:  # a stage's last unit, kept whole through the step, is not reused once its shards change
+            if self.gather is not None:
+                self.gather.end_step()
         with self._detail("wait sends", "wait"):
             self.transport.flush()
         return results

@@ -128,6 +128,10 @@ class Unit:
         """Bytes of the unit's parameters whole."""
         return sum(p.numel() * p.element_size() for p in self.params)
 
+    def versions(self) -> tuple[int, ...]:
+        """The version counters of this rank's shards: they change when an optimizer steps them in place."""
+        return tuple(p.to_local()._version for p in self.params)
+
     def start_gather(self) -> Gathering:
         """Launch the unit's all-gather (asynchronous; every rank of the sharding group launches the same)."""
         flat = torch.empty(self.numel, dtype=self.dtype, device=self.device)

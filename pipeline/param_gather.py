@@ -53,7 +53,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from pipeline.gather_units import Gathering, Reducing, Unit, units_of
 
-__all__ = ["GatheredParams", "GatherEvent", "is_sharded", "shard_of"]
+__all__ = ["GatheredParams", "GatherEvent", "is_sharded", "kept", "shard_of"]
 
 
 def is_sharded(t: Any) -> bool:
@@ -116,6 +116,10 @@ class GatheredParams:
     _final_seen: dict[int, int] = field(default_factory=dict)  # id(param) -> its gradients in the final backward
     _reducing: list[Reducing] = field(default_factory=list)  # reduce-scatters in flight
     _reduced: set[Unit] = field(default_factory=set)  # units reduced this step already
+    _owned: set[int] = field(default_factory=set)  # id(param) whose gradient buffer is this object's to add into
+    _kept: dict[Unit, tuple[tuple[int, ...], dict[int, torch.Tensor]]] = field(default_factory=dict)  # a stage's
+    # last unit, whole this step: its shards' versions when gathered, and each parameter's whole value
+    _backward_prefetched: bool = False  # the running backward launched its first gather
 
     def insert(self, gm: torch.fx.GraphModule) -> int:
         """Rewrite ``gm`` so that each ``get_attr`` of a sharded parameter is followed by its ``gather`` and every
@@ -148,8 +152,15 @@ class GatheredParams:
 
     def whole(self, param: torch.Tensor) -> torch.Tensor:
         """``param`` whole for a forward's reader: its unit gathered at its first read in the pass (see the module
-        docstring), the whole value held until its last read in the pass."""
+        docstring), the whole value held until its last read in the pass, or, in a stage's last unit, until the
+        step ends (:meth:`end_step`)."""
         unit, key = self._unit[id(param)], id(param)
+        if kept(unit):
+            held = self._kept.get(unit)
+            if held is None or held[0] != unit.versions():  # gathered, or gathered again if a shard has changed
+                held = self._kept[unit] = (unit.versions(),
+                                           dict(zip(map(id, unit.params), self._gathered(unit, backward=False))))
+            return held[1][key]
         wholes = self._fwd.get(unit)
         if wholes is None:
             wholes = self._fwd[unit] = dict(zip(map(id, unit.params), self._gathered(unit, backward=False)))
@@ -177,16 +188,20 @@ class GatheredParams:
         self._buffer_bytes -= pending.nbytes
         del pending  # its buffers go before the next unit's are made, as partitioner.sdp.units prices it
         if backward:
-            after = next((u for u in reversed(unit.order[:unit.index]) if u in self._regather), None)
+            after = self._regathered_before(unit)
         else:
             after = unit.order[unit.index + 1] if unit.index + 1 < len(unit.order) else None
-        if after is not None and after not in self._pending:
+        if after is not None and after not in self._pending and after not in self._kept:
             self._pending[after] = self._start(after)
         if self.record:
             held = max(copied_out, self.held_bytes)
             self.trace.extend(GatherEvent(name, backward, out.numel() * out.element_size(), held)
                               for name, out in zip(unit.names, wholes))
         return wholes
+
+    def _regathered_before(self, unit: Unit) -> Unit | None:
+        """The unit before ``unit`` in its stage's order whose weights a backward gathers again, if any."""
+        return next((u for u in reversed(unit.order[:unit.index]) if u in self._regather), None)
 
     def _start(self, unit: Unit) -> Gathering:
         g = unit.start_gather()
@@ -210,14 +225,21 @@ class GatheredParams:
     def accumulate(self, param: torch.Tensor, grad: torch.Tensor) -> None:
         """Add ``grad`` (whole) to ``param``'s gradient buffer of this step; in the final backward, launch the
         reduction of ``param``'s unit once each of its parameters has all its gradients."""
-        held = self._grads.get(id(param))
-        if held is None:
-            self._grads[id(param)] = (param, grad.detach().clone(memory_format=torch.contiguous_format))
-        else:
+        held, unit = self._grads.get(id(param)), self._unit[id(param)]
+        if held is None:  # autograd's own tensor, not copied: another node may read it, so never added into
+            self._grads[id(param)] = (param, grad.detach())
+        elif id(param) in self._owned:
             held[1].add_(grad)
+        else:
+            self._grads[id(param)] = (param, held[1] + grad)
+            self._owned.add(id(param))
+        if kept(unit) and not self._backward_prefetched:  # the backward's first gather: launched as it starts
+            self._backward_prefetched = True
+            before = self._regathered_before(unit)
+            if before is not None and before not in self._pending:
+                self._pending[before] = self._start(before)
         if self.final:
             self._final_seen[id(param)] = self._final_seen.get(id(param), 0) + 1
-            unit = self._unit[id(param)]
             if all(self._final_seen.get(id(p), 0) >= self._reads.get(id(p), 1)
                    for p in unit.params if p.requires_grad):
                 self._reduce(unit)
@@ -231,11 +253,19 @@ class GatheredParams:
     def release(self) -> None:
         """The end of a stage's backward: drop what it gathered (the executor calls it)."""
         self._held = []
+        self._backward_prefetched = False
+
+    def end_step(self) -> None:
+        """The end of a step's passes (the executor calls it, whatever happened): the stages' last units, kept whole
+        through the step, are dropped before the optimizer changes their shards."""
+        self._kept.clear()
+        self._fwd.clear()
+        self._left.clear()
 
     def _pack(self, t: torch.Tensor) -> Any:
         key = _storage_key(t) if self._live else None
         found = self._live.get(key) if key is not None else None
-        if found is None:
+        if found is None or kept(self._unit[id(found[0])]):  # a kept unit's weights are whole until the step ends
             return t
         self._regather.add(self._unit[id(found[0])])
         return _Ref(found[0], found[1], tuple(t.shape), tuple(t.stride()), int(t.storage_offset()))
@@ -275,6 +305,7 @@ class GatheredParams:
             self._buffer_bytes -= g.nbytes
         self._reducing, self._pending, self._held = [], {}, []
         self._grads.clear()
+        self._owned.clear()
         self._final_seen.clear()
         self._reduced.clear()
 
@@ -297,6 +328,13 @@ class _Ref:
     shape: tuple[int, ...]
     stride: tuple[int, ...]
     offset: int
+
+
+def kept(unit: Unit) -> bool:
+    """Is ``unit`` its stage's last of two or more, gathered once a step and kept whole until the step ends? Its
+    backward comes first and at once, as FSDP keeps its root unit unsharded after the forward; the planner prices
+    the memory (:func:`partitioner.sdp.units.gathered_peak`)."""
+    return unit.index == len(unit.order) - 1 > 0
 
 
 def _storage_key(t: torch.Tensor) -> int | None:

@@ -42,9 +42,8 @@ def sdp_passes(layout: Layout, plan: PartitionPlan, graph: OpGraph, threshold: i
     if layout.sdp == 1:
         return 0.0, 0.0, None
     if not overlap or link.collectives_on_host:
-        gather = np.array([r.gather_forward_s for r in sharded_dp(plan, graph, layout.sdp, replicas=layout.dp,
-                                                                  threshold=threshold, link=link)])
-        return gather, gather, None
+        ranks = sharded_dp(plan, graph, layout.sdp, replicas=layout.dp, threshold=threshold, link=link)
+        return (np.array([r.gather_forward_s for r in ranks]), np.array([r.gather_backward_s for r in ranks]), None)
     fwd, bwd, tail = overlapped(collectives(plan, graph, layout.sdp, threshold, link), forward_s, backward_s)
     return fwd, bwd, np.bincount(np.arange(layout.stages) % layout.pp, weights=tail, minlength=layout.pp)
 

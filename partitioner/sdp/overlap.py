@@ -15,8 +15,9 @@ it adds to the compute, ``first + last + max(0, comm - first - last - compute)``
 The units are :func:`partitioner.sdp.units.group_units`' (one block of the layer list each; what the runtime
 gathers), one collective per unit, so one ring's latency per unit, not per parameter. Per stage and microbatch
 (:func:`stage_collectives`, :func:`overlapped`): the forward's gathers in the order the stage first reads the units;
-the backward's gathers again (``reshard_after_forward``) in the reverse order; the reduce-scatters in the backward
-of the step's last microbatch only (the gradient accumulates whole over the microbatches, as
+the backward's gathers again (``reshard_after_forward``) in the reverse order but the last unit's, which stays whole
+from the forward (FSDP's root unit; the first gather launched as the backward starts); the reduce-scatters in the
+backward of the step's last microbatch only (the gradient accumulates whole over the microbatches, as
 :mod:`partitioner.sdp.shards` prices it), completed last for the unit read first. What the reduce-scatters add to
 that last backward is exposed after the pipeline (the tail), where the scorer puts the end-of-step reduction.
 ``smp plan``, ``smp inspect --sdp`` and ``smp simulate --sdp`` price sharded data parallelism so;
@@ -92,7 +93,9 @@ def overlapped(collectives: Sequence[StageCollectives], forward_s: Sequence[floa
             continue
         gathers, scatters = sum(c.gathers_s), sum(c.scatters_s)
         fwd[s] = exposed_s(f, gathers, first_s=c.gathers_s[0])
-        bwd[s] = exposed_s(b, gathers, first_s=c.gathers_s[-1])
-        last = exposed_s(b, gathers + scatters, first_s=c.gathers_s[-1], last_s=c.scatters_s[0])
+        # the last unit (of two or more) stays whole into the backward, which launches the next gather as it starts
+        again, first = (gathers - c.gathers_s[-1], 0.0) if len(c.gathers_s) > 1 else (gathers, gathers)
+        bwd[s] = exposed_s(b, again, first_s=first)
+        last = exposed_s(b, again + scatters, first_s=first, last_s=c.scatters_s[0])
         tail[s] = last - bwd[s]
     return fwd, bwd, tail

@@ -8,7 +8,8 @@ elements (SMP's ``sdp_param_persistence_threshold``) that only one stage uses is
 weights used on two stages; buffers are not parameters) stay whole on every replica and are all-reduced as in plain
 data parallelism. The sharded parameters are gathered and reduced a unit at a time (:mod:`partitioner.sdp.units`: a
 block of the model's layer list, one flat collective each): a unit is all-gathered where the stage first reads it,
-the next one prefetched meanwhile, and gathered again in the backward: two all-gathers per unit and microbatch. Its
+the next one prefetched meanwhile, and gathered again in the backward: two all-gathers per unit and microbatch, but
+one per step for a stage's last unit (of two or more), kept whole from its forward to the step's end. Its
 gradients accumulate whole over the step's microbatches and are reduce-scattered once per step, in the stage's last
 backward as soon as they are complete, two units at most in flight: with one microbatch only the units in flight are
 whole, with more every sharded gradient of the stage is whole until that last backward. With ``replicas`` (R) above D
@@ -258,7 +259,7 @@ def sharded_dp(plan: PartitionPlan, graph: OpGraph, degree: int, *, replicas: in
             gradient_peak=float(grads[whole].sum()) + _gradient_peak(units.gradients, degree,
                                                                      opts.get("microbatches", 1) == 1),
             gathered=gathered, alive=alive,
-            gather_s=float(sum(all_gather_s(w, degree, link) for w in units.weights)),
+            gathers_s=[all_gather_s(w, degree, link) for w in units.weights],
             scatter_s=float(sum(all_gather_s(g, degree, link) for g in units.gradients)),
             # The whole parameters' gradients over every replica, then each shard's over the R / D groups.
             reduce_s=(gradient_all_reduce_s(float(grads[whole].sum()), replicas, device, replica_link)
@@ -289,8 +290,16 @@ class _Stage:
     gradient_peak: float
     gathered: float
     alive: list[int]
-    gather_s: float
+    gathers_s: list[float]  # per unit, in forward order
     scatter_s: float
+
+    def gather_s(self, microbatches: int) -> tuple[float, float]:
+        """Seconds of all-gathers per microbatch's forward and backward: every unit but the last (of two or more),
+        gathered once a step and kept whole to the step's end (:func:`partitioner.sdp.units.gathered_peak`)."""
+        if len(self.gathers_s) < 2:
+            return sum(self.gathers_s), sum(self.gathers_s)
+        rest = sum(self.gathers_s[:-1])
+        return rest + self.gathers_s[-1] / microbatches, rest
     reduce_s: float
     params: int
     sharded: int
@@ -307,12 +316,12 @@ def _rank(rank: int, stages: list[int], rows: list[_Stage], graph: OpGraph, degr
     def rest(name: str) -> int:
         return round(sum(row.at_rest[name] for row in mine))
 
-    gather = sum(row.gather_s for row in mine)
+    forward, backward = (sum(pair) for pair in zip(*(row.gather_s(microbatches) for row in mine)))
     return ShardedRank(
         rank=rank, stages=tuple(stages), degree=degree, replicas=replicas, params=sum(row.params for row in mine),
         sharded=sum(row.sharded for row in mine), weights_bytes=rest("weights"), gradient_bytes=rest("gradients"),
         gradient_peak_bytes=round(sum(row.gradient_peak for row in mine)), optimizer_bytes=rest("optimizer"),
         master_bytes=rest("master"), gathered_bytes=round(peak.gathered),
         activation_bytes=sum(row.activations for row in mine), gathered=tuple(graph.param_names[p] for p in peak.alive),
-        gather_forward_s=gather, gather_backward_s=gather, reduce_scatter_s=sum(row.scatter_s for row in mine),
+        gather_forward_s=forward, gather_backward_s=backward, reduce_scatter_s=sum(row.scatter_s for row in mine),
         all_reduce_s=sum(row.reduce_s for row in mine), microbatches=microbatches)

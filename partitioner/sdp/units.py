@@ -13,7 +13,9 @@ output (its whole bytes) and input (its shard) live from its launch until its pa
 whole tensor that lives until the parameter's last read of the pass; the next unit's all-gather is launched once the
 current one is copied out (forward and backward prefetch), so a unit computes beside the next one's buffers, and is
 copied out beside whatever of the earlier units' parameters is still read. The backward gathers the units again in
-reverse, each held until the one before it is gathered.
+reverse, each held until the one before it is gathered. A stage's last unit (of two or more) is gathered once a
+step and kept whole until the step ends: the backward starts with it (FSDP keeps its root unit so), and a later
+microbatch's forward reads it again.
 """
 from __future__ import annotations
 
@@ -143,14 +145,17 @@ def gathered_peak(graph: OpGraph, ops: np.ndarray, units: StageUnits, weights: n
             live[start] += weights[p]
             live[max(int(last[p]), start) + 1] -= weights[p]
     whole = np.cumsum(live)[:-1]
-    best, at = 0.0, (0, 0)
+    kept = units.weights[-1] if n > 1 else 0.0  # the last unit, whole from its first gather to the step's end
+    best, at = 0.0, (0, 0, 0)
     for i, start in enumerate(units.first):
         stop = units.first[i + 1] if i + 1 < n else len(ops)
         after = (float(whole[start:max(stop, start + 1)].max()) + buffers[i + 1], i + 1) if i + 1 < n else (0.0, i)
         before = (units.weights[i] + buffers[i - 1], i - 1) if i else (0.0, i)
         # forward: copied out beside its own buffers, then computing beside the next unit's; backward (in
-        # reverse): copied out beside its own buffers, then computing beside the previous unit's
+        # reverse): copied out beside its own buffers, then computing beside the previous unit's; beside the
+        # last unit, kept (a later microbatch's forward, or the backward)
+        extra = kept if i < n - 1 else 0.0
         for held, other in ((float(whole[start]) + buffers[i], i), after, before):
-            if held > best:
-                best, at = held, (i, other)
+            if held + extra > best:
+                best, at = held + extra, (i, other, n - 1 if extra else i)
     return best, sorted({p for u in set(at) for p in units.params[u]})

@@ -33,10 +33,11 @@ def test_inspect_sdp_2_divides_the_parameter_state_and_prices_the_gathers(capsys
     out, plan = _inspect(capsys, tmp_path, "--sdp", "2", "--sdp-threshold", "10000")
     assert "grads at rest" in out and "parameters sharded over 2 replicas" in out
     assert "sharded data parallelism: degree 2 of 2 replicas per stage" in out and "16 of 53 parameters" in out
-    # a block whole, copied out of its all-gather's buffers (whole and a half: the output and this rank's input)
-    assert ("gathered at the peak of stage(s) 0: 1.9 MiB (transformer.h.0.attn.c_attn.weight, "
-            "transformer.h.0.attn.c_proj.weight, transformer.h.0.mlp.c_fc.weight, transformer.h.0.mlp.c_proj.weight)"
-            in out)
+    # a block whole, copied out of its all-gather's buffers (whole and a half: the output and this rank's input),
+    # beside the stage's last block (its four weights more), whole from its first gather to the step's end
+    assert ("gathered at the peak of stage(s) 0: 2.6 MiB (transformer.h.0.attn.c_attn.weight, "
+            "transformer.h.0.attn.c_proj.weight, transformer.h.0.mlp.c_fc.weight, transformer.h.0.mlp.c_proj.weight, "
+            "... 4 more)" in out)
     sdp, memory = plan["sharded_data_parallel"], plan["memory"]
     assert sdp["degree"] == sdp["replicas"] == 2 and sdp["threshold"] == 10_000 and sdp["link"]["name"] == "loopback"
     for r, m in zip(sdp["ranks"], memory):

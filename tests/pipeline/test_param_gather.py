@@ -124,17 +124,35 @@ def _units(rank: int, world: int, rows: int):
         out = whole(self, param)
         events.append(("read", self._unit[id(param)].index))
         return out
+    launched_early: list[bool] = []
+    unpack = GatheredParams._unpack
+
+    def logged_unpack(self, packed):  # when the backward first needs a gathered weight: already launched?
+        if hasattr(packed, "param") and not launched_early:
+            launched_early.append(bool(events[len(forward):]))
+        return unpack(self, packed)
     gather_units.Unit.start_gather, GatheredParams.whole = logged_start, logged_whole
+    GatheredParams._unpack = logged_unpack  # before the forward: saving() hands its hooks the bound methods
     with CommDebugMode() as forward_comm, gathered.saving():
         y = gm(x)
     forward = list(events)
+    kept_after_forward = gathered.live_bytes
+    last_unit = max(gathered._unit.values(), key=lambda u: u.index)
     gathered.final = True  # the step's only backward: each unit reduced as soon as its gradients are in
     with CommDebugMode() as backward_comm:
         (y ** 2).sum().backward()
-    gather_units.Unit.start_gather, GatheredParams.whole = start, whole
+    gather_units.Unit.start_gather, GatheredParams.whole, GatheredParams._unpack = start, whole, unpack
     again = events[len(forward):]
     with CommDebugMode() as end_comm:
         gathered.reduce_gradients(gm.parameters())
+    gathered.final = False
+    with torch.no_grad(), CommDebugMode() as same_step:
+        y_again = gm(x)  # the same step: the last unit is whole still, not gathered again
+    with torch.no_grad(), CommDebugMode() as changed:
+        gm.head.weight.to_local().add_(1.0)  # an optimizer's in-place step: the kept copy is stale now
+        y_changed = gm(x)
+    gathered.end_step()  # as the executor does when the step's passes are over
+    whole_after_step = gathered.live_bytes
     units = {u.index: u.names for u in gathered._unit.values()}
 
     def counts(comm):
@@ -143,7 +161,10 @@ def _units(rank: int, world: int, rows: int):
             "grad_err": max(float((p.grad.full_tensor() - grads[n]).abs().max()) for n, p in gm.named_parameters()),
             "units": [units[i] for i in sorted(units)], "events": forward, "again": again,
             "forward": counts(forward_comm), "backward": counts(backward_comm), "end": counts(end_comm),
-            "held": max(e.live_bytes for e in gathered.trace),
+            "held": max(e.live_bytes for e in gathered.trace), "kept_after_forward": kept_after_forward,
+            "whole_after_step": whole_after_step, "same_step": counts(same_step), "changed": counts(changed),
+            "again_equal": torch.equal(y_again, y), "changed_differs": not torch.equal(y_changed, y),
+            "last_unit_bytes": last_unit.whole_nbytes, "first_again_before_needed": launched_early == [True],
             "local": {n: tuple(p.grad.to_local().shape) for n, p in gm.named_parameters()}}
 
 
@@ -163,15 +184,23 @@ def test_units_gathered_by_one_collective_each_prefetched_and_reduced_as_they_co
         assert [names[0] for names in r["units"]] == ["stem.weight", "blocks.0.0.weight", "blocks.1.0.weight",
                                                       "blocks.2.0.weight", "norm.weight"], r["units"]
         assert r["forward"] == {"_allgather_base_": 5}, r  # one all-gather per unit
-        # the backward gathers again the units whose weights it needs (all: the input's gradient needs the stem's),
-        # and reduce-scatters each unit as its gradients complete, before the step's end
-        assert r["backward"] == {"_allgather_base_": 5, "_reduce_scatter_base_": 5}, r
+        # the backward gathers again the units whose weights it needs (all: the input's gradient needs the stem's)
+        # but the last, kept whole from the forward, and reduce-scatters each unit as its gradients complete,
+        # before the step's end
+        assert r["backward"] == {"_allgather_base_": 4, "_reduce_scatter_base_": 5}, r
         assert r["end"] == {}, r
+        assert r["kept_after_forward"] == r["last_unit_bytes"] > 0, r  # the norm and head, whole, and nothing else
+        assert r["whole_after_step"] == 0, r  # nothing whole between steps
+        # another forward of the step reads the kept unit as it is; once its shard changes, it is gathered again
+        assert r["same_step"] == {"_allgather_base_": 4} and r["again_equal"], r
+        assert r["changed"] == {"_allgather_base_": 5} and r["changed_differs"], r
         # forward prefetch: unit i + 1's all-gather starts before any of unit i's parameters is read
         events = r["events"]
         for i in range(4):
             assert events.index(("start", i + 1)) < events.index(("read", i)), events
-        assert r["again"] == [("start", i) for i in (4, 3, 2, 1, 0)], r["again"]  # each once, in reverse
+        assert r["again"] == [("start", i) for i in (3, 2, 1, 0)], r["again"]  # each once, in reverse
+        # the backward's first gather is launched by the last unit's gradients, before the backward needs it
+        assert r["first_again_before_needed"], r
     assert [r["local"]["blocks.0.0.weight"] for r in results] == [(3, 7), (2, 7)]  # uneven shards, as the parameter
     assert [r["local"]["head.weight"] for r in results] == [(2, 7), (1, 7)]
 
@@ -181,7 +210,7 @@ def test_units_under_hybrid_sharding_reduce_over_the_rows_too():
     for r in run_ranks(_units, 4, 2, timeout=300):  # 2 replica rows x a sharding group of 2
         assert r["out"] == 0.0 and r["grad_err"] < 1e-6, r
         assert {k: v for k, v in r["backward"].items() if k != "allreduce_"} == {
-            "_allgather_base_": 5, "_reduce_scatter_base_": 5}, r
+            "_allgather_base_": 4, "_reduce_scatter_base_": 5}, r
         # the rows' sums, one per unit: of the units whose reduce-scatter is waited for in the backward (two at
         # most in flight), and of the last two at the step's end
         assert r["backward"]["allreduce_"] == 3 and r["end"] == {"allreduce_": 2}, r

@@ -49,9 +49,10 @@ def test_units_are_blocks_and_runs_outside_them_cut_at_a_blocks_bytes() -> None:
 def test_overlapped_passes_and_the_reduce_scatter_tail() -> None:
     c = StageCollectives(gathers_s=(1.0, 2.0, 3.0), scatters_s=(0.5, 1.0, 1.0))
     fwd, bwd, tail = overlapped([c, StageCollectives((), ())], [10.0, 1.0], [1.0, 1.0])
-    assert fwd[0] == 1.0 and bwd[0] == 3.0 + max(0.0, 6.0 - 3.0 - 1.0)  # backward: compute hides 1 s of 3
-    # the last backward: the first gather, the last reduce-scatter, and what 1 s of compute leaves of the rest
-    assert tail[0] == pytest.approx(3.0 + 0.5 + max(0.0, 8.5 - 3.0 - 0.5 - 1.0) - bwd[0])
+    # backward: the last unit stays whole from the forward, and 1 s of compute hides 1 s of the other 3
+    assert fwd[0] == 1.0 and bwd[0] == 2.0
+    # the last backward: the last reduce-scatter, and what 1 s of compute leaves of the rest
+    assert tail[0] == pytest.approx(0.5 + max(0.0, 5.5 - 0.5 - 1.0) - bwd[0])
     assert fwd[1] == bwd[1] == tail[1] == 0.0
 
 
