@@ -47,9 +47,9 @@ class PartitionOptions:
     ``trace_execution_times=False``); where the ops cannot run here one by one (no weights, functorch transforms,
     tensor-parallel shards, autocast, another device's profile) the cost model's prices stay.
     ``split_heavy_linears``: compute a linear layer that outweighs half a stage's share (a large vocabulary's LM
-    head) in column chunks that the stages share (:mod:`partitioner.capture.chunk`);
-    off by default: the chunks' outputs cross the link to the stage that computes the loss, and the plan is
-    kept only when it is better with that priced in (``benchmarks/end_to_end.py --split-heavy-linears``).
+    head) in column chunks that the stages share (:mod:`partitioner.capture.chunk`); the chunks' outputs cross the
+    link to the stage that computes the loss, so the plan is kept only when it is better with that priced in
+    (``benchmarks/end_to_end.py`` against ``--no-split-heavy-linears``).
     ``seed``: METIS's seed (plans are deterministic for a seed).
     """
 
@@ -66,7 +66,7 @@ class PartitionOptions:
     rates: DeviceRates | None = None
     measure: bool = False
     time_prices: bool = False
-    split_heavy_linears: bool = False
+    split_heavy_linears: bool = True
     seed: int = 0
 
     def __post_init__(self) -> None:

@@ -54,7 +54,7 @@ def test_a_heavy_head_is_split_and_the_stages_compute_the_models_outputs_and_gra
     chunks = [stage[plan.graph.names.index(f"linear_cols{i}")] for i in range(plan.split_ops["linear"])]
     assert set(chunks) == {0, 1}, f"the chunks should be spread over both stages: {chunks}"
     # Balance is what the split buys: the unsplit plan's bottleneck is the head's stage.
-    unsplit = partition(trace(model, (ids[:2],)), 2, rates=FAST, microbatches=2)
+    unsplit = partition(trace(model, (ids[:2],)), 2, rates=FAST, microbatches=2, split_heavy_linears=False)
     assert unsplit.split_ops == {} and plan.bottleneck < unsplit.bottleneck
     costs, before = [s.cost_s for s in plan.stages], [s.cost_s for s in unsplit.stages]
     assert max(costs) / min(costs) < 1.1 and max(before) / min(before) > 1.5, (costs, before)
@@ -102,9 +102,11 @@ def test_a_plan_with_split_ops_binds_to_a_fresh_trace_and_names_what_does_not_fi
         split_columns(trace(model, (ids[:2],)), {"nope": 2})
 
 
-def test_off_by_default_and_never_for_one_stage():
+def test_on_by_default_kept_only_where_better_and_never_for_one_stage():
     model, ids, _ = _gpt2()
     graph = trace(model, (ids[:2],))
+    assert PartitionOptions().split_heavy_linears
+    # the default profile's link prices the chunks' logits above what the balance gains: the unsplit plan stays
     assert partition(graph, 2, rates=DeviceRates()).split_ops == {}
     p = make_problem(graph, 1, rates=DeviceRates())
     assert heavy_linears(graph, p.time, 1) == {} and set(heavy_linears(graph, p.time, 2)) == {"linear"}
