@@ -8,7 +8,8 @@ two stages (tied embeddings) holds its summed gradient on both.
 
 So every rank writes the norm of each gradient it holds into a vector indexed by the parameter's position in
 the model, zero elsewhere, and one all-reduce with MAX over the world fills in every entry: copies agree,
-and a rank that does not hold a parameter contributes 0, below any norm. The total is then combined as one
+and a rank that does not hold a parameter contributes 0, below any norm (with one stage and DDP's averaging every
+rank holds every entry already, and the all-reduce is skipped). The total is then combined as one
 device would, from per-tensor norms (``clip_grad_norm_``'s order). Gradients of parameters outside the
 DistributedModel are added locally. A gradient in parts on several ranks (a tensor-parallel shard, a DTensor
 sharded over sharded-data-parallel replicas, :mod:`smp.engine.sharded_dp`, or both) has its norm put together from
@@ -41,6 +42,12 @@ def _tp_sharded(st: State | None) -> set[int]:
         return set()
     names = set(st.model.tensor_parallel_layout().shards)
     return {id(p) for n, p in st.model.module.named_parameters() if n in names}
+
+
+def _replicas_only(st: State) -> bool:
+    """Does every rank hold the whole model's parameters but its sdp shards, with the same averaged gradients (one
+    stage, no tensor or expert parallelism, DDP's averaging)? Then each rank's per-parameter norms are the world's."""
+    return st.topology.pp == 1 and st.topology.tp == 1 and st.config.expert_parallel_degree == 1 and st.config.ddp
 
 
 def global_grad_norm(params: Iterable[torch.Tensor], norm_type: float = 2.0, st: State | None = None) -> torch.Tensor:
@@ -81,7 +88,7 @@ def global_grad_norm(params: Iterable[torch.Tensor], norm_type: float = 2.0, st:
         dist.all_reduce(tp_parts, op=op, group=st.group("tensor-parallel") if st is not None else None)
     whole = torch.maximum(sdp_parts, tp_parts)  # the sum over every part of each sharded gradient
     per_param = torch.maximum(per_param, whole if inf else whole ** (1.0 / norm_type))
-    if index and st is not None and st.topology.world > 1:
+    if index and st is not None and st.topology.world > 1 and not _replicas_only(st):
         dist.all_reduce(per_param, op=dist.ReduceOp.MAX, group=st.group("world"))
     norms = torch.cat([per_param, torch.stack(local)]) if local else per_param
     if norms.numel() == 0:
