@@ -21,7 +21,10 @@ of a layer list each, one flat collective each), in the order the graph reads th
   reference to its parameter, and the backward gathers its unit again when it needs it (FSDP's
   ``reshard_after_forward=True``), prefetching the unit before it (in the stage's order) whose weights the backward
   also needs (FSDP's backward prefetch); a unit gathered in a backward is held until the next is, or the pass ends
-  (:meth:`GatheredParams.release`).
+  (:meth:`GatheredParams.release`). A stage's last unit (of two or more) is the exception, as FSDP's root unit is
+  not resharded after the forward: gathered once a step and kept whole until the step ends
+  (:meth:`GatheredParams.end_step`; gathered again should its shards change in place), the backward, which starts
+  with it, does not gather it again but launches the next unit's gather as its first gradient arrives.
 * backward: the gradient of a gathered tensor accumulates whole, over the step's microbatches, in a buffer of its
   own, and is reduced once per step into the parameter's sharded ``.grad``: a reduce-scatter of the unit over the
   sharding group, and an all-reduce across its replicas when the mesh has two dimensions (hybrid sharding) — torch's
@@ -53,7 +56,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from pipeline.gather_units import Gathering, Reducing, Unit, units_of
 
-__all__ = ["GatheredParams", "GatherEvent", "is_sharded", "kept", "shard_of"]
+__all__ = ["GatheredParams", "GatherEvent", "is_sharded", "shard_of"]
 
 
 def is_sharded(t: Any) -> bool:
@@ -155,7 +158,7 @@ class GatheredParams:
         docstring), the whole value held until its last read in the pass, or, in a stage's last unit, until the
         step ends (:meth:`end_step`)."""
         unit, key = self._unit[id(param)], id(param)
-        if kept(unit):
+        if _kept_whole(unit):
             held = self._kept.get(unit)
             if held is None or held[0] != unit.versions():  # gathered, or gathered again if a shard has changed
                 held = self._kept[unit] = (unit.versions(),
@@ -233,7 +236,7 @@ class GatheredParams:
         else:
             self._grads[id(param)] = (param, held[1] + grad)
             self._owned.add(id(param))
-        if kept(unit) and not self._backward_prefetched:  # the backward's first gather: launched as it starts
+        if _kept_whole(unit) and not self._backward_prefetched:  # the backward's first gather: launched as it starts
             self._backward_prefetched = True
             before = self._regathered_before(unit)
             if before is not None and before not in self._pending:
@@ -265,7 +268,7 @@ class GatheredParams:
     def _pack(self, t: torch.Tensor) -> Any:
         key = _storage_key(t) if self._live else None
         found = self._live.get(key) if key is not None else None
-        if found is None or kept(self._unit[id(found[0])]):  # a kept unit's weights are whole until the step ends
+        if found is None or _kept_whole(self._unit[id(found[0])]):  # whole until the step ends: saved as it is
             return t
         self._regather.add(self._unit[id(found[0])])
         return _Ref(found[0], found[1], tuple(t.shape), tuple(t.stride()), int(t.storage_offset()))
@@ -330,7 +333,7 @@ class _Ref:
     offset: int
 
 
-def kept(unit: Unit) -> bool:
+def _kept_whole(unit: Unit) -> bool:
     """Is ``unit`` its stage's last of two or more, gathered once a step and kept whole until the step ends? Its
     backward comes first and at once, as FSDP keeps its root unit unsharded after the forward; the planner prices
     the memory (:func:`partitioner.sdp.units.gathered_peak`)."""
