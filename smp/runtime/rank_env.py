@@ -9,15 +9,6 @@ step (``benchmarks/end_to_end.py``; on this 2-core host the step went from 4.49 
 reads the variable once, at its first allocation, so it must be in the environment the process starts
 with. A value the user set is kept. GPU memory is not affected.
 
-``MALLOC_MMAP_MAX_=0`` and ``MALLOC_TRIM_THRESHOLD_`` (glibc's ``malloc``, ``mallopt(3)``; other C libraries
-ignore them): glibc serves every block above 32 MiB (its largest mmap threshold) by a fresh ``mmap`` and
-gives it back to the kernel when freed, so each such tensor of every step (GPT-2's logits, their gradient, the
-tied embedding's gradient, 51 MB each) is faulted in and zeroed by the kernel again. With no ``mmap`` and no
-trimming, freed blocks stay in the heap and the next step reuses them, as a caching allocator does on a GPU; the
-process keeps its peak heap until it exits. GPT-2's pipelined step on two ranks went from 2.60-2.88 s to 2.08 s
-(``benchmarks/end_to_end.py``, its LM head split over both stages). Like the variable above, glibc reads them
-when the process starts.
-
 A world of one that ``smp.init`` makes without torchrun, and :func:`smp.testing.run_ranks`, listen on a
 :func:`free_port` of localhost.
 """
@@ -30,7 +21,7 @@ from typing import Iterator
 
 __all__ = ["RANK_ENV", "CONSOLE_RANK_ENV", "TRACEBACK_LOG", "rank_environment", "added_environment", "free_port"]
 
-RANK_ENV = {"THP_MEM_ALLOC_ENABLE": "1", "MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 40)}
+RANK_ENV = {"THP_MEM_ALLOC_ENABLE": "1"}
 # Set by `smp launch`: the local rank whose stderr is the console (the others' goes to their log files), where
 # smp.cli.worker writes a failure's traceback to TRACEBACK_LOG in the rank's log folder, not to the console, because
 # the launch reports the cause itself and names that file.

@@ -20,8 +20,7 @@ def test_dry_run_prints_the_command_it_runs(tmp_path: Path, capsys, monkeypatch)
     per-rank logs; on one machine no ``--max-restarts`` (smp launch restarts the job itself, and says so)."""
     from smp.cli import main
 
-    for name in ("OMP_NUM_THREADS", "THP_MEM_ALLOC_ENABLE", "MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_",
-                 "SMP_HEALTH_STOP_FILE", "SMP_LAUNCH_CONSOLE_RANK"):
+    for name in ("OMP_NUM_THREADS", "THP_MEM_ALLOC_ENABLE", "SMP_HEALTH_STOP_FILE", "SMP_LAUNCH_CONSOLE_RANK"):
         monkeypatch.delenv(name, raising=False)
     script = tmp_path / "train.py"
     script.write_text("print('hi')\n")
@@ -29,8 +28,7 @@ def test_dry_run_prints_the_command_it_runs(tmp_path: Path, capsys, monkeypatch)
     words = out.split()
     log_dir = words[words.index("--log-dir") + 1]
     assert Path(log_dir).parent == tmp_path / "logs" and not Path(log_dir).exists()
-    assert words == ["OMP_NUM_THREADS=1", "THP_MEM_ALLOC_ENABLE=1", "MALLOC_MMAP_MAX_=0",
-                     "MALLOC_TRIM_THRESHOLD_=1099511627776", f"SMP_HEALTH_STOP_FILE={log_dir}/health-stop",
+    assert words == ["OMP_NUM_THREADS=1", "THP_MEM_ALLOC_ENABLE=1", f"SMP_HEALTH_STOP_FILE={log_dir}/health-stop",
                      "SMP_LAUNCH_CONSOLE_RANK=0", "torchrun", "--nproc-per-node", "4", "--standalone", "--log-dir",
                      log_dir, "--redirects", "1:2,2:2,3:2", "--module", "smp.cli.worker", str(script), "--lr", "0.1"]
 
