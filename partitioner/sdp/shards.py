@@ -258,7 +258,7 @@ def sharded_dp(plan: PartitionPlan, graph: OpGraph, degree: int, *, replicas: in
                      for name in ("weights", "gradients", "optimizer", "master")},
             gradient_peak=float(grads[whole].sum()) + _gradient_peak(units.gradients, degree,
                                                                      opts.get("microbatches", 1) == 1),
-            gathered=gathered, alive=alive,
+            gathered=gathered, alive=alive, kept=units.weights[-1] if len(units.weights) > 1 else 0.0,
             gathers_s=[all_gather_s(w, degree, link) for w in units.weights],
             scatter_s=float(sum(all_gather_s(g, degree, link) for g in units.gradients)),
             # The whole parameters' gradients over every replica, then each shard's over the R / D groups.
@@ -290,8 +290,13 @@ class _Stage:
     gradient_peak: float
     gathered: float
     alive: list[int]
+    kept: float  # its last unit, whole all step (beside another stage's gathers on the same rank)
     gathers_s: list[float]  # per unit, in forward order
     scatter_s: float
+    reduce_s: float
+    params: int
+    sharded: int
+    activations: int
 
     def gather_s(self, microbatches: int) -> tuple[float, float]:
         """Seconds of all-gathers per microbatch's forward and backward: every unit but the last (of two or more),
@@ -300,18 +305,15 @@ class _Stage:
             return sum(self.gathers_s), sum(self.gathers_s)
         rest = sum(self.gathers_s[:-1])
         return rest + self.gathers_s[-1] / microbatches, rest
-    reduce_s: float
-    params: int
-    sharded: int
-    activations: int
 
 
 def _rank(rank: int, stages: list[int], rows: list[_Stage], graph: OpGraph, degree: int, replicas: int,
           microbatches: int) -> ShardedRank:
     """One rank's :class:`ShardedRank` from its stages': bytes and seconds add up, the gathered copies are one
-    stage's at a time (a rank runs one op at a time)."""
+    stage's at a time (a rank runs one op at a time) beside the other stages' last units, kept whole all step."""
     mine = [rows[s] for s in stages]
-    peak = max(mine, key=lambda row: row.gathered)
+    kept = sum(row.kept for row in mine)
+    peak = max(mine, key=lambda row: row.gathered - row.kept)
 
     def rest(name: str) -> int:
         return round(sum(row.at_rest[name] for row in mine))
@@ -321,7 +323,7 @@ def _rank(rank: int, stages: list[int], rows: list[_Stage], graph: OpGraph, degr
         rank=rank, stages=tuple(stages), degree=degree, replicas=replicas, params=sum(row.params for row in mine),
         sharded=sum(row.sharded for row in mine), weights_bytes=rest("weights"), gradient_bytes=rest("gradients"),
         gradient_peak_bytes=round(sum(row.gradient_peak for row in mine)), optimizer_bytes=rest("optimizer"),
-        master_bytes=rest("master"), gathered_bytes=round(peak.gathered),
+        master_bytes=rest("master"), gathered_bytes=round(peak.gathered - peak.kept + kept),
         activation_bytes=sum(row.activations for row in mine), gathered=tuple(graph.param_names[p] for p in peak.alive),
         gather_forward_s=forward, gather_backward_s=backward, reduce_scatter_s=sum(row.scatter_s for row in mine),
         all_reduce_s=sum(row.reduce_s for row in mine), microbatches=microbatches)

@@ -168,6 +168,11 @@ def test_stages_on_one_rank_add_up_and_gather_one_at_a_time(gpt2) -> None:
         assert getattr(rank0, key) == getattr(per_stage[0], key) + getattr(per_stage[2], key), key
     assert rank0.reduce_scatter_s == pytest.approx(per_stage[0].reduce_scatter_s + per_stage[2].reduce_scatter_s)
     assert rank0.gathered_bytes == max(per_stage[0].gathered_bytes, per_stage[2].gathered_bytes)
+    # two stages of two or more units on one rank: each keeps its last unit whole all step, beside the other's gathers
+    plan = _plan(graph, 2)
+    apart = sharded_dp(plan, graph, 2, threshold=10_000)
+    (both,) = sharded_dp(plan, graph, 2, threshold=10_000, stage_rank=[0, 0])
+    assert max(r.gathered_bytes for r in apart) < both.gathered_bytes < sum(r.gathered_bytes for r in apart)
 
 
 def test_bad_degrees_and_mappings_are_refused(gpt2) -> None:
