@@ -54,6 +54,7 @@ import torch
 import torch.fx
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from partitioner.sdp.units import keeps_last
 from pipeline.gather_units import Gathering, Reducing, Unit, units_of
 
 __all__ = ["GatheredParams", "GatherEvent", "is_sharded", "shard_of"]
@@ -159,9 +160,9 @@ class GatheredParams:
         step ends (:meth:`end_step`)."""
         unit, key = self._unit[id(param)], id(param)
         if _kept_whole(unit):
-            held = self._kept.get(unit)
-            if held is None or held[0] != unit.versions():  # gathered, or gathered again if a shard has changed
-                held = self._kept[unit] = (unit.versions(),
+            held, versions = self._kept.get(unit), unit.versions()
+            if held is None or held[0] != versions:  # gathered, or gathered again if a shard has changed
+                held = self._kept[unit] = (versions,
                                            dict(zip(map(id, unit.params), self._gathered(unit, backward=False))))
             return held[1][key]
         wholes = self._fwd.get(unit)
@@ -337,7 +338,7 @@ def _kept_whole(unit: Unit) -> bool:
     """Is ``unit`` its stage's last of two or more, gathered once a step and kept whole until the step ends? Its
     backward comes first and at once, as FSDP keeps its root unit unsharded after the forward; the planner prices
     the memory (:func:`partitioner.sdp.units.gathered_peak`)."""
-    return unit.index == len(unit.order) - 1 > 0
+    return unit.index == len(unit.order) - 1 and keeps_last(len(unit.order))
 
 
 def _storage_key(t: torch.Tensor) -> int | None:

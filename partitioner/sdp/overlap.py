@@ -38,7 +38,7 @@ from ..cost.precision import param_memory_parts
 from ..cut.objective import stage_params
 from ..cut.plan import PartitionPlan
 from .shards import sharded_params
-from .units import padded, stage_units
+from .units import keeps_last, padded, stage_units
 
 __all__ = ["StageCollectives", "exposed_s", "stage_collectives", "overlapped"]
 
@@ -94,7 +94,7 @@ def overlapped(collectives: Sequence[StageCollectives], forward_s: Sequence[floa
         gathers, scatters = sum(c.gathers_s), sum(c.scatters_s)
         fwd[s] = exposed_s(f, gathers, first_s=c.gathers_s[0])
         # the last unit (of two or more) stays whole into the backward, which launches the next gather as it starts
-        again, first = (gathers - c.gathers_s[-1], 0.0) if len(c.gathers_s) > 1 else (gathers, gathers)
+        again, first = (gathers - c.gathers_s[-1], 0.0) if keeps_last(len(c.gathers_s)) else (gathers, gathers)
         bwd[s] = exposed_s(b, again, first_s=first)
         last = exposed_s(b, again + scatters, first_s=first, last_s=c.scatters_s[0])
         tail[s] = last - bwd[s]

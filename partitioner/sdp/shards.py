@@ -47,7 +47,7 @@ from ..cost.precision import param_memory_parts
 from ..cut.memory import stage_memory
 from ..cut.objective import stage_params
 from ..cut.plan import PartitionPlan
-from .units import gathered_peak, padded, parameters, stage_units
+from .units import gathered_peak, keeps_last, padded, parameters, stage_units
 
 __all__ = ["PERSISTENCE_THRESHOLD", "ShardedRank", "sharded_params", "sharded_dp", "Shardable",
            "shardable", "warn_if_nothing_sharded", "ShardsNothingWarning"]
@@ -258,7 +258,7 @@ def sharded_dp(plan: PartitionPlan, graph: OpGraph, degree: int, *, replicas: in
                      for name in ("weights", "gradients", "optimizer", "master")},
             gradient_peak=float(grads[whole].sum()) + _gradient_peak(units.gradients, degree,
                                                                      opts.get("microbatches", 1) == 1),
-            gathered=gathered, alive=alive, kept=units.weights[-1] if len(units.weights) > 1 else 0.0,
+            gathered=gathered, alive=alive, kept=units.weights[-1] if keeps_last(len(units.weights)) else 0.0,
             gathers_s=[all_gather_s(w, degree, link) for w in units.weights],
             scatter_s=float(sum(all_gather_s(g, degree, link) for g in units.gradients)),
             # The whole parameters' gradients over every replica, then each shard's over the R / D groups.
@@ -301,7 +301,7 @@ class _Stage:
     def gather_s(self, microbatches: int) -> tuple[float, float]:
         """Seconds of all-gathers per microbatch's forward and backward: every unit but the last (of two or more),
         gathered once a step and kept whole to the step's end (:func:`partitioner.sdp.units.gathered_peak`)."""
-        if len(self.gathers_s) < 2:
+        if not keeps_last(len(self.gathers_s)):
             return sum(self.gathers_s), sum(self.gathers_s)
         rest = sum(self.gathers_s[:-1])
         return rest + self.gathers_s[-1] / microbatches, rest

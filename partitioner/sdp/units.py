@@ -28,7 +28,8 @@ import torch
 
 from ..capture.graph import OpGraph
 
-__all__ = ["fsdp_unit", "group_units", "StageUnits", "parameters", "padded", "stage_units", "gathered_peak"]
+__all__ = ["fsdp_unit", "group_units", "keeps_last", "StageUnits", "parameters", "padded", "stage_units",
+           "gathered_peak"]
 
 
 @functools.lru_cache(maxsize=1 << 16)  # the same names, stage after stage of every layout the search prices
@@ -62,6 +63,12 @@ def group_units(names: Sequence[str], nbytes: Sequence[float],
             piece.append(i)
         units.append(piece)
     return units
+
+
+def keeps_last(units: int) -> bool:
+    """Does a stage of ``units`` units keep its last one whole from its first gather to the step's end (see the module
+    docstring)? Only with two or more: a stage of one unit would hold all its parameters whole all step."""
+    return units > 1
 
 
 @dataclass(frozen=True)
@@ -145,7 +152,7 @@ def gathered_peak(graph: OpGraph, ops: np.ndarray, units: StageUnits, weights: n
             live[start] += weights[p]
             live[max(int(last[p]), start) + 1] -= weights[p]
     whole = np.cumsum(live)[:-1]
-    kept = units.weights[-1] if n > 1 else 0.0  # the last unit, whole from its first gather to the step's end
+    kept = units.weights[-1] if keeps_last(n) else 0.0  # whole from its first gather to the step's end
     best, at = 0.0, (0, 0, 0)
     for i, start in enumerate(units.first):
         stop = units.first[i + 1] if i + 1 < n else len(ops)
