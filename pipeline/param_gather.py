@@ -89,11 +89,13 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, param: torch.Tensor, owner: "GatheredParams") -> torch.Tensor:
         ctx.owner, ctx.param = owner, param
+        ctx.set_materialize_grads(False)  # no gradient this pass (pipeline.row_grads defers one): no zeros added
         return owner.whole(param)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None]:
-        ctx.owner.accumulate(ctx.param, grad)
+    def backward(ctx: Any, grad: torch.Tensor | None) -> tuple[None, None]:
+        if grad is not None:
+            ctx.owner.accumulate(ctx.param, grad)
         return None, None
 
 

@@ -40,6 +40,7 @@ from pipeline.p2p import Transport, close_groups, named_failures
 from pipeline.param_gather import GatheredParams
 from pipeline.profile_description import run_description
 from pipeline.profiler import ProfileOptions, Profiler
+from pipeline.row_grads import RowGradients
 from pipeline.schedule import make_schedule
 from pipeline.simulate import validate
 from pipeline.tensorboard import TensorBoardWriter
@@ -156,14 +157,16 @@ class PipelineRunner:
         """The stage set of ``sm`` (split from ``plan``'s graph): this rank's stages on its device, in the runner's
         mode, and their executor; kept in the shape cache."""
         local = [sm.stages[s] for s in self.schedule.stages_of(self.rank)]
+        rows = RowGradients(defer=not self.schedule.split_backward)
         for st in local:
             st.module.to(self.device).train(self.training)
             set_device(st.module, self.device)
+            rows.insert(st.module)  # before the gathers: it reads the get_attr of the weight
             if self.gather is not None:
                 self.gather.insert(st.module)
         executor = Executor(sm, self.schedule, self.rank, self.ranks, self.transport,
                             shape_classes.boundary_requires_grad(sm, self.autocast), self.device, self.recorder,
-                            checkpointed=self._checkpointed, offload=self.offload, gather=self.gather)
+                            self._checkpointed, offload=self.offload, gather=self.gather, row_grads=rows)
         key = shape_classes.shape_key(sm.program, list(sm.program.input_meta))
         return self.shapes.put(shape_classes.StageSet(key, plan, sm, local, executor))
 
@@ -364,11 +367,7 @@ class PipelineRunner:
 
     def local_parameters(self) -> list[torch.nn.Parameter]:
         """The parameters of this rank's stages, each once."""
-        seen: dict[int, torch.nn.Parameter] = {}
-        for st in self.local_stages:
-            for p in st.module.parameters():
-                seen.setdefault(id(p), p)
-        return list(seen.values())
+        return list({id(p): p for st in self.local_stages for p in st.module.parameters()}.values())
 
 
 def _bind_tp(sm: SplitModel, tp_groups: list[list[int]] | None, timeout: datetime.timedelta,
