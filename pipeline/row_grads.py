@@ -36,7 +36,7 @@ class _Rows(torch.autograd.Function):
     """``weight.split_with_sizes(sizes)`` (views), whose gradient goes through the owner's per-step sums."""
 
     @staticmethod
-    def forward(ctx: Any, weight: torch.Tensor, sizes: list[int], owner: "RowGradients",  # type: ignore[override]
+    def forward(ctx: Any, weight: torch.Tensor, sizes: list[int], owner: "RowGradients",
                 key: int) -> tuple[torch.Tensor, ...]:
         ctx.owner, ctx.key, ctx.shape, ctx.sizes = owner, key, weight.shape, sizes
         ctx.set_materialize_grads(False)  # a slice no op reads has no gradient: None, not zeros
