@@ -66,9 +66,7 @@ def global_grad_norm(params: Iterable[torch.Tensor], norm_type: float = 2.0, st:
     sdp_parts = torch.zeros(len(index), dtype=torch.float32, device=device)
     tp_parts = torch.zeros(len(index), dtype=torch.float32, device=device)
     tp_split, sdp_group = _tp_sharded(st), None
-    for key, g in grads.items():
-        norm = torch.linalg.vector_norm((g.to_local() if isinstance(g, DTensor) else g).detach(), norm_type,
-                                        dtype=torch.float32).to(device)
+    for (key, g), norm in zip(grads.items(), _norms([_local(g) for g in grads.values()], norm_type, device)):
         if key not in index:
             local.append(norm)
         elif isinstance(g, DTensor) or key in tp_split:
@@ -90,12 +88,12 @@ def global_grad_norm(params: Iterable[torch.Tensor], norm_type: float = 2.0, st:
     per_param = torch.maximum(per_param, whole if inf else whole ** (1.0 / norm_type))
     if index and st is not None and st.topology.world > 1 and not _replicas_only(st):
         dist.all_reduce(per_param, op=dist.ReduceOp.MAX, group=st.group("world"))
-    norms = torch.cat([per_param, torch.stack(local)]) if local else per_param
-    if norms.numel() == 0:
+    every = torch.cat([per_param, torch.stack(local)]) if local else per_param
+    if every.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=device)
     if math.isinf(norm_type):
-        return norms.max()
-    return torch.linalg.vector_norm(norms, norm_type)
+        return every.max()
+    return torch.linalg.vector_norm(every, norm_type)
 
 
 def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0,
@@ -104,10 +102,32 @@ def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float, norm_type: 
     ``max_norm``, as ``torch.nn.utils.clip_grad_norm_`` does on one device; return the norm before clipping."""
     params = [p for p in params if p.grad is not None]
     total = global_grad_norm(params, norm_type, st)
+    if math.isinf(max_norm):  # nothing to clip (a factor of 1 everywhere): only the norm was wanted
+        return total
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for p in params:
-        grad = p.grad
-        assert grad is not None  # kept above
-        local = grad.to_local() if isinstance(grad, DTensor) else grad  # a shard scales in place, as a whole one
-        local.detach().mul_(coef.to(local.device, local.dtype))
+    grads = [_local(p.grad) for p in params if p.grad is not None]  # a shard scales in place, as a whole one
+    for (device, dtype), group in _by_device_and_dtype(grads).items():
+        torch._foreach_mul_([grads[i] for i in group], coef.to(device, dtype))
     return total
+
+
+def _local(grad: torch.Tensor) -> torch.Tensor:
+    """``grad``'s values on this rank, detached: a DTensor's local shard, or the tensor."""
+    return (grad.to_local() if isinstance(grad, DTensor) else grad).detach()
+
+
+def _by_device_and_dtype(tensors: list[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype], list[int]]:
+    """Indices of ``tensors`` grouped by device and dtype: one foreach call per group, as ``clip_grad_norm_`` makes."""
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault((t.device, t.dtype), []).append(i)
+    return groups
+
+
+def _norms(tensors: list[torch.Tensor], norm_type: float, device: torch.device) -> list[torch.Tensor]:
+    """Each tensor's ``norm_type``-norm, float32 on ``device``: one ``torch._foreach_norm`` per device and dtype."""
+    out: list[torch.Tensor] = [torch.zeros(())] * len(tensors)
+    for group in _by_device_and_dtype(tensors).values():
+        for i, norm in zip(group, torch._foreach_norm([tensors[i] for i in group], norm_type, dtype=torch.float32)):
+            out[i] = norm.to(device)
+    return out
