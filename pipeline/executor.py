@@ -147,6 +147,8 @@ class Executor:
         offload = self.offload if train else None
         if offload is not None:
             offload.start(self.schedule.actions[self.rank], self.checkpointed)
+        if self.row_grads is not None and train:
+            self.row_grads.begin_step()
         try:
             for index, action in enumerate(self.schedule.actions[self.rank]):
                 kind = action.kind

@@ -19,7 +19,9 @@ that backward, where it expects the last one. Every row gets the same terms as b
 before being added to the other readers' share (the tied embedding's), a rounding-level difference only.
 
 A split backward (zero-bubble schedules, :mod:`pipeline.zero_bubble`) computes weight gradients with
-``autograd.grad``, which wants one in every pass: there (``defer=False``) each backward hands its own at once.
+``autograd.grad``, which wants one in every pass: there (``defer=False``) each backward hands its own at once; so
+does every backward outside an executor's training step (:meth:`RowGradients.begin_step` to ``end_step``): a
+stage module timed or run by hand gets its gradient as ``split_with_sizes`` gave it.
 """
 from __future__ import annotations
 
@@ -55,6 +57,7 @@ class RowGradients:
 
     defer: bool = True
     final: bool = False
+    _step: bool = False  # within an executor's training step (begin_step .. end_step): the only time it defers
     _sums: dict[int, list[torch.Tensor | None]] = field(default_factory=dict)  # key -> each slice's sum so far
     _owned: set[tuple[int, int]] = field(default_factory=set)  # (key, slice) whose sum is ours to add into
     _keys: int = 0
@@ -94,7 +97,7 @@ class RowGradients:
             else:
                 sums[i] = held + g
                 self._owned.add((key, i))
-        if self.defer and not self.final:
+        if self.defer and self._step and not self.final:
             return None
         pieces = self._sums.pop(key)
         self._owned -= {(key, i) for i in range(len(pieces))}
@@ -109,12 +112,18 @@ class RowGradients:
                 part.copy_(p)
         return whole
 
+    def begin_step(self) -> None:
+        """A training step's passes begin (the executor calls it): from now on the sums wait for the last backward."""
+        self.end_step()
+        self._step = True
+
     def end_step(self) -> int:
         """The step's passes are over (the executor calls it, whatever happened): forget every sum; returns how
         many weights had sums never handed to autograd (0 unless a step failed, or lost gradients)."""
         left = sum(any(p is not None for p in pieces) for pieces in self._sums.values())
         self._sums.clear()
         self._owned.clear()
+        self._step = self.final = False
         return left
 
 

@@ -48,6 +48,7 @@ def test_the_weights_gradient_reaches_grad_once_in_the_last_backward_as_the_sum_
     m = 4
     gm, rows = _stage(), RowGradients()
     assert rows.insert(gm) == 1
+    rows.begin_step()
     for k, x in enumerate(_microbatches(m)):
         rows.final = k == m - 1
         gm(x).square().sum().backward()
@@ -57,18 +58,23 @@ def test_the_weights_gradient_reaches_grad_once_in_the_last_backward_as_the_sum_
     assert rows.end_step() == 0
 
 
-def test_under_a_split_backward_each_backward_hands_its_own_gradient_over():
-    gm, rows = _stage(), RowGradients(defer=False)
+@pytest.mark.parametrize("where", ["split backward", "outside a step"])
+def test_each_backward_hands_its_own_gradient_over_under_a_split_backward_and_outside_a_step(where):
+    gm, rows = _stage(), RowGradients(defer=where != "split backward")
     rows.insert(gm)
+    if where == "split backward":
+        rows.begin_step()
     for x in _microbatches(3):
         gm(x).square().sum().backward()
         assert gm.weight.grad is not None
     torch.testing.assert_close(gm.weight.grad, _expected(3))
+    assert rows.end_step() == 0
 
 
 def test_a_step_that_never_reaches_its_last_backward_leaves_sums_that_end_step_counts_and_drops():
     gm, rows = _stage(), RowGradients()
     rows.insert(gm)
+    rows.begin_step()
     gm(_microbatches(1)[0]).sum().backward()
     assert gm.weight.grad is None
     assert rows.end_step() == 1
