@@ -92,3 +92,44 @@ def test_only_splits_of_trainable_parameters_are_routed(what):
             node.args = (gm.graph.call_function(torch.neg, (node.args[0],)), *node.args[1:])
         gm.recompile()
     assert RowGradients().insert(gm) == 0
+
+
+def _lookup_stage(padding_idx: int | None) -> torch.fx.GraphModule:
+    """A first stage: an embedding lookup (``aten.embedding``, as traced) of a trainable table, then a matmul."""
+    torch.manual_seed(0)
+    root = torch.nn.Module()
+    root.table = torch.nn.Parameter(torch.randn(11, 4))
+    g = torch.fx.Graph()
+    ids = g.placeholder("ids")
+    args = (g.get_attr("table"), ids) + (() if padding_idx is None else (padding_idx,))
+    out = g.call_function(torch.ops.aten.embedding.default, args)
+    g.output(g.call_function(torch.mul, (out, out)))
+    return torch.fx.GraphModule(root, g)
+
+
+@pytest.mark.parametrize("padding_idx", [None, 3])
+def test_an_embeddings_gradient_is_summed_over_microbatches_and_handed_over_once(padding_idx):
+    gen = torch.Generator().manual_seed(2)
+    batches = [torch.randint(11, (2, 5), generator=gen) for _ in range(3)]
+    ref = _lookup_stage(padding_idx)
+    for ids in batches:
+        ref(ids).sum().backward()
+    gm, rows = _lookup_stage(padding_idx), RowGradients()
+    assert rows.insert(gm) == 1
+    rows.begin_step()
+    for k, ids in enumerate(batches):
+        rows.final = k == len(batches) - 1
+        gm(ids).sum().backward()
+        assert (gm.table.grad is None) == (not rows.final)
+    torch.testing.assert_close(gm.table.grad, ref.table.grad)
+    if padding_idx is not None:
+        assert not gm.table.grad[padding_idx].any() and bool((torch.cat(batches) == padding_idx).any())
+    assert rows.end_step() == 0
+
+
+def test_an_embedding_scaled_by_frequency_is_left_as_it_is():
+    gm = _lookup_stage(None)
+    node = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.embedding.default)
+    node.args = (*node.args, -1, True)
+    gm.recompile()
+    assert RowGradients().insert(gm) == 0
