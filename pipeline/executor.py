@@ -21,7 +21,7 @@ stages on one rank, so each ``B`` runs autograd through its own stage only. Grad
 parameters' ``.grad`` across microbatches, as ``loss.backward()`` per microbatch would. A stage's last ``B`` of the
 step makes them final: the sharded parameters' gathering (:mod:`pipeline.param_gather`) is told so, and so are the
 data-parallel buckets (:mod:`pipeline.grad_buckets`), also at that microbatch's ``W`` under a split backward, and the
-row slices' sums (:mod:`pipeline.row_grads`), whose gradient reaches ``.grad`` then.
+sums of weights read by rows (:mod:`pipeline.row_grads`), whose gradient reaches ``.grad`` then.
 
 With a :class:`pipeline.timeline.Recorder` every pass is a span; a detailed one (profiling,
 :mod:`pipeline.profiler`) also gets, nested in each pass, the time it waited for its receives
@@ -81,7 +81,7 @@ class Executor:
     offload: ActivationOffload | None = None  # checkpointed stages' inputs to host memory and back (pipeline.offload)
     gather: GatheredParams | None = None  # sharded parameters' saved whole copies dropped, gathered again in backward
     grad_buckets: GradBuckets | None = None  # data-parallel averages launched as the last backward makes them final
-    row_grads: RowGradients | None = None  # row slices' gradients (split LM heads), handed over in the last backward
+    row_grads: RowGradients | None = None  # lookups' and row slices' gradients, handed over in the last backward
 
     def __post_init__(self) -> None:
         if not self.schedule.lowered:
@@ -177,9 +177,9 @@ class Executor:
                 self.gather.end_step()
             lost = self.row_grads.end_step() if self.row_grads is not None else 0
         if lost and train:
-            raise RuntimeError(f"rank {self.rank}: the gradients of {lost} weight(s) read in row slices (column chunks "
-                               "of a split linear) were summed over the step's microbatches but never reached "
-                               "autograd: the stage's last backward of the step did not read them")
+            raise RuntimeError(f"rank {self.rank}: the gradients of {lost} weight(s) read by rows (embedding lookups, "
+                               "row slices of a split linear) were summed over the step's microbatches but never "
+                               "reached autograd: the stage's last backward of the step did not read them")
         with self._detail("wait sends", "wait"):
             self.transport.flush()
         return results
@@ -301,7 +301,7 @@ class Executor:
         final = k == self._last_backward[a.stage]
         if self.gather is not None:  # the stage's last backward of the step reduces sharded gradients as it goes
             self.gather.final = final
-        if self.row_grads is not None:  # and hands over the row slices' gradients summed over the step
+        if self.row_grads is not None:  # and hands over the gradients of weights read by rows, summed over the step
             self.row_grads.final = final
         split = self.schedule.split_backward
         if self.grad_buckets is not None:  # and launches the data-parallel buckets its gradients fill
@@ -340,6 +340,8 @@ class Executor:
         else:
             if tensors:
                 torch.autograd.backward(tensors, grads)
+            if final and self.row_grads is not None:  # a sum the last microbatch did not hand over: handed now
+                self.row_grads.flush(a.stage)
             input_grads = {n: t.grad for n, t in held.inputs.items()}
         if self.gather is not None:
             self.gather.release()  # the weights this backward gathered again

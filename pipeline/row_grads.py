@@ -20,7 +20,10 @@ first backward — and hands autograd the weight's gradient once, in the stage's
 executor marks (``final``). Whatever watches the weight's gradient (the data-parallel buckets of
 :mod:`pipeline.grad_buckets`, the sharded gathering of :mod:`pipeline.param_gather`) sees it arrive in that
 backward, where it expects the last one. Every row gets the same terms as before, summed over the microbatches before
-being added to the weight's other readers' share: a rounding-level difference only.
+being added to the weight's other readers' share: a rounding-level difference only. Should the last microbatch
+backpropagate nothing through the weight (a step function that skips ``model.backward`` for a NaN loss), the
+executor's :meth:`RowGradients.flush` at the end of that backward hands the sum over through the weight's gradient
+edge instead.
 
 A split backward (zero-bubble schedules, :mod:`pipeline.zero_bubble`) computes weight gradients with
 ``autograd.grad``, which wants one in every pass: there (``defer=False``) each backward hands its own at once; so
@@ -47,6 +50,7 @@ class _Slices(torch.autograd.Function):
                 key: int) -> tuple[torch.Tensor, ...]:
         ctx.owner, ctx.key, ctx.shape, ctx.sizes = owner, key, weight.shape, sizes
         ctx.set_materialize_grads(False)  # a slice no op reads has no gradient: None, not zeros
+        owner.read(key, weight, sizes)
         return tuple(weight.split_with_sizes(sizes))
 
     @staticmethod
@@ -62,6 +66,7 @@ class _Lookup(torch.autograd.Function):
                 key: int) -> torch.Tensor:
         ctx.owner, ctx.key, ctx.shape, ctx.padding_idx = owner, key, weight.shape, padding_idx
         ctx.save_for_backward(indices)
+        owner.read(key, weight, None)
         return torch.ops.aten.embedding.default(weight, indices, padding_idx)
 
     @staticmethod
@@ -82,25 +87,28 @@ class RowGradients:
     _slices: dict[int, list[torch.Tensor | None]] = field(default_factory=dict)  # key -> each slice's sum so far
     _owned: set[tuple[int, int]] = field(default_factory=set)  # (key, slice) whose sum is ours to add into
     _lookups: dict[int, torch.Tensor] = field(default_factory=dict)  # key -> the lookups' gradient so far, whole
-    _keys: int = 0
+    _stage: dict[int, int] = field(default_factory=dict)  # key -> the local stage whose graph reads it
+    _read: dict[int, tuple[Any, torch.Size, list[int] | None]] = field(default_factory=dict)  # key -> the weight's
+    # gradient edge in the last forward, its shape and the slices' sizes (None for a lookup)
 
-    def insert(self, gm: torch.fx.GraphModule) -> int:
+    def insert(self, gm: torch.fx.GraphModule, stage: int) -> int:
         """Route each ``split_with_sizes`` of a trainable parameter along its rows (``merge_weight_slices``) and each
-        plain ``embedding`` lookup of one in ``gm`` through these sums; returns how many (0 leaves ``gm`` as it
-        was)."""
+        plain ``embedding`` lookup of one in ``gm`` (local ``stage``'s graph) through these sums; returns how many
+        (0 leaves ``gm`` as it was)."""
         found = 0
         for node in gm.graph.nodes:
             weight = node.args[0] if node.op == "call_function" and node.args else None
             if not (isinstance(weight, torch.fx.Node) and weight.op == "get_attr"
                     and _trainable(gm, str(weight.target))) or node.kwargs:
                 continue
+            key = len(self._stage)
             if node.target is torch.ops.aten.split_with_sizes.default and node.args[2:] == (0,):
-                node.target, node.args = self.slices, (weight, node.args[1], self._keys)
+                node.target, node.args = self.slices, (weight, node.args[1], key)
             elif node.target is torch.ops.aten.embedding.default and len(node.args) <= 3:  # not by frequency, dense
-                node.target, node.args = self.lookup, (weight, node.args[1], (*node.args[2:], -1)[0], self._keys)
+                node.target, node.args = self.lookup, (weight, node.args[1], (*node.args[2:], -1)[0], key)
             else:
                 continue
-            self._keys += 1
+            self._stage[key] = stage
             found += 1
         if found:
             gm.recompile()
@@ -113,6 +121,11 @@ class RowGradients:
     def lookup(self, weight: torch.Tensor, indices: torch.Tensor, padding_idx: int, key: int) -> torch.Tensor:
         """``weight``'s rows at ``indices`` (the graph's node), differentiable through :meth:`add_lookup`."""
         return _Lookup.apply(weight, indices, padding_idx, self, key)
+
+    def read(self, key: int, weight: torch.Tensor, sizes: list[int] | None) -> None:
+        """A forward read ``key``'s ``weight``: where a gradient left over at the stage's end goes (:meth:`flush`)."""
+        if weight.requires_grad:
+            self._read[key] = (torch.autograd.graph.get_gradient_edge(weight), weight.shape, sizes)
 
     def _now(self) -> bool:
         """Is a weight's gradient handed to autograd in the running backward?"""
@@ -134,8 +147,10 @@ class RowGradients:
             else:
                 sums[i] = held + g
                 self._owned.add((key, i))
-        if not self._now():
-            return None
+        return self._whole(key, shape, sizes) if self._now() else None
+
+    def _whole(self, key: int, shape: torch.Size, sizes: list[int]) -> torch.Tensor | None:
+        """The weight's gradient from ``key``'s slices' sums, which are forgotten."""
         pieces = self._slices.pop(key)
         self._owned -= {(key, i) for i in range(len(pieces))}
         some = next((p for p in pieces if p is not None), None)
@@ -163,6 +178,16 @@ class RowGradients:
             rows, g = rows[keep], g[keep]
         total.index_put_((rows,), g, accumulate=True)  # deterministic on CUDA too, unlike index_add_
         return self._lookups.pop(key) if self._now() else None
+
+    def flush(self, stage: int) -> None:
+        """The end of local ``stage``'s last backward of the step: a sum still held (the step's last microbatch
+        backpropagated nothing through the weight: a step function that skipped ``model.backward`` for it) goes to
+        autograd now, through the weight's gradient edge, so that no microbatch's gradient is lost."""
+        for key in [k for k, s in self._stage.items() if s == stage and (k in self._slices or k in self._lookups)]:
+            edge, shape, sizes = self._read[key]
+            grad = self._lookups.pop(key) if sizes is None else self._whole(key, shape, sizes)
+            if grad is not None:
+                torch.autograd.backward([edge], [grad])
 
     def begin_step(self) -> None:
         """A training step's passes begin (the executor calls it): from now on the sums wait for the last backward."""

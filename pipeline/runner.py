@@ -161,7 +161,7 @@ class PipelineRunner:
         for st in local:
             st.module.to(self.device).train(self.training)
             set_device(st.module, self.device)
-            rows.insert(st.module)  # before the gathers: it reads the get_attr of the weight
+            rows.insert(st.module, st.index)  # before the gathers: it reads the get_attr of the weight
             if self.gather is not None:
                 self.gather.insert(st.module)
         executor = Executor(sm, self.schedule, self.rank, self.ranks, self.transport,

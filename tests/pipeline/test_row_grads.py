@@ -47,7 +47,7 @@ def _expected(m: int) -> torch.Tensor:
 def test_the_weights_gradient_reaches_grad_once_in_the_last_backward_as_the_sum_over_microbatches():
     m = 4
     gm, rows = _stage(), RowGradients()
-    assert rows.insert(gm) == 1
+    assert rows.insert(gm, 0) == 1
     rows.begin_step()
     for k, x in enumerate(_microbatches(m)):
         rows.final = k == m - 1
@@ -61,7 +61,7 @@ def test_the_weights_gradient_reaches_grad_once_in_the_last_backward_as_the_sum_
 @pytest.mark.parametrize("where", ["split backward", "outside a step"])
 def test_each_backward_hands_its_own_gradient_over_under_a_split_backward_and_outside_a_step(where):
     gm, rows = _stage(), RowGradients(defer=where != "split backward")
-    rows.insert(gm)
+    rows.insert(gm, 0)
     if where == "split backward":
         rows.begin_step()
     for x in _microbatches(3):
@@ -73,7 +73,7 @@ def test_each_backward_hands_its_own_gradient_over_under_a_split_backward_and_ou
 
 def test_a_step_that_never_reaches_its_last_backward_leaves_sums_that_end_step_counts_and_drops():
     gm, rows = _stage(), RowGradients()
-    rows.insert(gm)
+    rows.insert(gm, 0)
     rows.begin_step()
     gm(_microbatches(1)[0]).sum().backward()
     assert gm.weight.grad is None
@@ -91,7 +91,7 @@ def test_only_splits_of_trainable_parameters_are_routed(what):
         with gm.graph.inserting_before(node):
             node.args = (gm.graph.call_function(torch.neg, (node.args[0],)), *node.args[1:])
         gm.recompile()
-    assert RowGradients().insert(gm) == 0
+    assert RowGradients().insert(gm, 0) == 0
 
 
 def _lookup_stage(padding_idx: int | None) -> torch.fx.GraphModule:
@@ -115,7 +115,7 @@ def test_an_embeddings_gradient_is_summed_over_microbatches_and_handed_over_once
     for ids in batches:
         ref(ids).sum().backward()
     gm, rows = _lookup_stage(padding_idx), RowGradients()
-    assert rows.insert(gm) == 1
+    assert rows.insert(gm, 0) == 1
     rows.begin_step()
     for k, ids in enumerate(batches):
         rows.final = k == len(batches) - 1
@@ -132,4 +132,24 @@ def test_an_embedding_scaled_by_frequency_is_left_as_it_is():
     node = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.embedding.default)
     node.args = (*node.args, -1, True)
     gm.recompile()
-    assert RowGradients().insert(gm) == 0
+    assert RowGradients().insert(gm, 0) == 0
+
+
+@pytest.mark.parametrize("what", ["slices", "lookup"])
+def test_a_last_microbatch_that_backpropagates_nothing_loses_no_earlier_gradient(what):
+    """A step function that skips ``model.backward`` for its last microbatch (a NaN loss, say): the stage's last
+    backward hands nothing over, and the executor's flush at its end does."""
+    gm, rows = (_stage(), RowGradients()) if what == "slices" else (_lookup_stage(None), RowGradients())
+    ref = _stage() if what == "slices" else _lookup_stage(None)
+    x = _microbatches(1)[0] if what == "slices" else torch.randint(11, (2, 5), generator=torch.Generator())
+    ref(x).square().sum().backward()
+    rows.insert(gm, 0)
+    rows.begin_step()
+    gm(x).square().sum().backward()
+    rows.final = True
+    gm(x)  # the last microbatch's forward; its loss is never backpropagated
+    assert gm.weight.grad is None if what == "slices" else gm.table.grad is None
+    rows.flush(0)
+    weight = gm.weight if what == "slices" else gm.table
+    torch.testing.assert_close(weight.grad, ref.weight.grad if what == "slices" else ref.table.grad)
+    assert rows.end_step() == 0
