@@ -201,6 +201,7 @@ class RowGradients:
         self._slices.clear()
         self._owned.clear()
         self._lookups.clear()
+        self._read.clear()  # no autograd node of this step's forwards held into the next
         self._step = self.final = False
         return left
 
