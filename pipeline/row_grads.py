@@ -33,6 +33,7 @@ with sparse gradients are left as they are.
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -207,8 +208,6 @@ class RowGradients:
 
 
 def _trainable(gm: torch.nn.Module, target: str) -> bool:
-    """Is ``gm``'s attribute ``target`` a parameter that takes gradients?"""
-    obj: Any = gm
-    for part in target.split("."):
-        obj = getattr(obj, part, None)
+    """Is ``gm``'s attribute ``target`` (a ``get_attr``'s, so it exists) a parameter that takes gradients?"""
+    obj = operator.attrgetter(target)(gm)
     return isinstance(obj, torch.nn.Parameter) and obj.requires_grad
