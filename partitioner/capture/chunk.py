@@ -38,7 +38,7 @@ from .program import TracedProgram, copy_graph
 __all__ = ["heavy_linears", "split_columns", "merge_weight_slices", "HEAVY", "CHUNK", "MAX_CHUNKS", "MIN_ROWS"]
 
 HEAVY = 0.5        # a linear outweighing half a stage's share of the step is split...
-CHUNK = 0.25       # ...into chunks of at most a quarter of a stage's share each,
+CHUNK = 0.125      # ...into chunks of at most an eighth of a stage's share each (the balance's finest step),
 MAX_CHUNKS = 8     # at most this many (each chunk costs a kernel launch and a slice of W's gradient),
 MIN_ROWS = 1024    # each with at least this many output features (a matmul that thin runs inefficiently).
 
@@ -59,9 +59,10 @@ def _linear(node: torch.fx.Node) -> tuple[int, int] | None:
 
 def heavy_linears(graph: OpGraph, time_s: np.ndarray, num_stages: int) -> dict[str, int]:
     """The linear layers of ``graph`` to split, as fx node name -> number of chunks: each one whose op takes
-    more than :data:`HEAVY` of a stage's share of ``time_s`` (seconds per op, forward plus backward), cut
-    into chunks of at most :data:`CHUNK` of a share, :data:`MAX_CHUNKS` at most, :data:`MIN_ROWS` rows each
-    at least. Empty for one stage or a graph without a traced program."""
+    more than :data:`HEAVY` of a stage's share of ``time_s`` (seconds per op, forward plus backward), cut into
+    chunks of at most :data:`CHUNK` of a share (a stage boundary falls between chunks, so a chunk is the finest
+    step the balance can take: an eighth leaves the stages within about 6 % of a share), :data:`MAX_CHUNKS` at
+    most, :data:`MIN_ROWS` rows each at least. Empty for one stage or a graph without a traced program."""
     if num_stages < 2 or graph.fx is None:
         return {}
     share = float(np.sum(time_s)) / num_stages
