@@ -124,7 +124,7 @@ def step(fn: Callable | None = None, *, non_split_inputs: list[str] | tuple[str,
         split = functools.partial(microbatch.split, num_microbatches=st.config.microbatches,
                                   non_split_inputs=non_split_inputs, input_split_axes=input_split_axes,
                                   arg_names=arg_names)
-        run = StepRun(st, fn, (args, kwargs), split, model, memo)
+        run = StepRun(st, fn, (args, kwargs), split, model, memo, detach_results=detach_outputs)
         if st.topology.pp_rank(st.rank) == 0:  # elsewhere pp_rank 0's arguments replace these (smp.engine.execution)
             run.use_inputs(args, kwargs)  # a batch that does not split fails here, before any communication
         st.in_step = run

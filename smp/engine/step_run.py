@@ -21,6 +21,7 @@ import torch.utils._pytree as pytree
 
 from partitioner.errors import EngineError
 from smp.engine import mixed_precision as precision
+from smp.engine.step_values import detach
 from smp.runtime.state import State
 
 __all__ = ["StepRun", "MicrobatchCall", "StepTimeoutError", "model_call", "model_backward"]
@@ -118,7 +119,7 @@ class StepRun:
     """One call of a step function: its microbatch threads and the hooks the executor calls."""
 
     def __init__(self, st: State, fn: Callable, inputs: tuple[tuple, dict],
-                 split: Callable[[tuple, dict], list], model: Any, memo: dict):
+                 split: Callable[[tuple, dict], list], model: Any, memo: dict, detach_results: bool = True):
         self.st = st
         self.fn = fn
         self.name = getattr(fn, "__name__", repr(fn))
@@ -128,6 +129,10 @@ class StepRun:
         self.model = model
         self.timeout_s = st.config.timeout_s
         self.memo = memo  # per step function, across calls: how arguments and results travel, warnings given
+        # A microbatch's returned loss (or output) holds its autograd graph, and the graph's AccumulateGrad nodes hold
+        # the stage's received inputs: kept to the step's end, every microbatch's (4 x 6.4 MB per microbatch on the
+        # last stage of GPT-2's split head) would be alive at once, and later ones would run in fresh pages.
+        self.detach_results = detach_results
         n = st.config.microbatches
         self.micros = [_Micro(k) for k in range(n)]
         self.started = [False] * n
@@ -152,7 +157,7 @@ class StepRun:
             with torch.set_grad_enabled(self.grad_enabled), \
                     (torch.autocast(ac[0], dtype=ac[1]) if ac is not None else nullcontext()):
                 result = self.fn(*a, **kw)
-            micro.update(result=result)
+            micro.update(result=detach(result) if self.detach_results else result)
         except _Abandon:
             pass
         except BaseException as exc:  # handed to the main thread, which raises it
@@ -217,9 +222,11 @@ class StepRun:
         if micro.backward_outside:
             raise RuntimeError("loss.backward() was called inside an @smp.step function: call "
                                "model.backward(loss) instead, so the pipeline runs the backward pass")
-        if micro.loss is None:
+        loss = micro.loss
+        if loss is None:
             return None
-        return micro.loss / len(self.micros) if self.model.average_grads_across_microbatches else micro.loss
+        micro.update(loss=loss.detach())  # the executor holds the graph until its backward, and no longer
+        return loss / len(self.micros) if self.model.average_grads_across_microbatches else loss
 
     def results(self) -> list[Any]:
         """Every microbatch's return value, once all have finished (their errors raised here)."""

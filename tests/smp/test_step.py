@@ -29,15 +29,18 @@ def _soak(rank: int, world: int, steps: int):
     model = smp.DistributedModel(two_stage_mlp(64, 64, 64, 2048))
     opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01))
     outputs = []  # weak references to the model outputs each microbatch saw (last stage)
-    held = []  # per microbatch: earlier microbatches' outputs of its step still alive, but the one just before
+    losses = []  # and to the losses each computed
+    held = []  # per microbatch: earlier microbatches' outputs and losses of its step still alive, but the one before
 
     @smp.step
     def train_step(model, x, y):
         out = model(x)
         k = len(outputs) % 4
-        held.append(sum(r() is not None for r in outputs[len(outputs) - k:len(outputs) - 1]))
+        earlier = slice(len(outputs) - k, len(outputs) - 1)
+        held.append(sum(r() is not None for r in outputs[earlier] + losses[earlier]))
         outputs.append(weakref.ref(out))
         loss = F.cross_entropy(out, y)
+        losses.append(weakref.ref(loss))
         model.backward(loss)
         return loss
 
@@ -63,7 +66,8 @@ def test_memory_stays_flat_over_200_steps():
         # Each step's microbatches, with their outputs and activations, are freed once the step returns.
         assert r["micros"] == 0 and r["outputs_alive"] == 0, results
         # ... and within the step, a microbatch's outputs once its backward ran (1F1B's last stage runs it before
-        # the next forward): a step holding every microbatch's logits made GPT-2's @smp.step 1.4x slower.
+        # the next forward): a step holding every microbatch's logits made GPT-2's @smp.step 1.4x slower. So is its
+        # loss, whose graph would keep the stage's received inputs (GPT-2's split head: 4 x 6.4 MB a microbatch).
         assert r["held"] == 0, results
         # Leaking one step's 4 microbatches (8 x 2048 logits, their softmax and gradients) grows RSS by
         # ~0.5 MiB a step, 75 MiB over the measured span; allocator noise is a few MiB.
