@@ -4,14 +4,14 @@
     runner = pipeline.PipelineRunner(plan, microbatches=8, schedule="1f1b")
     result = runner.step((x,), target=y, loss_fn=loss_fn)
 
-One concept per file: ``schedule`` (the IR and its generators), ``lowering`` (sends and receives as
-actions), ``simulate`` (replay: validation and timing), ``microbatch`` (split and merge), ``p2p`` (the
-transport), ``zero_bubble`` (the split backward), ``row_grads`` (the gradients of weights read by rows, summed
-over the step's microbatches), ``offload`` (checkpointed stages' inputs to host memory and back), ``executor``
-(walking one rank's actions), ``runner`` (:class:`PipelineRunner`), ``timeline`` (recording and drawing), ``clock``
-(the ranks' clock offsets), ``profiler`` (:class:`~pipeline.profiler.Profiler`: which steps to record, one merged
-trace) and ``profile_description`` (what a profile directory's ``profile.json`` says
-of the run, and the simulator's prediction of it).
+One concept per file: ``schedule`` (the IR and its generators), ``lowering`` (sends and receives as actions),
+``simulate`` (replay: validation and timing), ``microbatch`` (split and merge), ``p2p`` (the transport), ``sends``
+(sends in flight, each freed once it has gone), ``zero_bubble`` (the split backward), ``row_grads`` (the gradients
+of weights read by rows, summed over the step's microbatches), ``offload`` (checkpointed stages' inputs to host
+memory and back), ``executor`` (walking one rank's actions), ``runner`` (:class:`PipelineRunner`), ``timeline``
+(recording and drawing), ``clock`` (the ranks' clock offsets), ``profiler`` (:class:`~pipeline.profiler.Profiler`:
+which steps to record, one merged trace) and ``profile_description`` (what a profile directory's ``profile.json``
+says of the run, and the simulator's prediction of it).
 """
 from partitioner.errors import EngineError
 from pipeline.lowering import fifo_violations, lower

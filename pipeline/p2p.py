@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from partitioner.errors import EngineError
+from pipeline.sends import SendsInFlight
 
 __all__ = ["Transport", "PeerError", "FAILURE_KEY", "default_store", "failure_note", "named_failures", "close_groups",
            "report_failure"]
@@ -135,10 +136,12 @@ class Transport:
     rank: int
     timeout_s: float = 60.0
     store: Any = field(default_factory=default_store)
-    pending: list[tuple[Any, int, str]] = field(default_factory=list)
+    pending: SendsInFlight = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self._timeout = datetime.timedelta(seconds=self.timeout_s)
+        gloo = self.group is not None and dist.get_backend(self.group) == dist.Backend.GLOO
+        self.pending = SendsInFlight(self.wait, waiter=gloo)
 
     def _failed(self, what: str, peer: int, exc: BaseException | None = None) -> PeerError:
         """The error for ``what`` with ``peer``: the transport already closed, or ``exc`` from torch."""
@@ -157,9 +160,7 @@ class Transport:
             work = dist.isend(tensor, dst=dst, group=self.group, tag=tag)
         except RuntimeError as exc:
             raise self._failed(what, dst, exc) from None
-        self.pending.append((work, dst, what))
-        if len(self.pending) > 64:  # keep the list short; completed sends need no wait
-            self.pending = [p for p in self.pending if not p[0].is_completed()]
+        self.pending.add(work, dst, what)
 
     def irecv(self, buffer: torch.Tensor, src: int, tag: int) -> Any:
         """Post one receive; :meth:`wait` on the returned work (with the peer and a description)."""
@@ -172,9 +173,7 @@ class Transport:
 
     def flush(self) -> None:
         """Wait for every posted send, each at most ``timeout_s``."""
-        for work, dst, what in self.pending:
-            self.wait(work, dst, what)
-        self.pending.clear()
+        self.pending.flush()
 
     def wait(self, work: Any, peer: int, what: str) -> None:
         """Wait at most ``timeout_s`` for ``work`` with ``peer``; a failure is a :class:`PeerError` naming the
