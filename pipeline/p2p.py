@@ -160,7 +160,7 @@ class Transport:
             work = dist.isend(tensor, dst=dst, group=self.group, tag=tag)
         except RuntimeError as exc:
             raise self._failed(what, dst, exc) from None
-        self.pending.add(work, dst, what)
+        self.pending.add(work, dst, what, tensor.numel() * tensor.element_size())
 
     def irecv(self, buffer: torch.Tensor, src: int, tag: int) -> Any:
         """Post one receive; :meth:`wait` on the returned work (with the peer and a description)."""

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pipeline.p2p import PeerError
-from pipeline.sends import SendsInFlight
+from pipeline.sends import WAITED_BYTES, SendsInFlight
 from smp.testing import run_ranks
 
 
@@ -70,39 +70,45 @@ def test_the_thread_waits_in_order_and_the_step_raises_its_error_at_the_next_cal
     waits = _Waits(fail_on="b")
     sends = SendsInFlight(waits.wait, waiter=True)
     for what in "abc":
-        sends.add(_Work(), 1, what)
+        sends.add(_Work(), 1, what, WAITED_BYTES)
     with pytest.raises(PeerError, match="b with rank 1"):
         sends.flush()
     assert waits.seen == ["a", "b"]  # nothing waited on after the first failure
     sends.flush()  # raised once
 
 
+def test_small_sends_wait_for_the_flush_not_the_thread():
+    waits = _Waits()
+    sends = SendsInFlight(waits.wait, waiter=True)
+    sends.add(_Work(), 1, "small", WAITED_BYTES - 1)
+    time.sleep(0.05)
+    assert waits.seen == [] and len(sends) == 1
+    sends.add(_Work(), 1, "large", WAITED_BYTES)
+    sends.flush()
+    assert waits.seen == ["large", "small"] and len(sends) == 0
+
+
 def test_without_the_thread_finished_sends_are_dropped_as_new_ones_are_posted():
     waits = _Waits()
     sends = SendsInFlight(waits.wait, waiter=False)
     first, second = _Work(), _Work()
-    sends.add(first, 1, "a")
-    sends.add(second, 1, "b")
+    sends.add(first, 1, "a", WAITED_BYTES)
+    sends.add(second, 1, "b", WAITED_BYTES)
     first.done = True
-    sends.add(_Work(), 1, "c")
+    sends.add(_Work(), 1, "c", WAITED_BYTES)
     assert len(sends) == 2
     sends.flush()
     assert waits.seen == ["b", "c"] and len(sends) == 0
 
 
 def test_the_thread_ends_with_its_transport():
-    def count() -> int:
-        return sum(t.name == "smp-pipeline-sends" for t in threading.enumerate())
-
-    before = count()
+    before = set(threading.enumerate())
     waits = _Waits()
     sends = SendsInFlight(waits.wait, waiter=True)
-    sends.add(_Work(), 1, "a")
+    sends.add(_Work(), 1, "a", WAITED_BYTES)
     sends.flush()
-    assert count() == before + 1
+    (thread,) = [t for t in threading.enumerate() if t not in before and t.name == "smp-pipeline-sends"]
     del sends, waits
     gc.collect()
-    deadline = time.monotonic() + 5
-    while count() > before and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert count() == before
+    thread.join(timeout=5)
+    assert not thread.is_alive()
