@@ -87,15 +87,14 @@ def _wait_in_order(q: queue.Queue, target: Callable[[], Wait | None], errors: li
     """The waiting thread: wait on each send in turn, keeping the first error (later ones follow from it)."""
     while True:
         item = q.get()
+        wait = target() if item is not None else None
         try:
-            wait = target() if item is not None else None
             if wait is None:
                 return
             if not errors:
                 wait(*item)
-            del wait
         except BaseException as exc:  # handed to the step's thread, which raises it
             errors.append(exc)
         finally:
-            del item  # the work, and with it the tensor, is freed before the next wait
+            item = wait = None  # neither the work (with its tensor) nor the transport is held while idle
             q.task_done()
