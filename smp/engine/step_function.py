@@ -139,8 +139,6 @@ def step(fn: Callable | None = None, *, non_split_inputs: list[str] | tuple[str,
                           "enabled) but did not call model.backward(loss), so gradients were not computed; call "
                           "model.backward(loss) in it, or run it under model.eval() or torch.no_grad() if it only "
                           "evaluates", UserWarning, stacklevel=2)
-        if detach_outputs:
-            results = detach(results)
-        return _wrap(results, run.throughput)
+        return _wrap(results, run.throughput)  # detached per microbatch by the run when detach_outputs
 
     return wrapper
