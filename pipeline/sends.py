@@ -27,7 +27,8 @@ Wait = Callable[[Any, int, str], None]  # (work, peer, what): waits, or raises t
 
 class SendsInFlight:
     """The sends posted and not yet known to be done. ``waiter``: a thread waits on them as they come (gloo)
-    rather than the completed ones being dropped as new ones are posted (backends whose work reports it)."""
+    rather than the completed ones being dropped as new ones are posted (backends whose work reports it). ``wait``
+    is a bound method (the transport's), which the thread holds weakly."""
 
     def __init__(self, wait: Wait, waiter: bool):
         self._wait = wait
@@ -37,9 +38,8 @@ class SendsInFlight:
         if waiter:
             self._queue = queue.Queue()
             # A weak reference: the thread must not keep its transport (and so this object) alive.
-            target = weakref.WeakMethod(wait) if hasattr(wait, "__self__") else lambda: wait
-            threading.Thread(target=_wait_in_order, args=(self._queue, target, self._error), daemon=True,
-                             name="smp-pipeline-sends").start()
+            threading.Thread(target=_wait_in_order, args=(self._queue, weakref.WeakMethod(wait), self._error),
+                             daemon=True, name="smp-pipeline-sends").start()
             weakref.finalize(self, self._queue.put, None)  # ends the thread with this object
 
     def __len__(self) -> int:
@@ -65,7 +65,6 @@ class SendsInFlight:
             self._raise()
         for work, peer, what in posted:
             self._wait(work, peer, what)
-        self._raise()
 
     def clear(self) -> None:
         """Forget every send (the transport failed and closed its groups: waiting on them would only fail)."""
